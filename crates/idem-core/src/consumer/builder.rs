@@ -1,0 +1,211 @@
+//! Consumer configuration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Consumer;
+use crate::extract::{KeyExtractor, MessageId};
+use crate::retention::{RetentionTooShort, RetentionWindow};
+use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, DedupStore, FingerprintSpec, KeyError};
+
+/// What to do with a message that carries no key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKeyPolicy {
+    /// Fail it permanently (dead-letter). The default: a message that cannot be deduplicated is
+    /// an error of the producer.
+    #[default]
+    Reject,
+    /// Run the handler without deduplication and count it in `idem_missing_key_total`.
+    ProcessWithoutDedup,
+}
+
+/// What to do when a claim takes over a lease that ran out (a consumer crashed or stalled
+/// mid-effect, so the effect may or may not have happened).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ExpiredLeasePolicy {
+    /// Run the handler again with the next attempt number and the same downstream idempotency
+    /// key, so an external callee deduplicates the repeated call. The default.
+    #[default]
+    Rerun,
+    /// Park the key as in doubt, fail the delivery permanently and let an operator decide.
+    Park,
+}
+
+/// Invalid consumer configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// No scope was set.
+    #[error("consumer scope is not set: call `.scope(\"<consumer name>\")`")]
+    MissingScope,
+    /// The scope is not a valid key scope.
+    #[error("consumer scope is invalid")]
+    InvalidScope(#[source] KeyError),
+    /// A duration must be positive.
+    #[error("{field} must be longer than zero")]
+    ZeroDuration {
+        /// The setting (`"lease"`, `"retain"`).
+        field: &'static str,
+    },
+    /// Retention shorter than the broker's redelivery window.
+    #[error(transparent)]
+    Retention(#[from] RetentionTooShort),
+}
+
+pub(crate) struct Config {
+    pub(crate) scope: String,
+    pub(crate) lease: Duration,
+    pub(crate) retain: Duration,
+    pub(crate) heartbeat: Option<Duration>,
+    pub(crate) extractor: Box<dyn KeyExtractor>,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) missing_key: MissingKeyPolicy,
+    pub(crate) expired_lease: ExpiredLeasePolicy,
+    pub(crate) max_key_bytes: usize,
+    pub(crate) max_result_bytes: usize,
+}
+
+/// Builds a [`Consumer`]. Only the scope is required.
+///
+/// Defaults: lease 30 s, retention 7 days, key from the producer's message id, fingerprint of
+/// the canonical JSON payload (raw bytes if it is not JSON), reject messages without a key, rerun
+/// after an expired lease, keys up to 512 bytes, stored results up to 64 KiB.
+#[must_use]
+pub struct ConsumerBuilder<S> {
+    store: S,
+    scope: Option<String>,
+    lease: Duration,
+    retain: Duration,
+    window: Option<RetentionWindow>,
+    heartbeat: Option<Duration>,
+    extractor: Box<dyn KeyExtractor>,
+    fingerprint: FingerprintSpec,
+    missing_key: MissingKeyPolicy,
+    expired_lease: ExpiredLeasePolicy,
+    max_key_bytes: usize,
+    max_result_bytes: usize,
+}
+
+impl<S: DedupStore> ConsumerBuilder<S> {
+    pub(crate) fn new(store: S) -> Self {
+        Self {
+            store,
+            scope: None,
+            lease: Duration::from_secs(30),
+            retain: Duration::from_secs(7 * 86_400),
+            window: None,
+            heartbeat: None,
+            extractor: Box::new(MessageId),
+            fingerprint: FingerprintSpec::default(),
+            missing_key: MissingKeyPolicy::default(),
+            expired_lease: ExpiredLeasePolicy::default(),
+            max_key_bytes: DEFAULT_MAX_KEY_BYTES,
+            max_result_bytes: 64 * 1024,
+        }
+    }
+
+    /// The consumer's identity (a consumer group, a handler name). Required.
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// How long a claim holds a key before another delivery may take it over. Make it longer
+    /// than the slowest handler, or set a [`heartbeat`](Self::heartbeat).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long completed records are kept. Must outlast the broker's redelivery window.
+    pub fn retain(mut self, retain: Duration) -> Self {
+        self.retain = retain;
+        self
+    }
+
+    /// Checks at build time that the retention covers this redelivery window.
+    pub fn retention_window(mut self, window: RetentionWindow) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// Extends the lease every `interval` while the handler runs (for long handlers). A handler
+    /// that hangs then holds the key for as long as it hangs.
+    pub fn heartbeat(mut self, interval: Duration) -> Self {
+        self.heartbeat = Some(interval);
+        self
+    }
+
+    /// Where the key comes from (default: the producer's message id).
+    pub fn key(mut self, extractor: impl KeyExtractor) -> Self {
+        self.extractor = Box::new(extractor);
+        self
+    }
+
+    /// How payloads are fingerprinted.
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.fingerprint = spec;
+        self
+    }
+
+    /// What to do with messages that carry no key.
+    pub fn missing_key(mut self, policy: MissingKeyPolicy) -> Self {
+        self.missing_key = policy;
+        self
+    }
+
+    /// What to do when a claim takes over an expired lease.
+    pub fn on_expired_lease(mut self, policy: ExpiredLeasePolicy) -> Self {
+        self.expired_lease = policy;
+        self
+    }
+
+    /// Longest key id accepted, in bytes.
+    pub fn max_key_bytes(mut self, limit: usize) -> Self {
+        self.max_key_bytes = limit;
+        self
+    }
+
+    /// Largest serialized result stored for duplicates; a larger one is not stored (the
+    /// duplicate then carries no result) and a warning is logged.
+    pub fn max_result_bytes(mut self, limit: usize) -> Self {
+        self.max_result_bytes = limit;
+        self
+    }
+
+    /// Validates the configuration.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the bad setting.
+    pub fn build(self) -> Result<Consumer<S>, ConfigError> {
+        let scope = self.scope.ok_or(ConfigError::MissingScope)?;
+        DedupKey::with_limit(scope.clone(), "x", DEFAULT_MAX_KEY_BYTES)
+            .map_err(ConfigError::InvalidScope)?;
+        if self.lease.is_zero() {
+            return Err(ConfigError::ZeroDuration { field: "lease" });
+        }
+        if self.retain.is_zero() {
+            return Err(ConfigError::ZeroDuration { field: "retain" });
+        }
+        if let Some(w) = self.window {
+            w.check(self.retain)?;
+        }
+        Ok(Consumer {
+            store: self.store,
+            cfg: Arc::new(Config {
+                scope,
+                lease: self.lease,
+                retain: self.retain,
+                heartbeat: self.heartbeat,
+                extractor: self.extractor,
+                fingerprint: self.fingerprint,
+                missing_key: self.missing_key,
+                expired_lease: self.expired_lease,
+                max_key_bytes: self.max_key_bytes,
+                max_result_bytes: self.max_result_bytes,
+            }),
+        })
+    }
+}

@@ -1,0 +1,42 @@
+//! What a handler is told about the delivery it runs for.
+
+use crate::DedupKey;
+
+/// Per-delivery context handed to a handler.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub(crate) key: Option<DedupKey>,
+    pub(crate) downstream_key: Option<String>,
+    pub(crate) attempt: u32,
+    pub(crate) token: u64,
+    pub(crate) took_over: bool,
+}
+
+impl Context {
+    /// The dedup key; `None` when the message had none and the policy processes it anyway.
+    pub fn key(&self) -> Option<&DedupKey> {
+        self.key.as_ref()
+    }
+
+    /// An idempotency key for calls to other services (a payment API), derived from the dedup key:
+    /// the same on every attempt and redelivery, so the callee deduplicates a repeated call.
+    pub fn downstream_key(&self) -> Option<&str> {
+        self.downstream_key.as_deref()
+    }
+
+    /// 1 on the first claim; more when an earlier attempt failed, was released or crashed.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The lease's fencing token (pass it to systems that can reject stale writers).
+    pub fn fencing_token(&self) -> u64 {
+        self.token
+    }
+
+    /// Whether an earlier attempt's lease ran out: its effect may have happened, so external
+    /// calls must carry [`Context::downstream_key`].
+    pub fn took_over_expired(&self) -> bool {
+        self.took_over
+    }
+}

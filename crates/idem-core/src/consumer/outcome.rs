@@ -1,0 +1,194 @@
+//! What became of a delivery.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::extract::ExtractError;
+use crate::{DedupKey, Fingerprint, KeyError, RecordState, StoreError};
+
+/// How every delivery ends: exactly one of these.
+#[derive(Debug)]
+#[non_exhaustive]
+#[must_use = "an outcome decides whether the message is acked, retried or dead-lettered"]
+pub enum Outcome<T, E> {
+    /// The handler ran and its completion is recorded: ack.
+    Processed(T),
+    /// Already done: ack without running the handler. Carries the stored result, if one was
+    /// stored (inbox markers and oversized results carry none).
+    Duplicate(Option<T>),
+    /// Same key, different payload: dead-letter and alert, never drop silently.
+    Conflict(Box<Conflict>),
+    /// Another consumer holds a live lease: do not ack now; let the message come back after
+    /// `retry_after`.
+    InProgressElsewhere {
+        /// Time left on the other consumer's lease.
+        retry_after: Duration,
+    },
+    /// The delivery failed; [`Failure::kind`] says whether to retry or dead-letter.
+    Failed(Failure<E>),
+}
+
+/// Details of a conflicting reuse of a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Conflict {
+    /// The reused key.
+    pub key: DedupKey,
+    /// Fingerprint stored by the first message with this key.
+    pub stored: Option<Fingerprint>,
+    /// Fingerprint of this delivery.
+    pub incoming: Option<Fingerprint>,
+    /// State of the stored record.
+    pub stored_state: RecordState,
+}
+
+impl fmt::Display for Conflict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let short = |fp: Option<Fingerprint>| {
+            fp.map_or_else(|| "none".to_owned(), |f| f.to_string()[..16].to_owned())
+        };
+        write!(
+            f,
+            "key {} reused with a different payload (stored fingerprint {}…, {}; this one {}…)",
+            self.key,
+            short(self.stored),
+            self.stored_state,
+            short(self.incoming)
+        )
+    }
+}
+
+/// Whether retrying can help.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Release the claim and let the broker redeliver.
+    Transient,
+    /// Dead-letter the message; the record is kept as failed.
+    Permanent,
+}
+
+/// A failed delivery: its kind and its cause, keeping the handler's own error type.
+#[derive(Debug)]
+pub struct Failure<E> {
+    /// Retry or dead-letter.
+    pub kind: FailureKind,
+    /// What went wrong.
+    pub cause: Cause<E>,
+}
+
+/// What made a delivery fail.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Cause<E> {
+    /// The handler's error.
+    Handler(E),
+    /// The message carries no key and the policy is to reject such messages.
+    MissingKey(ExtractError),
+    /// The key found is malformed (empty, too long, NUL).
+    InvalidKey(KeyError),
+    /// The key could not be read (wrong type, not JSON).
+    Extract(ExtractError),
+    /// The fingerprint needs a JSON payload and this one is not JSON.
+    Payload(serde_json::Error),
+    /// An earlier attempt's lease ran out and the consumer parks such messages (the effect may
+    /// have happened); an operator must release the key to run it again.
+    InDoubt {
+        /// The attempt that found the expired lease.
+        attempt: u32,
+    },
+    /// The store failed. When this follows a successful handler, the effect happened but its
+    /// completion was not recorded: the next delivery runs the handler again with the same
+    /// downstream idempotency key.
+    Store(StoreError),
+    /// The stored result does not decode as this handler's result type.
+    Decode(serde_json::Error),
+}
+
+impl<E: fmt::Display> fmt::Display for Cause<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Handler(e) => write!(f, "handler failed: {e}"),
+            Self::MissingKey(e) => write!(f, "{e}"),
+            Self::InvalidKey(e) => write!(f, "invalid dedup key: {e}"),
+            Self::Extract(e) => write!(f, "{e}"),
+            Self::Payload(e) => write!(f, "payload is not JSON: {e}"),
+            Self::InDoubt { attempt } => write!(
+                f,
+                "in doubt: the lease of an earlier attempt ran out (found at attempt {attempt}); \
+                 the effect may have happened, so the message is parked until an operator releases it"
+            ),
+            Self::Store(e) => {
+                write!(f, "{e}")?;
+                let mut src = std::error::Error::source(e);
+                while let Some(s) = src {
+                    write!(f, ": {s}")?;
+                    src = s.source();
+                }
+                Ok(())
+            }
+            Self::Decode(e) => write!(f, "stored result does not decode: {e}"),
+        }
+    }
+}
+
+/// What a broker adapter should do with the delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Disposition {
+    /// Acknowledge: the effect is committed (or was already).
+    Ack,
+    /// Do not ack; redeliver, after `after` if given.
+    Retry {
+        /// Suggested delay.
+        after: Option<Duration>,
+    },
+    /// Send to the dead-letter queue with this reason, then ack the original.
+    DeadLetter {
+        /// Why, for the dead-letter headers.
+        reason: String,
+    },
+}
+
+impl<T, E: fmt::Display> Outcome<T, E> {
+    /// The broker verb this outcome calls for.
+    pub fn disposition(&self) -> Disposition {
+        match self {
+            Self::Processed(_) | Self::Duplicate(_) => Disposition::Ack,
+            Self::Conflict(c) => Disposition::DeadLetter { reason: format!("conflict: {c}") },
+            Self::InProgressElsewhere { retry_after } => {
+                Disposition::Retry { after: Some(*retry_after) }
+            }
+            Self::Failed(f) => match f.kind {
+                FailureKind::Transient => Disposition::Retry { after: None },
+                FailureKind::Permanent => Disposition::DeadLetter { reason: f.cause.to_string() },
+            },
+        }
+    }
+}
+
+impl<T, E> Outcome<T, E> {
+    /// A short label for logs and metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Processed(_) => "processed",
+            Self::Duplicate(_) => "duplicate",
+            Self::Conflict(_) => "conflict",
+            Self::InProgressElsewhere { .. } => "in_progress_elsewhere",
+            Self::Failed(Failure { kind: FailureKind::Transient, .. }) => "failed_transient",
+            Self::Failed(Failure { kind: FailureKind::Permanent, .. }) => "failed_permanent",
+        }
+    }
+
+    pub(crate) fn failed(kind: FailureKind, cause: Cause<E>) -> Self {
+        Self::Failed(Failure { kind, cause })
+    }
+}
+
+/// A handler's error, classified: a transient one releases the claim for a retry, a permanent one
+/// dead-letters the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandlerError<E> {
+    /// Retrying may help (a timeout, a 503).
+    Transient(E),
+    /// Retrying will not help (a validation error).
+    Permanent(E),
+}

@@ -1,0 +1,266 @@
+//! Payload fingerprints: same key with a different fingerprint is a conflict, never a duplicate.
+
+use std::fmt;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// SHA-256 of a message's canonical content.
+///
+/// ```
+/// use idem_core::Fingerprint;
+///
+/// let a = Fingerprint::of_json_bytes(br#"{"a":1,"b":[2]}"#)?;
+/// let b = Fingerprint::of_json_bytes(br#"{ "b":[2], "a":1.0 }"#)?;
+/// assert_eq!(a, b);
+/// assert_ne!(a, Fingerprint::of_json_bytes(br#"{"a":1,"b":[3]}"#)?);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// Hash of raw bytes, for payloads that are not JSON.
+    pub fn of_bytes(bytes: &[u8]) -> Self {
+        Self(Sha256::digest(bytes).into())
+    }
+
+    /// Hash of the canonical form of a JSON value (see [`canonical_json`]).
+    pub fn of_json(value: &Value) -> Self {
+        Self::of_bytes(canonical_json(value).as_bytes())
+    }
+
+    /// Parses JSON bytes, then hashes their canonical form.
+    ///
+    /// # Errors
+    /// The parse error when `bytes` is not JSON.
+    pub fn of_json_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        Ok(Self::of_json(&serde_json::from_slice(bytes)?))
+    }
+
+    /// Hash of chosen fields only (RFC 6901 JSON pointers), for payloads that carry volatile fields
+    /// such as a send timestamp. A pointer that matches nothing counts as `null`, so adding the
+    /// field later changes the fingerprint.
+    pub fn of_json_pointers<S: AsRef<str>>(value: &Value, pointers: &[S]) -> Self {
+        let mut h = Sha256::new();
+        for p in pointers {
+            let p = p.as_ref();
+            let part = canonical_json(value.pointer(p).unwrap_or(&Value::Null));
+            for field in [p, part.as_str()] {
+                h.update((field.len() as u64).to_be_bytes());
+                h.update(field.as_bytes());
+            }
+        }
+        Self(h.finalize().into())
+    }
+
+    /// Rebuilds a fingerprint read back from a store.
+    ///
+    /// # Errors
+    /// Returns the length found when `bytes` is not 32 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, usize> {
+        <[u8; 32]>::try_from(bytes).map(Self).map_err(|_| bytes.len())
+    }
+
+    /// The raw bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex::encode(&self.0[..8]))
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+/// How a consumer fingerprints a payload.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FingerprintSpec {
+    /// Canonical JSON when the payload parses as JSON, raw bytes otherwise (the default).
+    #[default]
+    Auto,
+    /// Canonical JSON; a payload that is not JSON is a permanent failure.
+    CanonicalJson,
+    /// The raw bytes as received.
+    Bytes,
+    /// Only these JSON pointers of a JSON payload.
+    JsonPointers(Vec<String>),
+    /// No fingerprint: a reused key is always treated as a duplicate. Use only when the producer
+    /// guarantees a key is never reused for other content.
+    None,
+}
+
+impl FingerprintSpec {
+    /// Fingerprints `payload`.
+    ///
+    /// # Errors
+    /// The parse error when the spec needs JSON and the payload is not JSON.
+    pub fn fingerprint(&self, payload: &[u8]) -> Result<Option<Fingerprint>, serde_json::Error> {
+        Ok(match self {
+            Self::Auto => Some(
+                Fingerprint::of_json_bytes(payload)
+                    .unwrap_or_else(|_| Fingerprint::of_bytes(payload)),
+            ),
+            Self::CanonicalJson => Some(Fingerprint::of_json_bytes(payload)?),
+            Self::Bytes => Some(Fingerprint::of_bytes(payload)),
+            Self::JsonPointers(ptrs) => {
+                Some(Fingerprint::of_json_pointers(&serde_json::from_slice(payload)?, ptrs))
+            }
+            Self::None => None,
+        })
+    }
+}
+
+/// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units,
+/// no insignificant whitespace, minimal string escapes, and one form per number — an integral
+/// value within ±2^53 prints as an integer (`1.0`, `1e0` and `1` are equal), other floats in
+/// their shortest round-trip form.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => write_number(n, out),
+        Value::String(s) => write_string(s, out),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            out.push('{');
+            for (i, (k, v)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_string(k, out);
+                out.push(':');
+                write_canonical(v, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+const MAX_SAFE_INTEGER: f64 = 9_007_199_254_740_992.0; // 2^53
+
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    use std::fmt::Write;
+    if let Some(i) = n.as_i64() {
+        let _ = write!(out, "{i}");
+    } else if let Some(u) = n.as_u64() {
+        let _ = write!(out, "{u}");
+    } else if let Some(f) = n.as_f64() {
+        if f == 0.0 {
+            out.push('0'); // -0 and 0 are one number
+        } else if f.fract() == 0.0 && f.abs() < MAX_SAFE_INTEGER {
+            #[allow(clippy::cast_possible_truncation)] // integral and below 2^53: exact
+            let i = f as i64;
+            let _ = write!(out, "{i}");
+        } else {
+            let _ = write!(out, "{f}");
+        }
+    }
+}
+
+fn write_string(s: &str, out: &mut String) {
+    // serde_json escapes exactly `"`, `\` and control characters, with the short forms
+    // (\n, \t, …) and lowercase \u00xx otherwise: the escaping JCS prescribes.
+    out.push_str(&Value::String(s.to_owned()).to_string());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fp(s: &str) -> Fingerprint {
+        Fingerprint::of_json_bytes(s.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        assert_eq!(fp(r#"{"a":1,"b":[2]}"#), fp("{ \"b\" : [ 2 ],\n \"a\":1 }"));
+        assert_eq!(
+            canonical_json(&json!({"b": {"d": 1, "c": 2}, "a": null})),
+            r#"{"a":null,"b":{"c":2,"d":1}}"#
+        );
+    }
+
+    #[test]
+    fn one_number_form() {
+        assert_eq!(fp(r#"{"a":1}"#), fp(r#"{"a":1.0}"#));
+        assert_eq!(fp(r#"{"a":1}"#), fp(r#"{"a":1e0}"#));
+        assert_eq!(fp(r#"{"a":0}"#), fp(r#"{"a":-0.0}"#));
+        assert_ne!(fp(r#"{"a":1}"#), fp(r#"{"a":1.5}"#));
+        assert_eq!(canonical_json(&json!(1.5)), "1.5");
+    }
+
+    #[test]
+    fn any_changed_value_differs() {
+        let base = fp(r#"{"a":1,"b":[2],"c":"x"}"#);
+        for other in [
+            r#"{"a":2,"b":[2],"c":"x"}"#,
+            r#"{"a":1,"b":[2,2],"c":"x"}"#,
+            r#"{"a":1,"b":[2],"c":"y"}"#,
+            r#"{"a":1,"b":[2],"c":"x","d":null}"#,
+            r#"{"a":"1","b":[2],"c":"x"}"#,
+        ] {
+            assert_ne!(base, fp(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn keys_sort_by_utf16() {
+        // U+E000 sorts after U+1F600 in UTF-8 but before it in UTF-16 (surrogates are 0xD8xx).
+        let v = json!({"\u{1F600}": 1, "\u{E000}": 2});
+        assert_eq!(canonical_json(&v), "{\"\u{1F600}\":1,\"\u{E000}\":2}");
+    }
+
+    #[test]
+    fn pointers_select_fields() {
+        let a = json!({"order": {"id": 7, "total": 10}, "sent_at": "t1"});
+        let b = json!({"order": {"id": 7, "total": 10}, "sent_at": "t2"});
+        let c = json!({"order": {"id": 7, "total": 11}, "sent_at": "t1"});
+        let ptrs = ["/order"];
+        assert_eq!(
+            Fingerprint::of_json_pointers(&a, &ptrs),
+            Fingerprint::of_json_pointers(&b, &ptrs)
+        );
+        assert_ne!(
+            Fingerprint::of_json_pointers(&a, &ptrs),
+            Fingerprint::of_json_pointers(&c, &ptrs)
+        );
+    }
+
+    #[test]
+    fn auto_falls_back_to_bytes() {
+        let spec = FingerprintSpec::Auto;
+        assert_eq!(
+            spec.fingerprint(b"not json").unwrap(),
+            Some(Fingerprint::of_bytes(b"not json"))
+        );
+        assert!(FingerprintSpec::CanonicalJson.fingerprint(b"not json").is_err());
+        assert_eq!(FingerprintSpec::None.fingerprint(b"x").unwrap(), None);
+    }
+}

@@ -1,0 +1,35 @@
+//! Core of **idem**: at-least-once delivery in, exactly-once effects out.
+//!
+//! - [`DedupKey`] and [`extract`]: the stable identity of a message within a consumer's scope.
+//! - [`Fingerprint`]: same key with different content is a conflict, never a duplicate.
+//! - [`DedupStore`]: the store contract (atomic claims, fenced leases, store clock, retention),
+//!   with [`MemoryStore`] as its reference implementation.
+//! - [`Consumer`]: the engine that turns every delivery into exactly one [`Outcome`].
+//! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
+//!
+//! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
+
+pub mod claim;
+pub mod consumer;
+pub mod extract;
+pub mod fingerprint;
+pub mod ident;
+pub mod key;
+pub mod memory;
+pub mod record;
+pub mod retention;
+pub mod store;
+pub mod time;
+pub mod version;
+
+pub use claim::{Claim, ClaimRequest, FailKind, Lease};
+pub use consumer::{Consumer, Outcome};
+pub use fingerprint::{Fingerprint, FingerprintSpec};
+pub use ident::{Identifier, IdentifierError};
+pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
+pub use memory::MemoryStore;
+pub use record::{Record, RecordState};
+pub use retention::RetentionWindow;
+pub use store::{Counts, DedupStore, InspectStore, ListFilter, StoreError};
+pub use time::Timestamp;
+pub use version::{Advance, VersionGuard};

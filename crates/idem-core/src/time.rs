@@ -1,0 +1,138 @@
+//! Store time: timestamps and the clocks that embedded stores read.
+//!
+//! Server-backed stores (PostgreSQL, MySQL, Redis) read their server's clock. Embedded stores
+//! (memory, SQLite) live in the consumer's process, so their clock is a [`Clock`] value: the system
+//! clock in production, a [`ManualClock`] or [`TokioClock`] in tests.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Microseconds since the Unix epoch, as measured by a store's clock.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Timestamp(i64);
+
+impl Timestamp {
+    /// From microseconds since the Unix epoch.
+    pub const fn from_micros(micros: i64) -> Self {
+        Self(micros)
+    }
+
+    /// Microseconds since the Unix epoch.
+    pub const fn as_micros(self) -> i64 {
+        self.0
+    }
+
+    /// This instant plus `d` (saturating).
+    #[must_use]
+    pub fn plus(self, d: Duration) -> Self {
+        Self(self.0.saturating_add(duration_micros(d)))
+    }
+
+    /// Time from `earlier` to `self`, zero if `earlier` is later.
+    pub fn since(self, earlier: Timestamp) -> Duration {
+        Duration::from_micros(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
+    }
+
+    /// As a [`SystemTime`].
+    pub fn to_system_time(self) -> SystemTime {
+        match u64::try_from(self.0) {
+            Ok(us) => UNIX_EPOCH + Duration::from_micros(us),
+            Err(_) => UNIX_EPOCH - Duration::from_micros(self.0.unsigned_abs()),
+        }
+    }
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Timestamp({}µs)", self.0)
+    }
+}
+
+/// Whole microseconds of `d`, saturating at `i64::MAX`.
+pub fn duration_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// A source of store time.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The operating system's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        Timestamp(duration_micros(d))
+    }
+}
+
+/// A clock that moves only when told to: deterministic lease tests with no sleeps.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::time::{Clock, ManualClock};
+///
+/// let clock = ManualClock::new();
+/// let t0 = clock.now();
+/// clock.advance(Duration::from_secs(5));
+/// assert_eq!(clock.now().since(t0), Duration::from_secs(5));
+/// ```
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<AtomicI64>);
+
+impl ManualClock {
+    /// Starts at the current system time (so records look plausible when inspected).
+    pub fn new() -> Self {
+        Self(Arc::new(AtomicI64::new(SystemClock.now().as_micros())))
+    }
+
+    /// Moves time forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        self.0.fetch_add(duration_micros(d), Ordering::SeqCst);
+    }
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.load(Ordering::SeqCst))
+    }
+}
+
+/// System time at creation plus tokio's monotonic time since: follows
+/// `#[tokio::test(start_paused = true)]` and `tokio::time::advance`.
+#[derive(Debug, Clone)]
+pub struct TokioClock {
+    base: Timestamp,
+    start: tokio::time::Instant,
+}
+
+impl TokioClock {
+    /// Must be created inside a tokio runtime when time is paused.
+    pub fn new() -> Self {
+        Self { base: SystemClock.now(), start: tokio::time::Instant::now() }
+    }
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Timestamp {
+        self.base.plus(self.start.elapsed())
+    }
+}

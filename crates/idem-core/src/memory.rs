@@ -286,14 +286,14 @@ impl VersionGuard for MemoryStore {
                 let current = *e.get();
                 if version > current {
                     e.insert(version);
-                    Advance::Applied { previous: Some(current) }
+                    Advance::Applied
                 } else {
                     Advance::Stale { current }
                 }
             }
             std::collections::hash_map::Entry::Vacant(e) => {
                 e.insert(version);
-                Advance::Applied { previous: None }
+                Advance::Applied
             }
         })
     }

@@ -9,10 +9,7 @@ use crate::{DedupKey, StoreError};
 #[must_use]
 pub enum Advance {
     /// The version is newer than any seen: apply the message.
-    Applied {
-        /// The version seen before, if any.
-        previous: Option<i64>,
-    },
+    Applied,
     /// The version is not newer than the one already applied: skip (ack) the message.
     Stale {
         /// The highest version applied so far.
@@ -23,7 +20,7 @@ pub enum Advance {
 impl Advance {
     /// Whether the message should be applied.
     pub fn is_applied(self) -> bool {
-        matches!(self, Self::Applied { .. })
+        matches!(self, Self::Applied)
     }
 }
 

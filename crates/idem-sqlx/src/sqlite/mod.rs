@@ -1,0 +1,513 @@
+//! SQLite: the embedded default store (no server) and its transactional inbox.
+
+mod inbox;
+mod sql;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::claim::next_token;
+use idem_core::time::{Clock, SystemClock};
+use idem_core::{
+    Advance, Claim, ClaimRequest, Counts, DedupKey, DedupStore, FailKind, Identifier,
+    IdentifierError, InspectStore, Lease, ListFilter, Record, RecordState, StoreError, Timestamp,
+    VersionGuard,
+};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, Row};
+
+pub use inbox::{SqliteInbox, Writes};
+
+use crate::row::{RawRecord, i64_of};
+use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
+use sql::Sql;
+
+/// The embedded store: one SQLite file, no server.
+///
+/// Claims are single `INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING` statements, so SQLite's
+/// write lock arbitrates every race. The store's clock is a [`Clock`] in this process (the
+/// system clock by default): every process sharing the file runs on the same host and reads the
+/// same clock.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore};
+/// use idem_sqlx::SqliteStore;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = tempfile::tempdir()?;
+/// let store = SqliteStore::open(dir.path().join("idem.sqlite")).await?;
+/// let req = ClaimRequest::new(DedupKey::new("orders", "o-1")?, None,
+///                             Duration::from_secs(30), Duration::from_secs(86_400));
+/// let Claim::Acquired(lease) = store.claim(&req).await? else { unreachable!() };
+/// store.complete(lease, Some(b"ok"), Duration::from_secs(86_400)).await?;
+/// assert!(matches!(store.claim(&req).await?, Claim::Completed(_)));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    table: Identifier,
+    sql: Arc<Sql>,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore").field("table", &self.table).finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) a database file with durable defaults — WAL journal,
+    /// `synchronous = FULL`, a 5 s busy timeout — and creates the table if missing.
+    ///
+    /// The pool has one connection: SQLite has one writer at a time, and queueing in the pool
+    /// is fairer and faster than many connections sleeping in SQLite's busy handler.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when the file cannot be opened or the schema created.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(5));
+        Self::open_with(opts).await
+    }
+
+    /// Opens with your own connection options (for example `synchronous = NORMAL`, which in WAL
+    /// mode survives a process crash but may lose the last commits on power loss).
+    ///
+    /// # Errors
+    /// As [`SqliteStore::open`].
+    pub async fn open_with(opts: SqliteConnectOptions) -> Result<Self, StoreError> {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(opts)
+            .await
+            .map_err(|e| backend("open", e))?;
+        let store = Self::new(pool);
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Wraps an existing pool, with the default table name. Call [`SqliteStore::migrate`]
+    /// unless your own migrations create the table.
+    pub fn new(pool: SqlitePool) -> Self {
+        let table = Identifier::new("table name", DEFAULT_TABLE).expect("default name is valid");
+        Self { sql: Arc::new(Sql::new(&table)), pool, table, clock: Arc::new(SystemClock) }
+    }
+
+    /// Uses another table (letters, digits, `_`; at most 63 bytes).
+    ///
+    /// # Errors
+    /// [`IdentifierError`] naming the problem.
+    pub fn with_table_name(mut self, name: &str) -> Result<Self, IdentifierError> {
+        self.table = Identifier::new("table name", name)?;
+        self.sql = Arc::new(Sql::new(&self.table));
+        Ok(self)
+    }
+
+    /// Reads time from `clock` (tests use a `ManualClock`).
+    #[must_use]
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Creates the tables and indexes if they do not exist (idempotent).
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        for stmt in &self.sql.ddl {
+            sqlx::query(AssertSqlSafe(stmt.as_str()))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| backend("migrate", e))?;
+        }
+        Ok(())
+    }
+
+    /// The DDL [`SqliteStore::migrate`] runs, for users who own their migrations.
+    pub fn schema(&self) -> String {
+        self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    /// A transactional inbox over the same table, keeping markers for `retain_for`.
+    pub fn inbox(&self, retain_for: Duration) -> SqliteInbox {
+        SqliteInbox::new(self.clone(), retain_for)
+    }
+
+    fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+
+    /// The claim upsert on one connection; `None` when the claim lost.
+    async fn try_acquire(
+        &self,
+        conn: &mut SqliteConnection,
+        req: &ClaimRequest,
+        now: Timestamp,
+    ) -> Result<Option<Lease>, StoreError> {
+        let hash = req.key.hash();
+        let until = now.plus(req.lease_for);
+        let keep = now.plus(req.retain_for.max(req.lease_for));
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
+            .bind(&hash.0[..])
+            .bind(req.key.scope())
+            .bind(req.key.id())
+            .bind(req.fingerprint.as_ref().map(|f| &f.0[..]))
+            .bind(now.as_micros())
+            .bind(until.as_micros())
+            .bind(keep.as_micros())
+            .bind(i64_of(next_token(None, now), "token")?)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("claim", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let get = |e| backend("claim", e);
+        let attempt: i64 = row.try_get(0).map_err(get)?;
+        let token: i64 = row.try_get(1).map_err(get)?;
+        let prev: Option<i64> = row.try_get(2).map_err(get)?;
+        let fp: Option<Vec<u8>> = row.try_get(3).map_err(get)?;
+        let corrupt = |what: String| StoreError::Corrupt { what };
+        Ok(Some(Lease::new(
+            req.key.clone(),
+            fp.map(|f| idem_core::Fingerprint::from_slice(&f))
+                .transpose()
+                .map_err(|n| corrupt(format!("fingerprint of {n} bytes")))?,
+            u64::try_from(token).map_err(|_| corrupt(format!("token {token}")))?,
+            u32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))?,
+            until,
+            prev.map(|c| RecordState::from_code(c).ok_or_else(|| corrupt(format!("state {c}"))))
+                .transpose()?,
+        )))
+    }
+
+    /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
+    async fn claim_on(
+        &self,
+        conn: &mut SqliteConnection,
+        req: &ClaimRequest,
+    ) -> Result<Claim, StoreError> {
+        // The read after a lost upsert may race a change (the holder completed, released, or a
+        // purge ran); when the row it finds is claimable again, or gone, try the write again.
+        for _ in 0..8 {
+            let now = self.now();
+            if let Some(lease) = self.try_acquire(conn, req, now).await? {
+                return Ok(Claim::Acquired(lease));
+            }
+            let Some(rec) = self.fetch(conn, &req.key).await? else { continue };
+            match classify_loser(rec, req.fingerprint, now) {
+                Some(Loser::Done(rec)) => return Ok(Claim::Completed(rec)),
+                Some(Loser::Conflict(rec)) => return Ok(Claim::Conflict(rec)),
+                Some(Loser::Leased(rec)) => {
+                    return Ok(Claim::InProgress {
+                        retry_after: rec.lease_until.unwrap_or(now).since(now),
+                        attempt: rec.attempt,
+                    });
+                }
+                None => {}
+            }
+        }
+        Err(StoreError::backend(
+            "claim",
+            true,
+            "record kept changing under the claim (8 tries); try again",
+        ))
+    }
+
+    async fn fetch(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &DedupKey,
+    ) -> Result<Option<Record>, StoreError> {
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.select)))
+            .bind(&key.hash().0[..])
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("get", e))?
+            .map(|r| decode_row(&r))
+            .transpose()
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        state: RecordState,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        let len = result.map_or(0, <[u8]>::len);
+        if len > MAX_RESULT_BYTES {
+            return Err(StoreError::TooLarge { field: "result", len, limit: MAX_RESULT_BYTES });
+        }
+        let now = self.now();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.finish)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(i64::from(state.code()))
+            .bind(result)
+            .bind(now.as_micros())
+            .bind(now.plus(retain_for).as_micros())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("complete", e))?;
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Raises `entity`'s version inside the caller's transaction (apply the state and the version
+    /// in one commit). See [`VersionGuard`].
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub async fn advance_in(
+        &self,
+        conn: &mut SqliteConnection,
+        entity: &DedupKey,
+        version: i64,
+    ) -> Result<Advance, StoreError> {
+        let hash = entity.hash();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.advance)))
+            .bind(&hash.0[..])
+            .bind(entity.scope())
+            .bind(entity.id())
+            .bind(version)
+            .bind(self.now().as_micros())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| backend("advance", e))?;
+        if done.rows_affected() == 1 {
+            return Ok(Advance::Applied);
+        }
+        let current: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.version_of)))
+            .bind(&hash.0[..])
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| backend("advance", e))?;
+        Ok(Advance::Stale { current })
+    }
+}
+
+/// Why a claim or mark that did not write lost.
+pub(crate) enum Loser {
+    /// Completed or parked in doubt.
+    Done(Record),
+    /// Stored with another fingerprint.
+    Conflict(Record),
+    /// Under a live lease.
+    Leased(Record),
+}
+
+/// Classifies the record a lost write found; `None` when it is claimable again (retry).
+pub(crate) fn classify_loser(
+    rec: Record,
+    fingerprint: Option<idem_core::Fingerprint>,
+    now: Timestamp,
+) -> Option<Loser> {
+    if rec.is_expired_at(now) {
+        return None;
+    }
+    if let (Some(stored), Some(asked)) = (rec.fingerprint, fingerprint)
+        && stored != asked
+    {
+        return Some(Loser::Conflict(rec));
+    }
+    match rec.state {
+        RecordState::Completed | RecordState::InDoubt => Some(Loser::Done(rec)),
+        RecordState::InProgress if rec.is_leased_at(now) => Some(Loser::Leased(rec)),
+        _ => None,
+    }
+}
+
+fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
+    if rows == 1 { Ok(()) } else { Err(StoreError::LeaseLost { key: lease.key().to_string() }) }
+}
+
+pub(crate) fn decode_row(row: &SqliteRow) -> Result<Record, StoreError> {
+    let raw = (|| -> Result<RawRecord, sqlx::Error> {
+        Ok(RawRecord {
+            key_hash: row.try_get(0)?,
+            scope: row.try_get(1)?,
+            key_id: row.try_get(2)?,
+            state: row.try_get(3)?,
+            fingerprint: row.try_get(4)?,
+            result: row.try_get(5)?,
+            attempt: row.try_get(6)?,
+            token: row.try_get(7)?,
+            prev_state: row.try_get(8)?,
+            created_at: row.try_get(9)?,
+            updated_at: row.try_get(10)?,
+            lease_until: row.try_get(11)?,
+            expires_at: row.try_get(12)?,
+        })
+    })()
+    .map_err(|e| backend("decode", e))?;
+    raw.decode()
+}
+
+/// Classifies a driver error: busy/locked databases, pool timeouts and I/O are retryable.
+pub(crate) fn backend(op: &'static str, e: sqlx::Error) -> StoreError {
+    let retryable = match &e {
+        sqlx::Error::Database(db) => {
+            // SQLITE_BUSY (5), SQLITE_LOCKED (6) and their extended codes (x + 256·n).
+            db.code().and_then(|c| c.parse::<i64>().ok()).is_some_and(|c| matches!(c & 0xff, 5 | 6))
+        }
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    };
+    StoreError::backend(op, retryable, e)
+}
+
+impl DedupStore for SqliteStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
+        self.claim_on(&mut conn, req).await
+    }
+
+    async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One transaction, one commit (one fsync) for the whole batch.
+        let mut tx =
+            self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| backend("claim_many", e))?;
+        let mut out = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            out.push(self.claim_on(&mut tx, req).await?);
+        }
+        tx.commit().await.map_err(|e| backend("claim_many", e))?;
+        Ok(out)
+    }
+
+    async fn complete(
+        &self,
+        lease: Lease,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, RecordState::Completed, result, retain_for).await
+    }
+
+    async fn fail(
+        &self,
+        lease: Lease,
+        kind: FailKind,
+        reason: &str,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, kind.state(), Some(reason.as_bytes()), retain_for).await
+    }
+
+    async fn release(&self, lease: Lease) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(self.now().as_micros())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("release", e))?;
+        fenced(done.rows_affected(), &lease)
+    }
+
+    async fn extend(&self, lease: &mut Lease, by: Duration) -> Result<(), StoreError> {
+        let now = self.now();
+        let until = now.plus(by);
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.extend)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(until.as_micros())
+            .bind(now.as_micros())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("extend", e))?;
+        fenced(done.rows_affected(), lease)?;
+        lease.set_until(until);
+        Ok(())
+    }
+
+    async fn purge(&self, limit: usize) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+            .bind(self.now().as_micros())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("purge", e))?;
+        Ok(done.rows_affected())
+    }
+}
+
+impl InspectStore for SqliteStore {
+    async fn get(&self, key: &DedupKey) -> Result<Option<Record>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("get", e))?;
+        self.fetch(&mut conn, key).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
+            .bind(filter.scope.as_deref())
+            .bind(filter.state.map(|s| i64::from(s.code())))
+            .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("list", e))?;
+        rows.iter().map(decode_row).collect()
+    }
+
+    async fn count(&self, scope: Option<&str>) -> Result<Counts, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.count)))
+            .bind(scope)
+            .bind(self.now().as_micros())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("count", e))?;
+        let mut counts = Counts::default();
+        for row in rows {
+            let get = |e| backend("count", e);
+            let code: i64 = row.try_get(0).map_err(get)?;
+            let n: i64 = row.try_get(1).map_err(get)?;
+            let expired: i64 = row.try_get(2).map_err(get)?;
+            let state = RecordState::from_code(code).ok_or_else(|| StoreError::Corrupt {
+                what: format!("unknown state code {code}"),
+            })?;
+            counts.add(state, u64::try_from(n).unwrap_or(0));
+            counts.expired += u64::try_from(expired).unwrap_or(0);
+        }
+        Ok(counts)
+    }
+
+    async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let now = self.now();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.force_release)))
+            .bind(&key.hash().0[..])
+            .bind(i64_of(next_token(None, now), "token")?)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("force_release", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+impl VersionGuard for SqliteStore {
+    async fn advance(&self, entity: &DedupKey, version: i64) -> Result<Advance, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("advance", e))?;
+        self.advance_in(&mut conn, entity, version).await
+    }
+}

@@ -1,0 +1,130 @@
+//! The SQLite statements, built once per table name (a validated identifier).
+
+use std::sync::Arc;
+
+use idem_core::Identifier;
+
+/// Columns in the order every `SELECT` returns them.
+pub(super) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
+     token, prev_state, created_at, updated_at, lease_until, expires_at";
+
+// ?5 is "now" by the store's clock in every statement that has it.
+/// Retention passed and no live lease: the record is gone in all but storage.
+const DEAD: &str = "(expires_at <= ?5 AND NOT (state = 0 AND lease_until > ?5))";
+/// Released, failed, or in progress with a lease that ran out, and no conflicting fingerprint.
+const TAKEOVER: &str = "((state IN (2, 3) OR (state = 0 AND lease_until <= ?5)) \
+     AND (fingerprint IS NULL OR ?4 IS NULL OR fingerprint = ?4))";
+
+pub(super) struct Sql {
+    pub ddl: Vec<String>,
+    pub claim: Arc<str>,
+    pub mark: Arc<str>,
+    pub select: Arc<str>,
+    pub finish: Arc<str>,
+    pub release: Arc<str>,
+    pub extend: Arc<str>,
+    pub purge: Arc<str>,
+    pub force_release: Arc<str>,
+    pub count: Arc<str>,
+    pub list: Arc<str>,
+    pub set_result: Arc<str>,
+    pub advance: Arc<str>,
+    pub version_of: Arc<str>,
+}
+
+impl Sql {
+    pub(super) fn new(table: &Identifier) -> Self {
+        let t = table.as_str();
+        // Upsert for a claim: a new row, or a takeover of a dead or re-claimable one. When the
+        // WHERE is false nothing changes and nothing is returned: the caller lost.
+        // In SQLite's upsert, unqualified columns are the existing row's values before the update.
+        let upsert = |state: u8, lease: &str| {
+            format!(
+                "INSERT INTO {t} ({COLUMNS}) VALUES (?1, ?2, ?3, {state}, ?4, NULL, 1, ?8, NULL, ?5, ?5, {lease}, ?7) \
+                 ON CONFLICT (key_hash) DO UPDATE SET \
+                   attempt = CASE WHEN {DEAD} THEN 1 ELSE attempt + 1 END, \
+                   prev_state = CASE WHEN {DEAD} THEN NULL ELSE state END, \
+                   created_at = CASE WHEN {DEAD} THEN excluded.created_at ELSE created_at END, \
+                   expires_at = CASE WHEN {DEAD} THEN excluded.expires_at ELSE max(expires_at, excluded.expires_at) END, \
+                   fingerprint = CASE WHEN {DEAD} THEN excluded.fingerprint ELSE coalesce(fingerprint, excluded.fingerprint) END, \
+                   token = max(token + 1, excluded.token), \
+                   state = excluded.state, result = NULL, updated_at = excluded.updated_at, \
+                   lease_until = excluded.lease_until \
+                 WHERE {DEAD} OR {TAKEOVER} \
+                 RETURNING attempt, token, prev_state, fingerprint"
+            )
+        };
+        let s = |x: String| -> Arc<str> { x.into() };
+        Self {
+            ddl: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                       key_hash BLOB NOT NULL PRIMARY KEY CHECK (length(key_hash) = 32), \
+                       scope TEXT NOT NULL, \
+                       key_id TEXT NOT NULL, \
+                       state INTEGER NOT NULL, \
+                       fingerprint BLOB, \
+                       result BLOB, \
+                       attempt INTEGER NOT NULL, \
+                       token INTEGER NOT NULL, \
+                       prev_state INTEGER, \
+                       created_at INTEGER NOT NULL, \
+                       updated_at INTEGER NOT NULL, \
+                       lease_until INTEGER, \
+                       expires_at INTEGER NOT NULL\
+                     ) WITHOUT ROWID"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {t}_expires_at ON {t} (expires_at)"),
+                format!("CREATE INDEX IF NOT EXISTS {t}_scope_updated ON {t} (scope, updated_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_versions (\
+                       entity_hash BLOB NOT NULL PRIMARY KEY CHECK (length(entity_hash) = 32), \
+                       scope TEXT NOT NULL, entity_id TEXT NOT NULL, \
+                       version INTEGER NOT NULL, updated_at INTEGER NOT NULL\
+                     ) WITHOUT ROWID"
+                ),
+            ],
+            claim: s(upsert(0, "?6")),
+            // An inbox marker is a claim that is completed at once: no lease.
+            mark: s(upsert(1, "NULL")),
+            select: s(format!("SELECT {COLUMNS} FROM {t} WHERE key_hash = ?1")),
+            finish: s(format!(
+                "UPDATE {t} SET state = ?3, result = ?4, updated_at = ?5, lease_until = NULL, expires_at = ?6 \
+                 WHERE key_hash = ?1 AND token = ?2 AND state = 0"
+            )),
+            release: s(format!(
+                "UPDATE {t} SET state = 2, updated_at = ?3, lease_until = NULL \
+                 WHERE key_hash = ?1 AND token = ?2 AND state = 0"
+            )),
+            extend: s(format!(
+                "UPDATE {t} SET lease_until = ?3, expires_at = max(expires_at, ?3), updated_at = ?4 \
+                 WHERE key_hash = ?1 AND token = ?2 AND state = 0"
+            )),
+            purge: s(format!(
+                "DELETE FROM {t} WHERE key_hash IN (SELECT key_hash FROM {t} \
+                 WHERE expires_at <= ?1 AND NOT (state = 0 AND lease_until > ?1) LIMIT ?2)"
+            )),
+            force_release: s(format!(
+                "UPDATE {t} SET state = 2, token = max(token + 1, ?2), lease_until = NULL, updated_at = ?2 \
+                 WHERE key_hash = ?1"
+            )),
+            count: s(format!(
+                "SELECT state, count(*), \
+                   sum(CASE WHEN expires_at <= ?2 AND NOT (state = 0 AND lease_until > ?2) THEN 1 ELSE 0 END) \
+                 FROM {t} WHERE (?1 IS NULL OR scope = ?1) GROUP BY state"
+            )),
+            list: s(format!(
+                "SELECT {COLUMNS} FROM {t} WHERE (?1 IS NULL OR scope = ?1) AND (?2 IS NULL OR state = ?2) \
+                 ORDER BY updated_at DESC LIMIT ?3"
+            )),
+            set_result: s(format!("UPDATE {t} SET result = ?2 WHERE key_hash = ?1 AND state = 1")),
+            advance: s(format!(
+                "INSERT INTO {t}_versions (entity_hash, scope, entity_id, version, updated_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT (entity_hash) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at \
+                 WHERE excluded.version > version"
+            )),
+            version_of: s(format!("SELECT version FROM {t}_versions WHERE entity_hash = ?1")),
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! Test support for idem stores and adapters.
+//!
+//! - [`dedup_store_conformance!`]: one macro that runs the whole store contract
+//!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
+//! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
+//!   silently without them under `CI=true`.
+
+pub mod cases;
+pub mod service;
+
+use std::future::Future;
+use std::time::Duration;
+
+use idem_core::time::ManualClock;
+
+/// Moves a store's clock forward.
+pub trait TimeControl: Send + Sync {
+    /// Returns once the store's clock reads at least `d` later than when called.
+    fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send;
+}
+
+impl TimeControl for ManualClock {
+    async fn advance(&self, d: Duration) {
+        ManualClock::advance(self, d);
+    }
+}
+
+/// A store under test, the control of its clock, and the time unit its cases use (leases are a
+/// few units long).
+pub struct Harness<S, C> {
+    /// The store.
+    pub store: S,
+    /// Its clock.
+    pub time: C,
+    /// One unit of lease time.
+    pub unit: Duration,
+    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl<S, C> Harness<S, C> {
+    /// A harness with an explicit time unit.
+    pub fn new(store: S, time: C, unit: Duration) -> Self {
+        Self { store, time, unit, guard: None }
+    }
+
+    /// Keeps `guard` (a temporary directory, a schema dropper) alive until the case ends, so
+    /// each case cleans up after itself.
+    #[must_use]
+    pub fn with_guard(mut self, guard: impl std::any::Any + Send + Sync) -> Self {
+        self.guard = Some(Box::new(guard));
+        self
+    }
+}
+
+impl<S> Harness<S, ManualClock> {
+    /// A harness over a store that reads `clock`, with a unit of 10 s of manual time.
+    pub fn manual(store: S, clock: ManualClock) -> Self {
+        Self::new(store, clock, Duration::from_secs(10))
+    }
+}
+
+impl<S, C> std::fmt::Debug for Harness<S, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness").field("unit", &self.unit).finish_non_exhaustive()
+    }
+}
+
+/// Runs every conformance case against a store.
+///
+/// The argument is a closure returning a future that yields a fresh [`Harness`] (its own table,
+/// schema or prefix) for each case. The calling crate needs `tokio` (macros, multi-thread
+/// runtime) as a dev-dependency.
+///
+/// ```no_run
+/// idem_testkit::dedup_store_conformance!(|| async {
+///     let clock = idem_core::time::ManualClock::new();
+///     idem_testkit::Harness::manual(idem_core::MemoryStore::with_clock(clock.clone()), clock)
+/// });
+/// ```
+#[macro_export]
+macro_rules! dedup_store_conformance {
+    ($make:expr) => {
+        $crate::__conformance_cases!($make;
+            claim_is_exclusive,
+            concurrent_claims_have_one_winner,
+            completed_is_duplicate_with_result,
+            release_allows_reclaim,
+            expired_lease_is_taken_over,
+            live_lease_is_not_taken_over,
+            stale_lease_cannot_complete_or_release,
+            fencing_tokens_strictly_increase,
+            extend_keeps_the_lease,
+            fingerprint_mismatch_is_conflict,
+            missing_fingerprint_never_conflicts,
+            scopes_isolate,
+            purge_removes_only_expired,
+            purge_is_bounded,
+            expired_record_is_claimed_afresh,
+            claim_many_in_order_with_repeats,
+            failed_is_reclaimable_in_doubt_is_not,
+            force_release_fences_the_holder,
+            inspect_counts_and_lists,
+            oversized_result_is_refused,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let harness = ($make)().await;
+                $crate::cases::$name(harness).await;
+            }
+        )+
+    };
+}

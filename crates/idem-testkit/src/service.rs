@@ -1,0 +1,70 @@
+//! Real servers for integration tests.
+//!
+//! Each test reads its server's address from an environment variable with a loopback default.
+//! When the server does not answer, [`require`] prints `skipped: <service> unreachable at
+//! <addr>` and returns `None` — unless `CI=true`, where it panics: a suite that passes without
+//! its server is a defect.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+/// The URL for `service` from `env_var` (or `default`), if its server answers on TCP.
+///
+/// # Panics
+/// When the server is unreachable and the environment has `CI=true`.
+pub fn require(service: &str, env_var: &str, default: &str) -> Option<String> {
+    let url = std::env::var(env_var).unwrap_or_else(|_| default.to_owned());
+    let addr = host_port(&url);
+    let reachable = addr
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut it| it.next())
+        .is_some_and(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(2)).is_ok());
+    if reachable {
+        return Some(url);
+    }
+    if in_ci() {
+        panic!(
+            "{service} unreachable at {addr} (from {env_var}) and CI=true: failing instead of skipping"
+        );
+    }
+    eprintln!("skipped: {service} unreachable at {addr}");
+    None
+}
+
+/// Whether the environment says this is a CI run.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// `host:port` of a URL such as `postgres://user@127.0.0.1:5432/db` or a bare `127.0.0.1:4222`.
+pub fn host_port(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if host.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
+        return host.to_owned();
+    }
+    let port = match scheme {
+        "postgres" | "postgresql" => 5432,
+        "mysql" | "mariadb" => 3306,
+        "redis" => 6379,
+        "amqp" => 5672,
+        "nats" => 4222,
+        _ => 80,
+    };
+    format!("{host}:{port}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_addresses() {
+        assert_eq!(host_port("postgres://postgres@127.0.0.1:5432/test"), "127.0.0.1:5432");
+        assert_eq!(host_port("redis://127.0.0.1/"), "127.0.0.1:6379");
+        assert_eq!(host_port("amqp://guest:guest@127.0.0.1:5672/%2f"), "127.0.0.1:5672");
+        assert_eq!(host_port("127.0.0.1:4222"), "127.0.0.1:4222");
+    }
+}

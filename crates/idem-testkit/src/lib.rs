@@ -6,6 +6,7 @@
 //!   silently without them under `CI=true`.
 
 pub mod cases;
+pub mod faults;
 pub mod service;
 
 use std::future::Future;

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Local services for idem's integration tests (see ../shared/SERVICES.md):
+#   .ci/services.sh up      install what is missing (Debian), start each service that does not answer
+#   .ci/services.sh status  print which services answer; exit 1 if any does not
+# Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT.
+set -euo pipefail
+log() { echo "[services] $*"; }
+port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+wait_port() {
+  local i
+  for ((i = 0; i < $2; i++)); do port_open "$1" && { log "$3 up on :$1 (${i}s)"; return 0; }; sleep 1; done
+  log "$3 did not come up on :$1 within $2s"; return 1
+}
+PG_PORT=${PG_PORT:-5432}; MYSQL_PORT=${MYSQL_PORT:-3306}; REDIS_PORT=${REDIS_PORT:-6379}
+AMQP_PORT=${AMQP_PORT:-5672}; MQTT_PORT=${MQTT_PORT:-1883}; NATS_PORT=${NATS_PORT:-4222}
+STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
+SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
+
+status() {
+  local bad=0 name port
+  for pair in "postgres:$PG_PORT" "mariadb:$MYSQL_PORT" "redis:$REDIS_PORT" "rabbitmq:$AMQP_PORT" \
+              "mosquitto:$MQTT_PORT" "nats:$NATS_PORT"; do
+    name=${pair%%:*}; port=${pair##*:}
+    if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
+  done
+  return $bad
+}
+
+install_missing() {
+  local pkgs=()
+  command -v pg_ctlcluster   >/dev/null || pkgs+=(postgresql)
+  command -v mariadbd        >/dev/null || pkgs+=(mariadb-server)
+  command -v redis-server    >/dev/null || pkgs+=(redis-server)
+  command -v rabbitmq-server >/dev/null || pkgs+=(rabbitmq-server)
+  command -v mosquitto       >/dev/null || pkgs+=(mosquitto)
+  command -v nats-server     >/dev/null || pkgs+=(nats-server)
+  if ((${#pkgs[@]})); then
+    log "installing: ${pkgs[*]}"; export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >"$STATE/apt.log" 2>&1 || { tail -20 "$STATE/apt.log"; exit 1; }
+  fi
+}
+
+up() {
+  install_missing
+  # PostgreSQL: trust on loopback, database `test`.
+  if ! psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -Atqc 'select 1' >/dev/null 2>&1; then
+    local v hba; v=$(ls /etc/postgresql | sort -V | tail -1); hba=/etc/postgresql/$v/main/pg_hba.conf
+    $SUDO sed -ri 's/^(host[[:space:]]+all[[:space:]]+all[[:space:]]+(127\.0\.0\.1\/32|::1\/128)[[:space:]]+)[a-z0-9-]+/\1trust/' "$hba"
+    if port_open "$PG_PORT"; then $SUDO pg_ctlcluster --skip-systemctl-redirect "$v" main reload
+    else $SUDO pg_ctlcluster --skip-systemctl-redirect "$v" main start; fi
+    wait_port "$PG_PORT" 30 postgres
+  fi
+  psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atqc "select 1 from pg_database where datname='test'" | grep -q 1 \
+    || psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -qc 'create database test'
+  # MariaDB: root with an empty password over TCP (sqlx cannot use unix_socket auth).
+  if ! port_open "$MYSQL_PORT"; then
+    $SUDO install -d -o mysql -g mysql /run/mysqld
+    $SUDO start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd -- --user=mysql
+    wait_port "$MYSQL_PORT" 60 mariadb
+  fi
+  mariadb -uroot -h127.0.0.1 -P"$MYSQL_PORT" -e 'select 1' >/dev/null 2>&1 \
+    || $SUDO mariadb -uroot -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA mysql_native_password USING PASSWORD(''); FLUSH PRIVILEGES;"
+  mariadb -uroot -h127.0.0.1 -P"$MYSQL_PORT" -e 'CREATE DATABASE IF NOT EXISTS test'
+  # Redis without persistence.
+  port_open "$REDIS_PORT" || { redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
+    --dir "$STATE" --logfile "$STATE/redis.log" --pidfile "$STATE/redis.pid"; wait_port "$REDIS_PORT" 15 redis; }
+  # RabbitMQ takes 10-20 s to boot.
+  port_open "$AMQP_PORT" || { $SUDO rabbitmq-server -detached; wait_port "$AMQP_PORT" 120 rabbitmq; }
+  # Mosquitto dies silently without /run/mosquitto.
+  port_open "$MQTT_PORT" || { $SUDO install -d -o mosquitto -g mosquitto /run/mosquitto
+    $SUDO mosquitto -d -c /etc/mosquitto/mosquitto.conf; wait_port "$MQTT_PORT" 15 mosquitto; }
+  # NATS with JetStream (needs a writable store directory).
+  port_open "$NATS_PORT" || { mkdir -p "$STATE/nats"
+    start-stop-daemon --start --oknodo --background --make-pidfile --pidfile "$STATE/nats.pid" \
+      --exec "$(command -v nats-server)" -- -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE/nats" -l "$STATE/nats.log"
+    wait_port "$NATS_PORT" 15 nats; }
+  log "all services ready"
+}
+
+case "${1:-}" in
+  up) up ;;
+  status) status ;;
+  *) echo "usage: $0 up|status" >&2; exit 64 ;;
+esac

@@ -1,0 +1,13 @@
+#![doc = include_str!("../../../README.md")]
+
+pub use idem_core::*;
+
+/// The embedded store and transactional inbox on SQLite (feature `sqlite`, on by default).
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use idem_sqlx::sqlite::*;
+    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
+}
+
+#[cfg(feature = "sqlite")]
+pub use idem_sqlx::{SqliteInbox, SqliteStore};

@@ -26,6 +26,14 @@ impl TimeControl for ManualClock {
     }
 }
 
+/// Paused tokio time (`#[tokio::test(start_paused = true)]`): advancing moves tokio's clock, which
+/// a store on a [`TokioClock`](idem_core::time::TokioClock) reads.
+impl TimeControl for idem_core::time::TokioClock {
+    async fn advance(&self, d: Duration) {
+        tokio::time::advance(d).await;
+    }
+}
+
 /// A store under test, the control of its clock, and the time unit its cases use (leases are a
 /// few units long).
 pub struct Harness<S, C> {
@@ -78,10 +86,19 @@ impl<S, C> std::fmt::Debug for Harness<S, C> {
 ///     idem_testkit::Harness::manual(idem_core::MemoryStore::with_clock(clock.clone()), clock)
 /// });
 /// ```
+///
+/// With `paused:` before the closure the cases run on a current-thread runtime with tokio time
+/// paused (`start_paused = true`), for stores whose clock is a `TokioClock`.
 #[macro_export]
 macro_rules! dedup_store_conformance {
+    (paused: $make:expr) => {
+        $crate::dedup_store_conformance!(@cases (start_paused = true) $make);
+    };
     ($make:expr) => {
-        $crate::__conformance_cases!($make;
+        $crate::dedup_store_conformance!(@cases (flavor = "multi_thread", worker_threads = 2) $make);
+    };
+    (@cases $rt:tt $make:expr) => {
+        $crate::__conformance_cases!($rt $make;
             claim_is_exclusive,
             concurrent_claims_have_one_winner,
             completed_is_duplicate_with_result,
@@ -109,9 +126,9 @@ macro_rules! dedup_store_conformance {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($make:expr; $($name:ident),+ $(,)?) => {
+    ($rt:tt $make:expr; $($name:ident),+ $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[tokio::test $rt]
             async fn $name() {
                 let harness = ($make)().await;
                 $crate::cases::$name(harness).await;

@@ -255,6 +255,9 @@ pub trait InspectStore: Send + Sync {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     fn get(
         &self,
         key: &DedupKey,
@@ -264,6 +267,9 @@ pub trait InspectStore: Send + Sync {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     fn list(
         &self,
         filter: &ListFilter,
@@ -273,6 +279,9 @@ pub trait InspectStore: Send + Sync {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     fn count(&self, scope: Option<&str>)
     -> impl Future<Output = Result<Counts, StoreError>> + Send;
 
@@ -282,6 +291,9 @@ pub trait InspectStore: Send + Sync {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: the record was released or it was not.
     fn force_release(
         &self,
         key: &DedupKey,

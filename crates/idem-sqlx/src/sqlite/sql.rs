@@ -75,7 +75,6 @@ impl Sql {
                      ) WITHOUT ROWID"
                 ),
                 format!("CREATE INDEX IF NOT EXISTS {t}_expires_at ON {t} (expires_at)"),
-                format!("CREATE INDEX IF NOT EXISTS {t}_scope_updated ON {t} (scope, updated_at)"),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {t}_versions (\
                        entity_hash BLOB NOT NULL PRIMARY KEY CHECK (length(entity_hash) = 32), \

@@ -150,10 +150,7 @@ impl MemoryStore {
         result: Option<&[u8]>,
         retain_for: Duration,
     ) -> Result<(), StoreError> {
-        let len = result.map_or(0, <[u8]>::len);
-        if len > MAX_RESULT_BYTES {
-            return Err(StoreError::TooLarge { field: "result", len, limit: MAX_RESULT_BYTES });
-        }
+        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
         let now = self.clock.now();
         let mut inner = self.lock();
         let rec = Self::fenced(&mut inner, lease)?;

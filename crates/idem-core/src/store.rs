@@ -57,6 +57,15 @@ impl StoreError {
         Self::Backend { op, retryable, source: source.into() }
     }
 
+    /// [`StoreError::TooLarge`] when `len` exceeds `limit`: the size check every store makes
+    /// before writing a result or reason.
+    ///
+    /// # Errors
+    /// `TooLarge` naming `field` and the limit.
+    pub fn check_len(field: &'static str, len: usize, limit: usize) -> Result<(), Self> {
+        if len > limit { Err(Self::TooLarge { field, len, limit }) } else { Ok(()) }
+    }
+
     /// Whether the operation may succeed if tried again.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Self::Backend { retryable: true, .. })

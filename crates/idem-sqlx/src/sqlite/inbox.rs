@@ -113,13 +113,7 @@ impl SqliteInbox {
         key: &DedupKey,
         result: &[u8],
     ) -> Result<(), StoreError> {
-        if result.len() > MAX_RESULT_BYTES {
-            return Err(StoreError::TooLarge {
-                field: "result",
-                len: result.len(),
-                limit: MAX_RESULT_BYTES,
-            });
-        }
+        StoreError::check_len("result", result.len(), MAX_RESULT_BYTES)?;
         sqlx::query(AssertSqlSafe(Arc::clone(&self.store.sql.set_result)))
             .bind(&key.hash().0[..])
             .bind(result)

@@ -255,10 +255,7 @@ impl SqliteStore {
         result: Option<&[u8]>,
         retain_for: Duration,
     ) -> Result<(), StoreError> {
-        let len = result.map_or(0, <[u8]>::len);
-        if len > MAX_RESULT_BYTES {
-            return Err(StoreError::TooLarge { field: "result", len, limit: MAX_RESULT_BYTES });
-        }
+        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
         let now = self.now();
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.finish)))
             .bind(&lease.key().hash().0[..])

@@ -115,6 +115,8 @@ macro_rules! dedup_store_conformance {
             purge_is_bounded,
             expired_record_is_claimed_afresh,
             claim_many_in_order_with_repeats,
+            claim_many_mixed_states_match_single_claims,
+            claim_many_large_batch,
             failed_is_reclaimable_in_doubt_is_not,
             force_release_fences_the_holder,
             inspect_counts_and_lists,

@@ -67,7 +67,9 @@ impl SqliteStore {
     /// `synchronous = FULL`, a 5 s busy timeout — and creates the table if missing.
     ///
     /// The pool has one connection: SQLite has one writer at a time, and queueing in the pool
-    /// is fairer and faster than many connections sleeping in SQLite's busy handler.
+    /// is fairer and faster than many connections sleeping in SQLite's busy handler. So do not
+    /// call store methods while holding a transaction from [`SqliteStore::pool`]: they wait for
+    /// the connection that transaction holds. Inside a transaction, use the inbox's `mark`.
     ///
     /// # Errors
     /// [`StoreError::Backend`] when the file cannot be opened or the schema created.

@@ -89,16 +89,32 @@ impl<S, C> std::fmt::Debug for Harness<S, C> {
 ///
 /// With `paused:` before the closure the cases run on a current-thread runtime with tokio time
 /// paused (`start_paused = true`), for stores whose clock is a `TokioClock`.
+///
+/// With `server:` before the closure, the future yields `Option<Harness>`: `None` means the
+/// server is unreachable and the case is skipped (build it with [`service::require`], which has
+/// already printed `skipped: …`, or panicked under `CI=true`).
+///
+/// ```no_run
+/// idem_testkit::dedup_store_conformance!(server: || async {
+///     let _url = idem_testkit::service::require("postgres", "IDEM_TEST_POSTGRES_URL",
+///         "postgres://postgres@127.0.0.1:5432/test")?;
+///     let clock = idem_core::time::ManualClock::new();
+///     Some(idem_testkit::Harness::manual(idem_core::MemoryStore::with_clock(clock.clone()), clock))
+/// });
+/// ```
 #[macro_export]
 macro_rules! dedup_store_conformance {
     (paused: $make:expr) => {
-        $crate::dedup_store_conformance!(@cases (start_paused = true) $make);
+        $crate::dedup_store_conformance!(@cases (start_paused = true) some $make);
+    };
+    (server: $make:expr) => {
+        $crate::dedup_store_conformance!(@cases (flavor = "multi_thread", worker_threads = 2) optional $make);
     };
     ($make:expr) => {
-        $crate::dedup_store_conformance!(@cases (flavor = "multi_thread", worker_threads = 2) $make);
+        $crate::dedup_store_conformance!(@cases (flavor = "multi_thread", worker_threads = 2) some $make);
     };
-    (@cases $rt:tt $make:expr) => {
-        $crate::__conformance_cases!($rt $make;
+    (@cases $rt:tt $mode:ident $make:expr) => {
+        $crate::__conformance_cases!($rt $mode $make;
             claim_is_exclusive,
             concurrent_claims_have_one_winner,
             completed_is_duplicate_with_result,
@@ -128,11 +144,20 @@ macro_rules! dedup_store_conformance {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($rt:tt $make:expr; $($name:ident),+ $(,)?) => {
+    ($rt:tt some $make:expr; $($name:ident),+ $(,)?) => {
         $(
             #[tokio::test $rt]
             async fn $name() {
                 let harness = ($make)().await;
+                $crate::cases::$name(harness).await;
+            }
+        )+
+    };
+    ($rt:tt optional $make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test $rt]
+            async fn $name() {
+                let Some(harness) = ($make)().await else { return };
                 $crate::cases::$name(harness).await;
             }
         )+

@@ -9,6 +9,7 @@
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
+pub mod batched;
 pub mod claim;
 pub mod consumer;
 pub mod extract;
@@ -22,6 +23,7 @@ pub mod store;
 pub mod time;
 pub mod version;
 
+pub use batched::{BatchConfig, Batched};
 pub use claim::{Claim, ClaimRequest, FailKind, Lease};
 pub use consumer::{Consumer, Outcome};
 pub use fingerprint::{Fingerprint, FingerprintSpec};
@@ -30,6 +32,6 @@ pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
 pub use memory::MemoryStore;
 pub use record::{Record, RecordState};
 pub use retention::RetentionWindow;
-pub use store::{Counts, DedupStore, InspectStore, ListFilter, StoreError};
+pub use store::{Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError};
 pub use time::Timestamp;
 pub use version::{Advance, VersionGuard};

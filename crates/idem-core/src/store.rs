@@ -136,6 +136,29 @@ pub trait DedupStore: Send + Sync {
         retain_for: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Completes many leases in one round trip and one commit where the store can (group
+    /// commit); answers are in input order, each as [`DedupStore::complete`] would answer it.
+    /// The default completes one at a time.
+    ///
+    /// # Errors
+    /// The outer error when the batch as a whole failed (nothing of it applied on stores that
+    /// batch; on the default, the completions before the failure did apply).
+    ///
+    /// # Cancel safety
+    /// As [`DedupStore::complete`].
+    fn complete_many(
+        &self,
+        items: Vec<Completion>,
+    ) -> impl Future<Output = Result<Vec<Result<(), StoreError>>, StoreError>> + Send {
+        async move {
+            let mut out = Vec::with_capacity(items.len());
+            for c in items {
+                out.push(self.complete(c.lease, c.result.as_deref(), c.retain_for).await);
+            }
+            Ok(out)
+        }
+    }
+
     /// Ends the lease without a result: permanently failed (re-claimable, so a dead-lettered
     /// message resubmitted later runs again) or parked in doubt (stays until an operator releases
     /// it). `reason` is stored for operators.
@@ -186,6 +209,17 @@ pub trait DedupStore: Send + Sync {
     /// # Cancel safety
     /// Cancel safe.
     fn purge(&self, limit: usize) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// One completion of a [`DedupStore::complete_many`] batch.
+#[derive(Debug)]
+pub struct Completion {
+    /// The lease to complete.
+    pub lease: Lease,
+    /// The result to store.
+    pub result: Option<Vec<u8>>,
+    /// How long to keep the record from now.
+    pub retain_for: Duration,
 }
 
 /// Which records [`InspectStore::list`] returns.

@@ -136,3 +136,35 @@ impl Clock for TokioClock {
         self.base.plus(self.start.elapsed())
     }
 }
+
+/// An offset added to a *server's* clock, for stores whose leases run on the database or Redis
+/// clock (which a test cannot move). Production code leaves it at zero; the conformance suite
+/// advances it instead of sleeping. Clones share the offset.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::time::ClockSkew;
+///
+/// let skew = ClockSkew::new();
+/// skew.advance(Duration::from_millis(1500));
+/// assert_eq!(skew.micros(), 1_500_000);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct ClockSkew(Arc<AtomicI64>);
+
+impl ClockSkew {
+    /// No offset.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Moves the store's notion of "now" forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        self.0.fetch_add(duration_micros(d), Ordering::SeqCst);
+    }
+
+    /// The offset in microseconds, to add to the server's clock reading.
+    pub fn micros(&self) -> i64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}

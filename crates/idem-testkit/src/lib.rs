@@ -34,6 +34,13 @@ impl TimeControl for idem_core::time::TokioClock {
     }
 }
 
+/// A store on a server clock (PostgreSQL, MySQL, Redis) shifted by a [`ClockSkew`].
+impl TimeControl for idem_core::time::ClockSkew {
+    async fn advance(&self, d: Duration) {
+        idem_core::time::ClockSkew::advance(self, d);
+    }
+}
+
 /// A store under test, the control of its clock, and the time unit its cases use (leases are a
 /// few units long).
 pub struct Harness<S, C> {

@@ -36,3 +36,14 @@ async fn version_guard_rejects_stale_and_equal_versions() {
     let other = DedupKey::new("customer-state", "c-2").unwrap();
     assert_eq!(store.advance(&other, 1).await.unwrap(), Advance::Applied);
 }
+
+mod batched_group_commit {
+    use super::*;
+    use idem_core::{BatchConfig, Batched};
+
+    idem_testkit::dedup_store_conformance!(|| async {
+        let clock = ManualClock::new();
+        let store = Batched::new(MemoryStore::with_clock(clock.clone()), BatchConfig::default());
+        Harness::manual(store, clock)
+    });
+}

@@ -3,6 +3,11 @@
 //! - `sqlite` (default): [`SqliteStore`], the embedded default that needs no server, and
 //!   [`SqliteInbox`], which records dedup markers inside the caller's own transaction.
 //!
+//! - `postgres`: [`PostgresStore`] and [`PostgresInbox`] (leases on the database clock; group
+//!   commit through `claim_many`/`complete_many` over `unnest` arrays), and
+//!   [`postgres::EntityTable`] for business tables that are their own marker.
+//! - `mysql`: `MySqlStore` and `MySqlInbox` for MariaDB/MySQL.
+//!
 //! One table holds lease records and inbox markers alike, keyed by the 32-byte SHA-256 of the
 //! key ([`idem_core::DedupKey::hash`]), with the raw scope and id beside it for display.
 
@@ -13,6 +18,12 @@ pub mod sqlite;
 
 #[cfg(feature = "sqlite")]
 pub use sqlite::{SqliteInbox, SqliteStore, Writes};
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresInbox, PostgresStore};
 
 pub use row::{InboxError, InboxOutcome, Mark};
 

@@ -1,6 +1,7 @@
 //! Decoding rows and the types shared by every SQL backend.
 
-use idem_core::{Fingerprint, KeyHash, Record, RecordState, StoreError, Timestamp};
+use idem_core::{Fingerprint, KeyHash, Lease, Record, RecordState, StoreError, Timestamp};
+use sqlx::{ColumnIndex, Decode, Row, Type};
 
 /// The answer of an inbox `mark`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,4 +97,93 @@ impl RawRecord {
             expires_at: Timestamp::from_micros(self.expires_at),
         })
     }
+}
+
+/// Why a claim or mark that did not write lost.
+pub(crate) enum Loser {
+    /// Completed or parked in doubt.
+    Done(Record),
+    /// Stored with another fingerprint.
+    Conflict(Record),
+    /// Under a live lease.
+    Leased(Record),
+}
+
+/// Classifies the record a lost write found; `None` when it is claimable again (retry).
+pub(crate) fn classify_loser(
+    rec: Record,
+    fingerprint: Option<idem_core::Fingerprint>,
+    now: Timestamp,
+) -> Option<Loser> {
+    if rec.is_expired_at(now) {
+        return None;
+    }
+    if let (Some(stored), Some(asked)) = (rec.fingerprint, fingerprint)
+        && stored != asked
+    {
+        return Some(Loser::Conflict(rec));
+    }
+    match rec.state {
+        RecordState::Completed | RecordState::InDoubt => Some(Loser::Done(rec)),
+        RecordState::InProgress if rec.is_leased_at(now) => Some(Loser::Leased(rec)),
+        _ => None,
+    }
+}
+
+pub(crate) fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
+    if rows == 1 { Ok(()) } else { Err(StoreError::LeaseLost { key: lease.key().to_string() }) }
+}
+
+/// Decodes the 13 record columns, in [`COLUMNS`] order, on any driver.
+pub(crate) fn decode_row<'r, R>(row: &'r R) -> Result<Record, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let raw = (|| -> Result<RawRecord, sqlx::Error> {
+        Ok(RawRecord {
+            key_hash: row.try_get(0)?,
+            scope: row.try_get(1)?,
+            key_id: row.try_get(2)?,
+            state: row.try_get(3)?,
+            fingerprint: row.try_get(4)?,
+            result: row.try_get(5)?,
+            attempt: row.try_get(6)?,
+            token: row.try_get(7)?,
+            prev_state: row.try_get(8)?,
+            created_at: row.try_get(9)?,
+            updated_at: row.try_get(10)?,
+            lease_until: row.try_get(11)?,
+            expires_at: row.try_get(12)?,
+        })
+    })()
+    .map_err(|e| StoreError::backend("decode", false, e))?;
+    raw.decode()
+}
+
+/// Columns in the order every record `SELECT` returns them (all SQL backends).
+pub(crate) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
+     token, prev_state, created_at, updated_at, lease_until, expires_at";
+
+/// The outcome of `process` for a mark that was not first.
+pub(crate) fn not_first<T: serde::de::DeserializeOwned>(
+    mark: Mark,
+) -> Result<InboxOutcome<T>, StoreError> {
+    Ok(match mark {
+        Mark::Duplicate(rec) => InboxOutcome::Duplicate(
+            rec.result
+                .as_deref()
+                .map(serde_json::from_slice)
+                .transpose()
+                .map_err(|e| StoreError::Corrupt { what: format!("stored result: {e}") })?,
+        ),
+        Mark::Conflict(rec) => InboxOutcome::Conflict(rec),
+        Mark::InProgress(rec) => InboxOutcome::InProgress(rec),
+        Mark::First => {
+            return Err(StoreError::Corrupt { what: "a first mark has no stored outcome".into() });
+        }
+    })
 }

@@ -12,8 +12,9 @@ use serde::de::DeserializeOwned;
 use sqlx::AssertSqlSafe;
 use sqlx::sqlite::{SqliteConnection, SqlitePool};
 
-use super::{Loser, SqliteStore, backend, classify_loser};
+use super::{SqliteStore, backend};
 use crate::row::i64_of;
+use crate::row::{Loser, classify_loser};
 use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 
 /// Records dedup markers inside the caller's own SQLite transaction (R4): the marker and the
@@ -143,17 +144,7 @@ impl SqliteInbox {
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| backend("process", e))?;
         match self.mark(&mut tx, key, fingerprint).await? {
             Mark::First => {}
-            Mark::Duplicate(rec) => {
-                let stored = rec
-                    .result
-                    .as_deref()
-                    .map(serde_json::from_slice)
-                    .transpose()
-                    .map_err(|e| StoreError::Corrupt { what: format!("stored result: {e}") })?;
-                return Ok(InboxOutcome::Duplicate(stored));
-            }
-            Mark::Conflict(rec) => return Ok(InboxOutcome::Conflict(rec)),
-            Mark::InProgress(rec) => return Ok(InboxOutcome::InProgress(rec)),
+            other => return Ok(crate::row::not_first(other)?),
         }
         let value = writes(&mut tx).await.map_err(InboxError::Writes)?;
         if let Ok(bytes) = serde_json::to_vec(&value)

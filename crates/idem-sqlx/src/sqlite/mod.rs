@@ -16,13 +16,13 @@ use idem_core::{
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteRow, SqliteSynchronous,
+    SqliteSynchronous,
 };
 use sqlx::{AssertSqlSafe, Row};
 
 pub use inbox::{SqliteInbox, Writes};
 
-use crate::row::{RawRecord, i64_of};
+use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
 use sql::Sql;
 
@@ -303,63 +303,6 @@ impl SqliteStore {
             .map_err(|e| backend("advance", e))?;
         Ok(Advance::Stale { current })
     }
-}
-
-/// Why a claim or mark that did not write lost.
-pub(crate) enum Loser {
-    /// Completed or parked in doubt.
-    Done(Record),
-    /// Stored with another fingerprint.
-    Conflict(Record),
-    /// Under a live lease.
-    Leased(Record),
-}
-
-/// Classifies the record a lost write found; `None` when it is claimable again (retry).
-pub(crate) fn classify_loser(
-    rec: Record,
-    fingerprint: Option<idem_core::Fingerprint>,
-    now: Timestamp,
-) -> Option<Loser> {
-    if rec.is_expired_at(now) {
-        return None;
-    }
-    if let (Some(stored), Some(asked)) = (rec.fingerprint, fingerprint)
-        && stored != asked
-    {
-        return Some(Loser::Conflict(rec));
-    }
-    match rec.state {
-        RecordState::Completed | RecordState::InDoubt => Some(Loser::Done(rec)),
-        RecordState::InProgress if rec.is_leased_at(now) => Some(Loser::Leased(rec)),
-        _ => None,
-    }
-}
-
-fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
-    if rows == 1 { Ok(()) } else { Err(StoreError::LeaseLost { key: lease.key().to_string() }) }
-}
-
-pub(crate) fn decode_row(row: &SqliteRow) -> Result<Record, StoreError> {
-    let raw = (|| -> Result<RawRecord, sqlx::Error> {
-        Ok(RawRecord {
-            key_hash: row.try_get(0)?,
-            scope: row.try_get(1)?,
-            key_id: row.try_get(2)?,
-            state: row.try_get(3)?,
-            fingerprint: row.try_get(4)?,
-            result: row.try_get(5)?,
-            attempt: row.try_get(6)?,
-            token: row.try_get(7)?,
-            prev_state: row.try_get(8)?,
-            created_at: row.try_get(9)?,
-            updated_at: row.try_get(10)?,
-            lease_until: row.try_get(11)?,
-            expires_at: row.try_get(12)?,
-        })
-    })()
-    .map_err(|e| backend("decode", e))?;
-    raw.decode()
 }
 
 /// Classifies a driver error: busy/locked databases, pool timeouts and I/O are retryable.

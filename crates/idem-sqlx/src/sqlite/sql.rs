@@ -4,9 +4,7 @@ use std::sync::Arc;
 
 use idem_core::Identifier;
 
-/// Columns in the order every `SELECT` returns them.
-pub(super) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
-     token, prev_state, created_at, updated_at, lease_until, expires_at";
+use crate::row::COLUMNS;
 
 // ?5 is "now" by the store's clock in every statement that has it.
 /// Retention passed and no live lease: the record is gone in all but storage.

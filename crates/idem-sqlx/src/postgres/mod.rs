@@ -1,0 +1,669 @@
+//! PostgreSQL: the production store, its transactional inbox and the entity-as-marker helper.
+
+mod entity;
+mod inbox;
+mod sql;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::time::{ClockSkew, duration_micros};
+use idem_core::{
+    Advance, Claim, ClaimRequest, Completion, Counts, DedupKey, DedupStore, FailKind, Fingerprint,
+    Identifier, IdentifierError, InspectStore, Lease, ListFilter, Record, RecordState, StoreError,
+    Timestamp, VersionGuard,
+};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+pub use entity::{EntityMark, EntityTable};
+pub use inbox::{PgWrites, PostgresInbox};
+
+use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
+use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
+use sql::Sql;
+
+/// Default schema of the PostgreSQL store.
+pub const DEFAULT_SCHEMA: &str = "idem";
+
+/// Longest table name: derived names (`<table>_versions`, `<table>_expires_at`) must stay
+/// within PostgreSQL's 63-byte identifier limit, which it would otherwise cut silently.
+pub const MAX_TABLE_NAME: usize = 52;
+
+/// The PostgreSQL store.
+///
+/// A claim is one statement — `INSERT … ON CONFLICT (key_hash) DO UPDATE … WHERE <claimable>
+/// RETURNING` — so the row lock of the primary key arbitrates every race; `claim_many` is one
+/// statement over `unnest` arrays. Leases and expiries are measured by the database clock
+/// (`statement_timestamp()`), never by the consumers'. Records live in their own schema
+/// (`idem` by default).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore};
+/// use idem_sqlx::PostgresStore;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+/// let req = ClaimRequest::new(DedupKey::new("orders", "o-1")?, None,
+///                             Duration::from_secs(30), Duration::from_secs(86_400));
+/// if let Claim::Acquired(lease) = store.claim(&req).await? {
+///     store.complete(lease, Some(b"ok"), Duration::from_secs(86_400)).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    schema: Identifier,
+    table: Identifier,
+    sql: Arc<Sql>,
+    skew: ClockSkew,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// Connects a pool of 16 connections to `url`, creates the schema and table if missing
+    /// ([`PostgresStore::migrate`]) and runs the startup checks ([`PostgresStore::check`]),
+    /// logging each warning.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when the server cannot be reached or the DDL fails.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(url)
+            .await
+            .map_err(|e| backend("connect", e))?;
+        let store = Self::new(pool);
+        store.migrate().await?;
+        store.check().await?;
+        Ok(store)
+    }
+
+    /// Wraps an existing pool, with the default schema and table. Call
+    /// [`PostgresStore::migrate`] unless your own migrations create the table
+    /// (`migrations/postgres/` holds the same DDL).
+    pub fn new(pool: PgPool) -> Self {
+        let schema = Identifier::new("schema name", DEFAULT_SCHEMA).expect("default is valid");
+        let table = Identifier::new("table name", DEFAULT_TABLE).expect("default is valid");
+        Self {
+            sql: Arc::new(Sql::new(schema.as_str(), table.as_str())),
+            pool,
+            schema,
+            table,
+            skew: ClockSkew::new(),
+        }
+    }
+
+    /// Uses another schema (letters, digits, `_`; at most 63 bytes).
+    ///
+    /// # Errors
+    /// [`IdentifierError`] naming the problem.
+    pub fn with_schema(mut self, name: &str) -> Result<Self, IdentifierError> {
+        self.schema = Identifier::new("schema name", name)?;
+        self.sql = Arc::new(Sql::new(self.schema.as_str(), self.table.as_str()));
+        Ok(self)
+    }
+
+    /// Uses another table (letters, digits, `_`; at most [`MAX_TABLE_NAME`] bytes).
+    ///
+    /// # Errors
+    /// [`IdentifierError`] naming the problem.
+    pub fn with_table_name(mut self, name: &str) -> Result<Self, IdentifierError> {
+        let table = Identifier::new("table name", name)?;
+        if name.len() > MAX_TABLE_NAME {
+            return Err(IdentifierError::TooLong {
+                field: "table name",
+                value: name.to_owned(),
+                len: name.len(),
+                limit: MAX_TABLE_NAME,
+            });
+        }
+        self.table = table;
+        self.sql = Arc::new(Sql::new(self.schema.as_str(), self.table.as_str()));
+        Ok(self)
+    }
+
+    /// Shifts the database clock by `skew` (tests move time this way instead of sleeping).
+    #[must_use]
+    pub fn with_clock_skew(mut self, skew: ClockSkew) -> Self {
+        self.skew = skew;
+        self
+    }
+
+    /// Creates the schema, tables and index if they do not exist. Idempotent, and safe when
+    /// several processes start at once (it holds an advisory lock while it runs).
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(|e| backend("migrate", e))?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("idem-migrate:{}.{}", self.schema, self.table))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| backend("migrate", e))?;
+        for stmt in &self.sql.ddl {
+            sqlx::query(AssertSqlSafe(stmt.as_str()))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| backend("migrate", e))?;
+        }
+        tx.commit().await.map_err(|e| backend("migrate", e))
+    }
+
+    /// The DDL [`PostgresStore::migrate`] runs, for users who own their migrations.
+    pub fn schema_sql(&self) -> String {
+        self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
+    }
+
+    /// Startup checks (R14). Returns, and logs with `tracing::warn!`, each problem found:
+    /// `synchronous_commit` off (a committed marker may vanish in a crash, and the message then
+    /// runs twice), or a key column that is not `bytea` (hashes compared as text may collate).
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        let mut warnings = Vec::new();
+        let sync: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| backend("check", e))?;
+        if sync == "off" {
+            warnings.push(
+                "PostgreSQL synchronous_commit is off: a dedup marker acknowledged as committed \
+                 may vanish in a server crash, and its message would then run twice; set \
+                 synchronous_commit = on for the idem connections"
+                    .to_owned(),
+            );
+        }
+        let key_type: Option<String> =
+            sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.key_type)))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| backend("check", e))?;
+        match key_type.as_deref() {
+            Some("bytea") => {}
+            Some(other) => warnings.push(format!(
+                "{}.{}.key_hash is `{other}`, not `bytea`: keys are 32-byte hashes and must be \
+                 compared as bytes; recreate the table from PostgresStore::schema_sql()",
+                self.schema, self.table
+            )),
+            None => warnings.push(format!(
+                "table {}.{} has no key_hash column; run PostgresStore::migrate()",
+                self.schema, self.table
+            )),
+        }
+        for w in &warnings {
+            tracing::warn!(target: "idem::postgres", "{w}");
+        }
+        Ok(warnings)
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        self.schema.as_str()
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    /// A transactional inbox over the same table, keeping markers for `retain_for`.
+    pub fn inbox(&self, retain_for: Duration) -> PostgresInbox {
+        PostgresInbox::new(self.clone(), retain_for)
+    }
+
+    fn skew(&self) -> i64 {
+        self.skew.micros()
+    }
+
+    async fn upsert(
+        &self,
+        conn: &mut PgConnection,
+        stmt: &Arc<str>,
+        req: &ClaimRequest,
+        lease_for: Option<Duration>,
+    ) -> Result<Option<PgRow>, StoreError> {
+        sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
+            .bind(&req.key.hash().0[..])
+            .bind(req.key.scope())
+            .bind(req.key.id())
+            .bind(req.fingerprint.as_ref().map(|f| &f.0[..]))
+            .bind(self.skew())
+            .bind(lease_for.map(duration_micros))
+            .bind(duration_micros(req.retain_for.max(lease_for.unwrap_or_default())))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("claim", e))
+    }
+
+    /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..8 {
+            if let Some(row) = self.upsert(conn, &self.sql.claim, req, Some(req.lease_for)).await? {
+                return lease_of(&req.key, &row).map(Claim::Acquired);
+            }
+            let Some((rec, now)) = self.fetch(conn, &req.key).await? else { continue };
+            if let Some(claim) = lost(rec, req.fingerprint, now) {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::backend(
+            "claim",
+            true,
+            "record kept changing under the claim (8 tries); try again",
+        ))
+    }
+
+    async fn fetch(
+        &self,
+        conn: &mut PgConnection,
+        key: &DedupKey,
+    ) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.select)))
+            .bind(&key.hash().0[..])
+            .bind(self.skew())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("get", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let now: i64 = row.try_get(13).map_err(|e| backend("get", e))?;
+        Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        state: RecordState,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.finish)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(i64::from(state.code()))
+            .bind(result)
+            .bind(self.skew())
+            .bind(duration_micros(retain_for))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("complete", e))?;
+        fenced(done.rows_affected(), lease)
+    }
+
+    /// Raises `entity`'s version inside the caller's transaction (apply the state and the
+    /// version in one commit). See [`VersionGuard`].
+    ///
+    /// # Errors
+    /// Backend errors.
+    pub async fn advance_in(
+        &self,
+        conn: &mut PgConnection,
+        entity: &DedupKey,
+        version: i64,
+    ) -> Result<Advance, StoreError> {
+        let hash = entity.hash();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.advance)))
+            .bind(&hash.0[..])
+            .bind(entity.scope())
+            .bind(entity.id())
+            .bind(version)
+            .bind(self.skew())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| backend("advance", e))?;
+        if done.rows_affected() == 1 {
+            return Ok(Advance::Applied);
+        }
+        let current: i64 = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.version_of)))
+            .bind(&hash.0[..])
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| backend("advance", e))?;
+        Ok(Advance::Stale { current })
+    }
+}
+
+/// The answer of a claim that did not write; `None` when the record is claimable again.
+fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option<Claim> {
+    match classify_loser(rec, fingerprint, now)? {
+        Loser::Done(rec) => Some(Claim::Completed(rec)),
+        Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
+        Loser::Leased(rec) => Some(Claim::InProgress {
+            retry_after: rec.lease_until.unwrap_or(now).since(now),
+            attempt: rec.attempt,
+        }),
+    }
+}
+
+/// The lease in a winning upsert's `RETURNING attempt, token, prev_state, fingerprint, lease_until`.
+fn lease_of(key: &DedupKey, row: &PgRow) -> Result<Lease, StoreError> {
+    let get = |e| backend("claim", e);
+    let attempt: i64 = row.try_get(0).map_err(get)?;
+    let token: i64 = row.try_get(1).map_err(get)?;
+    let prev: Option<i64> = row.try_get(2).map_err(get)?;
+    let fp: Option<Vec<u8>> = row.try_get(3).map_err(get)?;
+    let until: Option<i64> = row.try_get(4).map_err(get)?;
+    lease_from_parts(key, attempt, token, prev, fp, until.unwrap_or_default())
+}
+
+fn lease_from_parts(
+    key: &DedupKey,
+    attempt: i64,
+    token: i64,
+    prev: Option<i64>,
+    fp: Option<Vec<u8>>,
+    until: i64,
+) -> Result<Lease, StoreError> {
+    let corrupt = |what: String| StoreError::Corrupt { what };
+    Ok(Lease::new(
+        key.clone(),
+        fp.map(|f| Fingerprint::from_slice(&f))
+            .transpose()
+            .map_err(|n| corrupt(format!("fingerprint of {n} bytes")))?,
+        u64::try_from(token).map_err(|_| corrupt(format!("token {token}")))?,
+        u32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))?,
+        Timestamp::from_micros(until),
+        prev.map(|c| RecordState::from_code(c).ok_or_else(|| corrupt(format!("state {c}"))))
+            .transpose()?,
+    ))
+}
+
+/// Classifies a driver error: serialization failures, deadlocks, lost connections and pool
+/// timeouts are retryable.
+pub(crate) fn backend(op: &'static str, e: sqlx::Error) -> StoreError {
+    let retryable = match &e {
+        // 40001 serialization_failure, 40P01 deadlock_detected, 55P03 lock_not_available,
+        // 57P01 admin_shutdown, 08xxx connection exceptions.
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| {
+            matches!(c.as_ref(), "40001" | "40P01" | "55P03" | "57P01") || c.starts_with("08")
+        }),
+        sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    };
+    StoreError::backend(op, retryable, e)
+}
+
+impl DedupStore for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
+        self.claim_on(&mut conn, req).await
+    }
+
+    async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One statement for the batch; a key that repeats goes in once (its first occurrence),
+        // since one upsert cannot touch a row twice.
+        let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
+        let (mut h, mut s, mut i, mut fp, mut lease, mut keep) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for (n, r) in reqs.iter().enumerate() {
+            let hash = r.key.hash().0;
+            if first.contains_key(&hash) {
+                continue;
+            }
+            first.insert(hash, n);
+            h.push(hash.to_vec());
+            s.push(r.key.scope().to_owned());
+            i.push(r.key.id().to_owned());
+            fp.push(r.fingerprint.map(|f| f.0.to_vec()));
+            lease.push(duration_micros(r.lease_for));
+            keep.push(duration_micros(r.retain_for.max(r.lease_for)));
+        }
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many)))
+            .bind(&h)
+            .bind(&s)
+            .bind(&i)
+            .bind(&fp)
+            .bind(self.skew())
+            .bind(&lease)
+            .bind(&keep)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("claim_many", e))?;
+        let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
+        for row in &rows {
+            let get = |e| backend("claim_many", e);
+            let won: bool = row.try_get(0).map_err(get)?;
+            let raw = decode_offset(row)?;
+            let now: i64 = row.try_get(14).map_err(get)?;
+            found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
+        }
+        let mut out = Vec::with_capacity(reqs.len());
+        for (n, req) in reqs.iter().enumerate() {
+            let hash = req.key.hash().0;
+            let answer = match found.get(&hash) {
+                Some((true, rec, _)) if first.get(&hash) == Some(&n) => {
+                    Some(Claim::Acquired(lease_from_parts(
+                        &req.key,
+                        i64::from(rec.attempt),
+                        i64_of(rec.token, "token")?,
+                        rec.previous.map(|p| i64::from(p.code())),
+                        rec.fingerprint.map(|f| f.0.to_vec()),
+                        rec.lease_until.map_or(0, Timestamp::as_micros),
+                    )?))
+                }
+                Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now),
+                None => None,
+            };
+            match answer {
+                Some(claim) => out.push(claim),
+                // Changed since the statement's snapshot (or purged): decide it on its own.
+                None => out.push(self.claim(req).await?),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn complete(
+        &self,
+        lease: Lease,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, RecordState::Completed, result, retain_for).await
+    }
+
+    async fn complete_many(
+        &self,
+        items: Vec<Completion>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        let (mut h, mut tok, mut res, mut keep) = (vec![], vec![], vec![], vec![]);
+        for c in &items {
+            if let Err(e) = StoreError::check_len(
+                "result",
+                c.result.as_ref().map_or(0, Vec::len),
+                MAX_RESULT_BYTES,
+            ) {
+                out.push(Some(Err(e)));
+                continue;
+            }
+            out.push(None);
+            h.push(c.lease.key().hash().0.to_vec());
+            tok.push(i64_of(c.lease.token(), "token")?);
+            res.push(c.result.clone());
+            keep.push(duration_micros(c.retain_for));
+        }
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete_many)))
+            .bind(&h)
+            .bind(&tok)
+            .bind(&res)
+            .bind(&keep)
+            .bind(self.skew())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("complete_many", e))?;
+        let mut done = std::collections::HashSet::with_capacity(rows.len());
+        for row in &rows {
+            let get = |e| backend("complete_many", e);
+            let hash: Vec<u8> = row.try_get(0).map_err(get)?;
+            let token: i64 = row.try_get(1).map_err(get)?;
+            done.insert((hash, token));
+        }
+        Ok(items
+            .iter()
+            .zip(out)
+            .map(|(c, pre)| {
+                pre.unwrap_or_else(|| {
+                    let token = i64::try_from(c.lease.token()).unwrap_or(-1);
+                    if done.contains(&(c.lease.key().hash().0.to_vec(), token)) {
+                        Ok(())
+                    } else {
+                        Err(StoreError::LeaseLost { key: c.lease.key().to_string() })
+                    }
+                })
+            })
+            .collect())
+    }
+
+    async fn fail(
+        &self,
+        lease: Lease,
+        kind: FailKind,
+        reason: &str,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, kind.state(), Some(reason.as_bytes()), retain_for).await
+    }
+
+    async fn release(&self, lease: Lease) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(self.skew())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("release", e))?;
+        fenced(done.rows_affected(), &lease)
+    }
+
+    async fn extend(&self, lease: &mut Lease, by: Duration) -> Result<(), StoreError> {
+        let until: Option<Option<i64>> =
+            sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
+                .bind(&lease.key().hash().0[..])
+                .bind(i64_of(lease.token(), "token")?)
+                .bind(self.skew())
+                .bind(duration_micros(by))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| backend("extend", e))?;
+        let Some(Some(until)) = until else {
+            return Err(StoreError::LeaseLost { key: lease.key().to_string() });
+        };
+        lease.set_until(Timestamp::from_micros(until));
+        Ok(())
+    }
+
+    async fn purge(&self, limit: usize) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+            .bind(self.skew())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("purge", e))?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// Decodes the record columns that follow the leading `won` flag of a `claim_many` row.
+fn decode_offset(row: &PgRow) -> Result<Record, StoreError> {
+    let get = |e| backend("claim_many", e);
+    let raw = crate::row::RawRecord {
+        key_hash: row.try_get(1).map_err(get)?,
+        scope: row.try_get(2).map_err(get)?,
+        key_id: row.try_get(3).map_err(get)?,
+        state: row.try_get(4).map_err(get)?,
+        fingerprint: row.try_get(5).map_err(get)?,
+        result: row.try_get(6).map_err(get)?,
+        attempt: row.try_get(7).map_err(get)?,
+        token: row.try_get(8).map_err(get)?,
+        prev_state: row.try_get(9).map_err(get)?,
+        created_at: row.try_get(10).map_err(get)?,
+        updated_at: row.try_get(11).map_err(get)?,
+        lease_until: row.try_get(12).map_err(get)?,
+        expires_at: row.try_get(13).map_err(get)?,
+    };
+    raw.decode()
+}
+
+impl InspectStore for PostgresStore {
+    async fn get(&self, key: &DedupKey) -> Result<Option<Record>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("get", e))?;
+        Ok(self.fetch(&mut conn, key).await?.map(|(r, _)| r))
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.list)))
+            .bind(filter.scope.as_deref())
+            .bind(filter.state.map(|s| i64::from(s.code())))
+            .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("list", e))?;
+        rows.iter().map(decode_row).collect()
+    }
+
+    async fn count(&self, scope: Option<&str>) -> Result<Counts, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.count)))
+            .bind(scope)
+            .bind(self.skew())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("count", e))?;
+        let mut counts = Counts::default();
+        for row in rows {
+            let get = |e| backend("count", e);
+            let code: i64 = row.try_get(0).map_err(get)?;
+            let n: i64 = row.try_get(1).map_err(get)?;
+            let expired: i64 = row.try_get(2).map_err(get)?;
+            let state = RecordState::from_code(code).ok_or_else(|| StoreError::Corrupt {
+                what: format!("unknown state code {code}"),
+            })?;
+            counts.add(state, u64::try_from(n).unwrap_or(0));
+            counts.expired += u64::try_from(expired).unwrap_or(0);
+        }
+        Ok(counts)
+    }
+
+    async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.force_release)))
+            .bind(&key.hash().0[..])
+            .bind(self.skew())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("force_release", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+impl VersionGuard for PostgresStore {
+    async fn advance(&self, entity: &DedupKey, version: i64) -> Result<Advance, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("advance", e))?;
+        self.advance_in(&mut conn, entity, version).await
+    }
+}

@@ -49,9 +49,13 @@ impl Drop for DropSql {
                 use sqlx::Connection as _;
                 if url.starts_with("mysql") {
                     if let Ok(mut c) = sqlx::MySqlConnection::connect(&url).await {
+                        let sql = format!("SET SESSION lock_wait_timeout = 5; {sql}");
                         let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut c).await;
                     }
                 } else if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                    // Bounded: a transaction the test left open (its rollback cannot run while
+                    // this drop blocks the test's runtime) must not hang the suite.
+                    let sql = format!("SET lock_timeout = '5s'; {sql}");
                     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut c).await;
                 }
             });

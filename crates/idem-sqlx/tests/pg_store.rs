@@ -1,0 +1,336 @@
+//! PostgreSQL inbox, entity-as-marker, schema, startup checks and purge on the real server.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::time::ClockSkew;
+use idem_core::{
+    Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
+};
+use idem_sqlx::postgres::{EntityMark, EntityTable};
+use idem_sqlx::{InboxOutcome, Mark, PostgresStore};
+use sqlx::postgres::PgPoolOptions;
+
+const WEEK: Duration = Duration::from_secs(7 * 86_400);
+
+struct Db {
+    store: PostgresStore,
+    schema: String,
+    skew: ClockSkew,
+    _drop: common::DropSql,
+}
+
+async fn db(conns: u32) -> Option<Db> {
+    let url = common::pg_url()?;
+    let schema = common::unique("idem_pg");
+    let pool = PgPoolOptions::new().max_connections(conns).connect(&url).await.unwrap();
+    let skew = ClockSkew::new();
+    let store =
+        PostgresStore::new(pool).with_schema(&schema).unwrap().with_clock_skew(skew.clone());
+    store.migrate().await.unwrap();
+    // The business table has no unique constraint: only the inbox can keep it exact.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{schema}\".ledger (order_id TEXT NOT NULL, cents BIGINT NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let drop = common::DropSql { url, sql: format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE") };
+    Some(Db { store, schema, skew, _drop: drop })
+}
+
+impl Db {
+    async fn ledger_rows(&self) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM \"{}\".ledger",
+            self.schema
+        )))
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap()
+    }
+
+    fn insert_ledger(&self) -> String {
+        format!("INSERT INTO \"{}\".ledger VALUES ($1, $2)", self.schema)
+    }
+}
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("ledger-writer", id).unwrap()
+}
+
+#[tokio::test]
+async fn rollback_leaves_no_marker() {
+    let Some(db) = db(2).await else { return };
+    let inbox = db.store.inbox(WEEK);
+    let k = key("o-1");
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
+    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
+        .bind("o-1")
+        .bind(5_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(db.store.get(&k).await.unwrap().is_none(), "a rolled back marker must not exist");
+    assert_eq!(db.ledger_rows().await, 0);
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
+    tx.commit().await.unwrap();
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert!(matches!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::Duplicate(_)));
+    // A duplicate leaves the caller's transaction usable (no error was raised inside it).
+    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(one, 1);
+    tx.rollback().await.unwrap();
+}
+
+/// Waits until some backend of this schema's statements is blocked on a lock.
+async fn wait_until_blocked(db: &Db) {
+    let probe = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE '%\"{}\"%'",
+        db.schema
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(probe.clone()))
+            .fetch_one(db.store.pool())
+            .await
+            .unwrap();
+        if n > 0 {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "second mark never blocked on the first");
+        tokio::task::yield_now().await;
+    }
+}
+
+async fn second_mark_after_first(commit: bool) -> Option<Mark> {
+    let db = db(4).await?;
+    let inbox = db.store.inbox(WEEK);
+    let k = key("race");
+    let mut tx1 = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx1, &k, None).await.unwrap(), Mark::First);
+    let (pool, inbox2, k2) = (db.store.pool().clone(), inbox.clone(), k.clone());
+    let second = tokio::spawn(async move {
+        let mut tx2 = pool.begin().await.unwrap();
+        let m = inbox2.mark(&mut tx2, &k2, None).await.unwrap();
+        tx2.commit().await.unwrap();
+        m
+    });
+    wait_until_blocked(&db).await;
+    assert!(!second.is_finished(), "the second mark must wait for the first transaction");
+    if commit {
+        tx1.commit().await.unwrap()
+    } else {
+        tx1.rollback().await.unwrap()
+    }
+    Some(tokio::time::timeout(Duration::from_secs(10), second).await.unwrap().unwrap())
+}
+
+#[tokio::test]
+async fn concurrent_mark_waits_then_sees_duplicate() {
+    let Some(m) = second_mark_after_first(true).await else { return };
+    assert!(matches!(m, Mark::Duplicate(_)), "{m:?}");
+}
+
+#[tokio::test]
+async fn concurrent_mark_waits_then_is_first_after_rollback() {
+    let Some(m) = second_mark_after_first(false).await else { return };
+    assert_eq!(m, Mark::First);
+}
+
+/// 32 concurrent processors over 1,000 keys with 30% duplicate deliveries leave exactly
+/// 1,000 business rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_processors_write_each_key_once() {
+    let Some(db) = db(16).await else { return };
+    let db = Arc::new(db);
+    let inbox = db.store.inbox(WEEK);
+    let mut deliveries: Vec<usize> = (0..1000).collect();
+    deliveries.extend((0..300).map(|i| (i * 7) % 1000));
+    // Interleave duplicates with originals, deterministically.
+    deliveries.sort_by_key(|i| (i * 7919) % 1300);
+    let queue = Arc::new(tokio::sync::Mutex::new(deliveries));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (db, inbox, queue) = (Arc::clone(&db), inbox.clone(), Arc::clone(&queue));
+        tasks.push(tokio::spawn(async move {
+            let (mut processed, mut dup) = (0, 0);
+            loop {
+                let Some(i) = queue.lock().await.pop() else { break };
+                let id = format!("o-{i}");
+                let fp = Fingerprint::of_bytes(id.as_bytes());
+                let sql = db.insert_ledger();
+                let out = inbox
+                    .process(db.store.pool(), &key(&id), Some(fp), |conn| {
+                        let id = id.clone();
+                        Box::pin(async move {
+                            sqlx::query(sqlx::AssertSqlSafe(sql))
+                                .bind(&id)
+                                .bind(100_i64)
+                                .execute(&mut *conn)
+                                .await
+                                .map(|_| id)
+                        })
+                    })
+                    .await
+                    .unwrap();
+                match out {
+                    InboxOutcome::Processed(_) => processed += 1,
+                    InboxOutcome::Duplicate(Some(_)) => dup += 1,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            (processed, dup)
+        }));
+    }
+    let (mut processed, mut dup) = (0, 0);
+    for t in tasks {
+        let (p, d) = t.await.unwrap();
+        processed += p;
+        dup += d;
+    }
+    assert_eq!((processed, dup), (1000, 300));
+    assert_eq!(db.ledger_rows().await, 1000);
+}
+
+#[tokio::test]
+async fn entity_row_is_its_own_marker() {
+    let Some(db) = db(2).await else { return };
+    let s = &db.schema;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{s}\".orders (order_id TEXT PRIMARY KEY, fingerprint BYTEA, cents BIGINT)"
+    )))
+    .execute(db.store.pool())
+    .await
+    .unwrap();
+    let orders = EntityTable::new(s, "orders", "order_id", "fingerprint").unwrap();
+    let insert =
+        format!("INSERT INTO \"{s}\".orders VALUES ($1, $2, $3) ON CONFLICT (order_id) DO NOTHING");
+    let run = async |id: &str, cents: i64| {
+        let fp = Fingerprint::of_bytes(format!("{id}:{cents}").as_bytes());
+        let mut tx = db.store.pool().begin().await.unwrap();
+        let done = sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+            .bind(id)
+            .bind(&fp.0[..])
+            .bind(cents)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let mark = orders.classify(&mut tx, done.rows_affected(), id, fp).await.unwrap();
+        tx.commit().await.unwrap();
+        mark
+    };
+    assert_eq!(run("o-1", 1200).await, EntityMark::Inserted);
+    assert_eq!(run("o-1", 1200).await, EntityMark::Duplicate);
+    assert!(matches!(run("o-1", 9900).await, EntityMark::Conflict { stored: Some(_) }));
+    assert!(EntityTable::new(s, "orders; DROP TABLE x", "order_id", "fp").is_err());
+}
+
+#[tokio::test]
+async fn names_are_validated() {
+    let Some(url) = common::pg_url() else { return };
+    let pool = PgPoolOptions::new().max_connections(1).connect_lazy(&url).unwrap();
+    let store = PostgresStore::new(pool);
+    for bad in ["idem; DROP TABLE users", "a\"b", "", "1abc", "tab le"] {
+        let err = store.clone().with_schema(bad).unwrap_err().to_string();
+        assert!(err.contains("schema name"), "{bad:?}: {err}");
+        assert!(store.clone().with_table_name(bad).is_err(), "{bad:?}");
+    }
+    let long = "t".repeat(53);
+    let err = store.clone().with_table_name(&long).unwrap_err().to_string();
+    assert!(err.contains("table name") && err.contains("52"), "{err}");
+    let err = store.clone().with_schema(&"s".repeat(64)).unwrap_err().to_string();
+    assert!(err.contains("63"), "{err}");
+    assert!(store.with_table_name(&"t".repeat(52)).is_ok());
+}
+
+#[tokio::test]
+async fn startup_check_warns_on_async_commit_and_text_keys() {
+    let Some(url) = common::pg_url() else { return };
+    let Some(db) = db(1).await else { return };
+    assert!(db.store.check().await.unwrap().is_empty(), "a default server needs no warning");
+    let opts: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts.options([("synchronous_commit", "off")]))
+        .await
+        .unwrap();
+    let lax = PostgresStore::new(pool).with_schema(&db.schema).unwrap();
+    let w = lax.check().await.unwrap();
+    assert!(w.iter().any(|w| w.contains("synchronous_commit is off")), "{w:?}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE \"{}\".textkeys (key_hash TEXT PRIMARY KEY)",
+        db.schema
+    )))
+    .execute(db.store.pool())
+    .await
+    .unwrap();
+    let texty = db.store.clone().with_table_name("textkeys").unwrap();
+    let w = texty.check().await.unwrap();
+    assert!(w.iter().any(|w| w.contains("`text`, not `bytea`")), "{w:?}");
+}
+
+#[tokio::test]
+async fn keys_differing_by_case_or_trailing_space_stay_distinct() {
+    let Some(db) = db(2).await else { return };
+    let r = |id: &str| ClaimRequest::new(key(id), None, Duration::from_secs(30), WEEK);
+    for id in ["Order-1", "order-1", "order-1 ", "ORDER-1"] {
+        assert!(matches!(db.store.claim(&r(id)).await.unwrap(), Claim::Acquired(_)), "{id:?}");
+    }
+}
+
+/// Purge deletes expired records in bounded batches while claims keep running, and never
+/// touches a live lease or a record within its retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_runs_beside_claims() {
+    let Some(db) = db(8).await else { return };
+    let short = |id: String| {
+        ClaimRequest::new(key(&id), None, Duration::from_secs(1), Duration::from_secs(10))
+    };
+    let reqs: Vec<_> = (0..500).map(|i| short(format!("old-{i}"))).collect();
+    for chunk in reqs.chunks(100) {
+        for c in db.store.claim_many(chunk).await.unwrap() {
+            let Claim::Acquired(l) = c else { panic!("fresh keys") };
+            db.store.complete(l, None, Duration::from_secs(10)).await.unwrap();
+        }
+    }
+    // A live lease that outlasts the move of the clock, with a short retention.
+    let live = ClaimRequest::new(key("live"), None, Duration::from_secs(3600), Duration::ZERO);
+    let Claim::Acquired(live_lease) = db.store.claim(&live).await.unwrap() else { panic!() };
+    db.skew.advance(Duration::from_secs(60));
+    let store = db.store.clone();
+    let claims = tokio::spawn(async move {
+        let mut won = 0;
+        for i in 0..200 {
+            let r =
+                ClaimRequest::new(key(&format!("new-{i}")), None, Duration::from_secs(30), WEEK);
+            if let Claim::Acquired(l) = store.claim(&r).await.unwrap() {
+                store.complete(l, None, WEEK).await.unwrap();
+                won += 1;
+            }
+        }
+        won
+    });
+    let mut purged = 0;
+    loop {
+        let n = db.store.purge(50).await.unwrap();
+        assert!(n <= 50, "a purge batch is bounded by its limit");
+        purged += n;
+        if n < 50 {
+            break;
+        }
+    }
+    assert_eq!(claims.await.unwrap(), 200, "claims keep succeeding during the purge");
+    assert_eq!(purged, 500);
+    let live_rec = db.store.get(&key("live")).await.unwrap().expect("live lease survives");
+    assert_eq!(live_rec.state, RecordState::InProgress);
+    db.store.complete(live_lease, None, WEEK).await.unwrap();
+    assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
+}

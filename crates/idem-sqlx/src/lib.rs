@@ -25,6 +25,12 @@ pub mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresInbox, PostgresStore};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
+
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlInbox, MySqlStore};
+
 pub use row::{InboxError, InboxOutcome, Mark};
 
 /// Default table name.

@@ -339,6 +339,13 @@ fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option
     }
 }
 
+/// Whether `e` is MySQL's duplicate-key error (1062): for business tables that are their own
+/// marker (insert the row keyed by its business id; a duplicate key means a duplicate
+/// delivery — then compare the stored fingerprint to tell a conflict).
+pub fn is_duplicate_key(e: &sqlx::Error) -> bool {
+    error_number(e) == Some(1062)
+}
+
 /// MySQL's error number, when the error came from the server.
 pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
     match e {

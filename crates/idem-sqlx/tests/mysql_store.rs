@@ -1,0 +1,385 @@
+//! MariaDB inbox, entity-as-marker pattern, names, startup checks, deadlocks and purge on the
+//! real server.
+#![cfg(feature = "mysql")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::time::ClockSkew;
+use idem_core::{
+    Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
+};
+use idem_sqlx::mysql::is_duplicate_key;
+use idem_sqlx::{InboxOutcome, Mark, MySqlStore};
+use sqlx::mysql::MySqlPoolOptions;
+
+const WEEK: Duration = Duration::from_secs(7 * 86_400);
+
+struct Db {
+    store: MySqlStore,
+    table: String,
+    skew: ClockSkew,
+    _drop: common::DropSql,
+}
+
+async fn db(conns: u32) -> Option<Db> {
+    let url = common::mysql_url()?;
+    let table = common::unique("my");
+    let pool = MySqlPoolOptions::new().max_connections(conns).connect(&url).await.unwrap();
+    let skew = ClockSkew::new();
+    let store =
+        MySqlStore::new(pool).with_table_name(&table).unwrap().with_clock_skew(skew.clone());
+    store.migrate().await.unwrap();
+    // No unique constraint: only the inbox keeps it exact.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE `{table}_ledger` (order_id VARCHAR(64) NOT NULL, cents BIGINT NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let drop = common::DropSql {
+        url,
+        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`, `{table}_orders`"),
+    };
+    Some(Db { store, table, skew, _drop: drop })
+}
+
+impl Db {
+    async fn ledger_rows(&self) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM `{}_ledger`",
+            self.table
+        )))
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap()
+    }
+
+    fn insert_ledger(&self) -> String {
+        format!("INSERT INTO `{}_ledger` VALUES (?, ?)", self.table)
+    }
+}
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("ledger-writer", id).unwrap()
+}
+
+#[tokio::test]
+async fn rollback_leaves_no_marker_and_duplicates_keep_the_transaction() {
+    let Some(db) = db(2).await else { return };
+    let inbox = db.store.inbox(WEEK);
+    let k = key("o-1");
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
+    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
+        .bind("o-1")
+        .bind(5_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(db.store.get(&k).await.unwrap().is_none(), "a rolled back marker must not exist");
+    assert_eq!(db.ledger_rows().await, 0);
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
+    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
+        .bind("o-1")
+        .bind(5_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert!(matches!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::Duplicate(_)));
+    // The 1062 failed one statement only: the transaction goes on.
+    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
+        .bind("other")
+        .bind(1_i64)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(db.ledger_rows().await, 2);
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let other = Some(Fingerprint::of_bytes(b"different"));
+    let first = Some(Fingerprint::of_bytes(b"first"));
+    let k2 = key("o-2");
+    assert_eq!(inbox.mark(&mut tx, &k2, first).await.unwrap(), Mark::First);
+    tx.commit().await.unwrap();
+    let mut tx = db.store.pool().begin().await.unwrap();
+    assert!(matches!(inbox.mark(&mut tx, &k2, other).await.unwrap(), Mark::Conflict(_)));
+    tx.rollback().await.unwrap();
+}
+
+async fn wait_until_blocked(db: &Db) {
+    let probe = "SELECT CAST(trx_query AS CHAR) FROM information_schema.innodb_trx \
+                 WHERE CAST(trx_state AS CHAR) = 'LOCK WAIT'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: Vec<Option<String>> =
+            sqlx::query_scalar(probe).fetch_all(db.store.pool()).await.unwrap();
+        if waiting.iter().flatten().any(|q| q.contains(&db.table)) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "second mark never blocked on the first");
+        // InnoDB refreshes its information_schema lock cache only when it was not read in
+        // the last 100 ms: polling faster reads the same stale snapshot forever.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+async fn second_mark_after_first(commit: bool) -> Option<Mark> {
+    let db = db(4).await?;
+    let inbox = db.store.inbox(WEEK);
+    let k = key("race");
+    let mut tx1 = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx1, &k, None).await.unwrap(), Mark::First);
+    let (pool, inbox2, k2) = (db.store.pool().clone(), inbox.clone(), k.clone());
+    let second = tokio::spawn(async move {
+        let mut tx2 = pool.begin().await.unwrap();
+        let m = inbox2.mark(&mut tx2, &k2, None).await.unwrap();
+        tx2.commit().await.unwrap();
+        m
+    });
+    wait_until_blocked(&db).await;
+    assert!(!second.is_finished(), "the second mark must wait for the first transaction");
+    if commit {
+        tx1.commit().await.unwrap()
+    } else {
+        tx1.rollback().await.unwrap()
+    }
+    Some(tokio::time::timeout(Duration::from_secs(10), second).await.unwrap().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_mark_waits_then_sees_duplicate() {
+    let Some(m) = second_mark_after_first(true).await else { return };
+    assert!(matches!(m, Mark::Duplicate(_)), "{m:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_mark_waits_then_is_first_after_rollback() {
+    let Some(m) = second_mark_after_first(false).await else { return };
+    assert_eq!(m, Mark::First);
+}
+
+/// Two transactions marking two keys in opposite order deadlock; MariaDB rolls one back, and
+/// the error is classified retryable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlock_is_retryable() {
+    let Some(db) = db(4).await else { return };
+    let inbox = db.store.inbox(WEEK);
+    let (a, b) = (key("dl-a"), key("dl-b"));
+    let mut tx1 = db.store.pool().begin().await.unwrap();
+    let mut tx2 = db.store.pool().begin().await.unwrap();
+    assert_eq!(inbox.mark(&mut tx1, &a, None).await.unwrap(), Mark::First);
+    assert_eq!(inbox.mark(&mut tx2, &b, None).await.unwrap(), Mark::First);
+    let (i1, b1) = (inbox.clone(), b.clone());
+    let t1 = tokio::spawn(async move {
+        let r = i1.mark(&mut tx1, &b1, None).await;
+        (r, tx1)
+    });
+    wait_until_blocked(&db).await;
+    let r2 = inbox.mark(&mut tx2, &a, None).await;
+    let (r1, tx1) = tokio::time::timeout(Duration::from_secs(20), t1).await.unwrap().unwrap();
+    let errs: Vec<_> = [&r1, &r2].into_iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(errs.len(), 1, "exactly one side is the deadlock victim: {r1:?} / {r2:?}");
+    assert!(errs[0].is_retryable(), "a deadlock must be retryable: {}", errs[0]);
+    drop(tx1.rollback().await);
+    drop(tx2.rollback().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_processors_write_each_key_once() {
+    let Some(db) = db(16).await else { return };
+    let db = Arc::new(db);
+    let inbox = db.store.inbox(WEEK);
+    let mut deliveries: Vec<usize> = (0..1000).collect();
+    deliveries.extend((0..300).map(|i| (i * 7) % 1000));
+    deliveries.sort_by_key(|i| (i * 7919) % 1300);
+    let queue = Arc::new(tokio::sync::Mutex::new(deliveries));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (db, inbox, queue) = (Arc::clone(&db), inbox.clone(), Arc::clone(&queue));
+        tasks.push(tokio::spawn(async move {
+            let (mut processed, mut dup, mut retried) = (0, 0, 0);
+            loop {
+                let Some(i) = queue.lock().await.pop() else { break };
+                let id = format!("o-{i}");
+                let fp = Fingerprint::of_bytes(id.as_bytes());
+                loop {
+                    let sql = db.insert_ledger();
+                    let id2 = id.clone();
+                    let out = inbox
+                        .process(db.store.pool(), &key(&id), Some(fp), |conn| {
+                            Box::pin(async move {
+                                sqlx::query(sqlx::AssertSqlSafe(sql))
+                                    .bind(&id2)
+                                    .bind(100_i64)
+                                    .execute(&mut *conn)
+                                    .await
+                                    .map(|_| id2)
+                            })
+                        })
+                        .await;
+                    match out {
+                        Ok(InboxOutcome::Processed(_)) => processed += 1,
+                        Ok(InboxOutcome::Duplicate(Some(_))) => dup += 1,
+                        Err(idem_sqlx::InboxError::Store(e)) if e.is_retryable() => {
+                            retried += 1;
+                            continue;
+                        }
+                        other => panic!("unexpected {other:?}"),
+                    }
+                    break;
+                }
+            }
+            (processed, dup, retried)
+        }));
+    }
+    let (mut processed, mut dup) = (0, 0);
+    for t in tasks {
+        let (p, d, _) = t.await.unwrap();
+        processed += p;
+        dup += d;
+    }
+    assert_eq!((processed, dup), (1000, 300));
+    assert_eq!(db.ledger_rows().await, 1000);
+}
+
+/// Entity as marker on MySQL: the business row's primary key is the marker; a duplicate key
+/// means a duplicate delivery, and the stored fingerprint tells a conflict.
+#[tokio::test]
+async fn entity_row_is_its_own_marker() {
+    let Some(db) = db(2).await else { return };
+    let orders = format!("{}_orders", db.table);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE `{orders}` (order_id VARCHAR(64) PRIMARY KEY, fingerprint BINARY(32), cents BIGINT)"
+    )))
+    .execute(db.store.pool())
+    .await
+    .unwrap();
+    let run = async |id: &str, cents: i64| -> &'static str {
+        let fp = Fingerprint::of_bytes(format!("{id}:{cents}").as_bytes());
+        let mut tx = db.store.pool().begin().await.unwrap();
+        let ins =
+            sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO `{orders}` VALUES (?, ?, ?)")))
+                .bind(id)
+                .bind(&fp.0[..])
+                .bind(cents)
+                .execute(&mut *tx)
+                .await;
+        let verdict = match ins {
+            Ok(_) => "inserted",
+            Err(e) if is_duplicate_key(&e) => {
+                let stored: Vec<u8> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT fingerprint FROM `{orders}` WHERE order_id = ? LOCK IN SHARE MODE"
+                )))
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+                if stored == fp.0 { "duplicate" } else { "conflict" }
+            }
+            Err(e) => panic!("{e}"),
+        };
+        tx.commit().await.unwrap();
+        verdict
+    };
+    assert_eq!(run("o-1", 1200).await, "inserted");
+    assert_eq!(run("o-1", 1200).await, "duplicate");
+    assert_eq!(run("o-1", 9900).await, "conflict");
+}
+
+#[tokio::test]
+async fn names_are_validated() {
+    let Some(url) = common::mysql_url() else { return };
+    let pool = MySqlPoolOptions::new().max_connections(1).connect_lazy(&url).unwrap();
+    let store = MySqlStore::new(pool);
+    for bad in ["idem; DROP TABLE users", "a`b", "", "1abc", "tab le", "x'--"] {
+        let err = store.clone().with_table_name(bad).unwrap_err().to_string();
+        assert!(err.contains("table name"), "{bad:?}: {err}");
+    }
+    let err = store.clone().with_table_name(&"t".repeat(53)).unwrap_err().to_string();
+    assert!(err.contains("52"), "{err}");
+    assert!(store.with_table_name(&"t".repeat(52)).is_ok());
+}
+
+#[tokio::test]
+async fn startup_check_warns_on_a_text_key_column() {
+    let Some(db) = db(1).await else { return };
+    let w = db.store.check().await.unwrap();
+    assert!(!w.iter().any(|w| w.contains("key_hash")), "{w:?}");
+    let texty = format!("{}_orders", db.table);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE `{texty}` (key_hash VARCHAR(64) PRIMARY KEY)"
+    )))
+    .execute(db.store.pool())
+    .await
+    .unwrap();
+    let w = db.store.clone().with_table_name(&texty).unwrap().check().await.unwrap();
+    assert!(w.iter().any(|w| w.contains("`varchar(64)`, not `binary(32)`")), "{w:?}");
+}
+
+/// MariaDB's default collations ignore case and trailing spaces; the binary hash key does not.
+#[tokio::test]
+async fn keys_differing_by_case_or_trailing_space_stay_distinct() {
+    let Some(db) = db(2).await else { return };
+    let r = |id: &str| ClaimRequest::new(key(id), None, Duration::from_secs(30), WEEK);
+    for id in ["Order-1", "order-1", "order-1 ", "ORDER-1", "order-1  "] {
+        assert!(matches!(db.store.claim(&r(id)).await.unwrap(), Claim::Acquired(_)), "{id:?}");
+    }
+    let same: i64 = sqlx::query_scalar("SELECT 'order-1' = 'ORDER-1 '")
+        .fetch_one(db.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(same, 1, "the server's own collation does merge these strings");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_runs_beside_claims() {
+    let Some(db) = db(8).await else { return };
+    let short = |id: String| {
+        ClaimRequest::new(key(&id), None, Duration::from_secs(1), Duration::from_secs(10))
+    };
+    let reqs: Vec<_> = (0..500).map(|i| short(format!("old-{i}"))).collect();
+    for chunk in reqs.chunks(100) {
+        for c in db.store.claim_many(chunk).await.unwrap() {
+            let Claim::Acquired(l) = c else { panic!("fresh keys") };
+            db.store.complete(l, None, Duration::from_secs(10)).await.unwrap();
+        }
+    }
+    let live = ClaimRequest::new(key("live"), None, Duration::from_secs(3600), Duration::ZERO);
+    let Claim::Acquired(live_lease) = db.store.claim(&live).await.unwrap() else { panic!() };
+    db.skew.advance(Duration::from_secs(60));
+    let store = db.store.clone();
+    let claims = tokio::spawn(async move {
+        let mut won = 0;
+        for i in 0..200 {
+            let r =
+                ClaimRequest::new(key(&format!("new-{i}")), None, Duration::from_secs(30), WEEK);
+            if let Claim::Acquired(l) = store.claim(&r).await.unwrap() {
+                store.complete(l, None, WEEK).await.unwrap();
+                won += 1;
+            }
+        }
+        won
+    });
+    let mut purged = 0;
+    loop {
+        let n = db.store.purge(50).await.unwrap();
+        assert!(n <= 50);
+        purged += n;
+        if n < 50 {
+            break;
+        }
+    }
+    assert_eq!(claims.await.unwrap(), 200);
+    assert_eq!(purged, 500);
+    let rec = db.store.get(&key("live")).await.unwrap().expect("live lease survives");
+    assert_eq!(rec.state, RecordState::InProgress);
+    db.store.complete(live_lease, None, WEEK).await.unwrap();
+    assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
+}

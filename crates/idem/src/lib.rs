@@ -11,3 +11,23 @@ pub mod sqlite {
 
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
+
+/// PostgreSQL store, transactional inbox and entity-as-marker helper (feature `postgres`).
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use idem_sqlx::postgres::*;
+    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
+}
+
+#[cfg(feature = "postgres")]
+pub use idem_sqlx::{PostgresInbox, PostgresStore};
+
+/// MySQL / MariaDB store and transactional inbox (feature `mysql`).
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use idem_sqlx::mysql::*;
+    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
+}
+
+#[cfg(feature = "mysql")]
+pub use idem_sqlx::{MySqlInbox, MySqlStore};

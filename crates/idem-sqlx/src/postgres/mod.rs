@@ -421,7 +421,11 @@ impl DedupStore for PostgresStore {
         let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
         let (mut h, mut s, mut i, mut fp, mut lease, mut keep) =
             (vec![], vec![], vec![], vec![], vec![], vec![]);
-        for (n, r) in reqs.iter().enumerate() {
+        // Rows in hash order, so concurrent batches lock shared keys in one order (no deadlock).
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&n| (reqs[n].key.hash().0, n));
+        for n in order {
+            let r = &reqs[n];
             let hash = r.key.hash().0;
             if first.contains_key(&hash) {
                 continue;

@@ -1,6 +1,7 @@
 //! `idem`: the demo, the benchmark and operator tools.
 
 mod bench;
+mod bench_sql;
 mod demo;
 mod ops;
 
@@ -23,6 +24,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// SQLite store throughput beside the bare SQL primitive, same run.
     Bench(bench::BenchArgs),
+    /// PostgreSQL or MySQL store throughput (per message, inbox, group commit, batches) beside
+    /// the bare SQL primitives, same run.
+    BenchSql(bench_sql::BenchSqlArgs),
     /// List records.
     Inspect {
         #[command(flatten)]
@@ -77,6 +81,7 @@ async fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await.map(|ok| if ok { 0 } else { 1 }),
         Command::Bench(args) => bench::run(args).await.map(|()| 0),
+        Command::BenchSql(args) => bench_sql::run(args).await.map(|()| 0),
         Command::Inspect { store, scope, state, limit } => {
             ops::inspect(&store, scope, state, limit).await.map(|()| 0)
         }

@@ -172,12 +172,22 @@ async fn client_error_is_stored_and_replayed<St: DedupStore + 'static>(store: St
 async fn fifty_concurrent_identical_requests_run_once<St: DedupStore + 'static>(store: St) {
     let app = serve(layer(store)).await;
     let addr = app.addr;
+    let answered = std::sync::Arc::new(tokio::sync::watch::channel(0usize).0);
     let sends: Vec<_> = (0..50)
-        .map(|_| tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await }))
+        .map(|_| {
+            let answered = answered.clone();
+            tokio::spawn(async move {
+                let r = common::send(addr, Req::post("/slow", "k", BODY)).await;
+                answered.send_modify(|n| *n += 1);
+                r
+            })
+        })
         .collect();
-    // Hold the handler until it has run and every other request could have arrived: the claim
-    // race is decided while it is in flight. Then let it finish.
+    // Hold the handler until 25 of the others were answered while it was in flight (409s),
+    // then let it finish: the rest race its completion and get 409s or replays.
     app.wait_calls(1).await;
+    let mut rx = answered.subscribe();
+    tokio::time::timeout(common::WAIT, rx.wait_for(|n| *n >= 25)).await.unwrap().unwrap();
     app.h.gate.add_permits(1);
     let mut replies = Vec::new();
     for s in sends {
@@ -204,6 +214,7 @@ async fn fifty_concurrent_identical_requests_run_once<St: DedupStore + 'static>(
     }
     let replays = replies.iter().filter(|r| r.replayed()).count();
     assert_eq!(1 + replays + conflicts, 50);
+    assert!(conflicts >= 25, "{conflicts} conflicts while the handler was held");
     // Afterwards every retry is a replay.
     let late = app.send(Req::post("/slow", "k", BODY)).await;
     assert!(late.replayed());

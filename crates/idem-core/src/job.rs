@@ -106,8 +106,11 @@ impl<S: DedupStore> Job<S> {
                     None => unreachable!("the handler runs once: acquiring ends the loop"),
                 })
                 .await;
-            let (Outcome::InProgressElsewhere { retry_after }, Some(deadline), Overlap::Wait { poll, .. }) =
-                (&outcome, deadline, self.overlap)
+            let (
+                Outcome::InProgressElsewhere { retry_after },
+                Some(deadline),
+                Overlap::Wait { poll, .. },
+            ) = (&outcome, deadline, self.overlap)
             else {
                 return outcome;
             };

@@ -8,13 +8,16 @@ use http::header::HeaderName;
 #[non_exhaustive]
 pub enum KeyProblem {
     /// The header is present but empty (or an empty quoted string).
-    #[error("the {header} header is empty")]
+    #[error("the {} header is empty", Titled(header))]
     Empty {
         /// The header's name.
         header: HeaderName,
     },
     /// The key is longer than the limit.
-    #[error("the {header} header is {len} bytes long, longer than the limit of {limit} bytes")]
+    #[error(
+        "the {} header is {len} bytes long, longer than the limit of {limit} bytes",
+        Titled(header)
+    )]
     TooLong {
         /// The header's name.
         header: HeaderName,
@@ -24,7 +27,10 @@ pub enum KeyProblem {
         limit: usize,
     },
     /// The key contains a control character or a byte outside visible ASCII.
-    #[error("the {header} header contains a control or non-ASCII character at byte {offset}")]
+    #[error(
+        "the {} header contains a control or non-ASCII character at byte {offset}",
+        Titled(header)
+    )]
     InvalidCharacter {
         /// The header's name.
         header: HeaderName,
@@ -32,7 +38,7 @@ pub enum KeyProblem {
         offset: usize,
     },
     /// The header appears more than once.
-    #[error("the {header} header appears {count} times; send it once")]
+    #[error("the {} header appears {count} times; send it once", Titled(header))]
     Repeated {
         /// The header's name.
         header: HeaderName,
@@ -40,11 +46,29 @@ pub enum KeyProblem {
         count: usize,
     },
     /// A quoted key (a structured-field string) is not closed or has a bad escape.
-    #[error("the {header} header is a malformed quoted string")]
+    #[error("the {} header is a malformed quoted string", Titled(header))]
     BadQuoting {
         /// The header's name.
         header: HeaderName,
     },
+}
+
+/// A header name as people write it (`Idempotency-Key`); `HeaderName` itself is lower case.
+pub(crate) struct Titled<'a>(pub(crate) &'a HeaderName);
+
+impl std::fmt::Display for Titled<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, part) in self.0.as_str().split('-').enumerate() {
+            if i > 0 {
+                f.write_str("-")?;
+            }
+            let mut chars = part.chars();
+            if let Some(c) = chars.next() {
+                write!(f, "{}{}", c.to_ascii_uppercase(), chars.as_str())?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The key of a request: `Ok(None)` when the header is absent.
@@ -143,8 +167,10 @@ mod tests {
         assert_eq!(key(&[b"\"abc"]).unwrap_err(), KeyProblem::BadQuoting { header: h() });
         assert_eq!(key(&[b"\"a\"b\""]).unwrap_err(), KeyProblem::BadQuoting { header: h() });
         assert_eq!(key(&[b"a", b"b"]).unwrap_err(), KeyProblem::Repeated { header: h(), count: 2 });
-        assert!(KeyProblem::TooLong { header: h(), len: 17, limit: 16 }
-            .to_string()
-            .contains("longer than the limit of 16 bytes"));
+        assert!(
+            KeyProblem::TooLong { header: h(), len: 17, limit: 16 }
+                .to_string()
+                .contains("longer than the limit of 16 bytes")
+        );
     }
 }

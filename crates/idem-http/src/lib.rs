@@ -4,6 +4,7 @@
 //! - [`IdempotencyKeyLayer`]: the layer and its settings; its docs list the semantics.
 //! - [`Principal`]: the caller, put in the request's extensions by your authentication, so one
 //!   client never replays another's response.
+//! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
 //! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
 //!
 //! With the `axum` feature, the scope uses axum's route template (`/payments/{id}`) when the layer
@@ -35,6 +36,6 @@ mod stored;
 
 pub use key::KeyProblem;
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
-pub use principal::Principal;
+pub use principal::{IdempotentRequest, Principal};
 pub use problem::{Problem, ProblemKind};
 pub use service::{IdempotencyKey, ResponseFuture};

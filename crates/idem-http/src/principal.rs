@@ -26,3 +26,45 @@ impl Principal {
         &self.0
     }
 }
+
+/// What the layer tells the handler about the request it runs, in the request's extensions
+/// (`Extension<IdempotentRequest>` in axum). Present only when the layer claimed a key.
+///
+/// ```
+/// # fn f(req: &http::Request<()>) {
+/// if let Some(idem) = req.extensions().get::<idem_http::IdempotentRequest>() {
+///     // Give the payment provider a key derived from ours: the same on every retry.
+///     let _ = idem.downstream_key();
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotentRequest {
+    pub(crate) key: idem_core::DedupKey,
+    pub(crate) attempt: u32,
+    pub(crate) took_over: bool,
+}
+
+impl IdempotentRequest {
+    /// The store key: the scope (route and principal) and the client's `Idempotency-Key`.
+    pub fn key(&self) -> &idem_core::DedupKey {
+        &self.key
+    }
+
+    /// 1 for the first run; more when an earlier run answered `5xx` or its lease ran out.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Whether an earlier run's lease ran out mid-request (a crashed server): its effects may
+    /// have happened, so external calls must carry [`IdempotentRequest::downstream_key`].
+    pub fn took_over_expired(&self) -> bool {
+        self.took_over
+    }
+
+    /// An idempotency key for calls to other services, derived from [`IdempotentRequest::key`]:
+    /// the same on every attempt.
+    pub fn downstream_key(&self) -> String {
+        self.key.downstream_key()
+    }
+}

@@ -71,7 +71,10 @@ impl ProblemKind {
     pub fn type_uri(self) -> &'static str {
         macro_rules! anchor {
             ($v:literal) => {
-                concat!("https://docs.rs/idem-http/latest/idem_http/enum.ProblemKind.html#variant.", $v)
+                concat!(
+                    "https://docs.rs/idem-http/latest/idem_http/enum.ProblemKind.html#variant.",
+                    $v
+                )
             };
         }
         match self {

@@ -20,9 +20,10 @@ use sha2::{Digest, Sha256};
 use tower_service::Service;
 use tracing::Instrument as _;
 
+use crate::key::{self, Titled};
 use crate::layer::{Config, IDEMPOTENT_REPLAYED};
 use crate::stored::StoredResponse;
-use crate::{Principal, Problem, ProblemKind, key};
+use crate::{IdempotentRequest, Principal, Problem, ProblemKind};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -40,7 +41,11 @@ pub struct IdempotencyKey<S, St> {
 
 impl<S: Clone, St> Clone for IdempotencyKey<S, St> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), store: Arc::clone(&self.store), cfg: Arc::clone(&self.cfg) }
+        Self {
+            inner: self.inner.clone(),
+            store: Arc::clone(&self.store),
+            cfg: Arc::clone(&self.cfg),
+        }
     }
 }
 
@@ -87,11 +92,13 @@ where
                     "{} {} requires an {} header",
                     req.method(),
                     req.uri().path(),
-                    cfg.header
+                    Titled(&cfg.header)
                 );
                 return ready(Problem::new(ProblemKind::Missing, detail));
             }
-            Err(problem) => return ready(Problem::new(ProblemKind::Malformed, problem.to_string())),
+            Err(problem) => {
+                return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
+            }
         };
         Box::pin(guarded(inner, Arc::clone(&self.store), Arc::clone(cfg), key, req))
     }
@@ -133,7 +140,8 @@ where
         Err(e) if e.is::<LengthLimitError>() => {
             let detail = format!(
                 "the body is larger than the {} bytes this endpoint fingerprints for {}",
-                cfg.max_body, cfg.header
+                cfg.max_body,
+                Titled(&cfg.header)
             );
             return Ok(problem(ProblemKind::BodyTooLarge, detail));
         }
@@ -155,7 +163,7 @@ where
         key = %dedup_key.id(), outcome = tracing::field::Empty);
     let claim_req = ClaimRequest::new(dedup_key, fingerprint, cfg.lease, cfg.retain);
     let claim = store.claim(&claim_req).instrument(span.clone()).await;
-    let header = &cfg.header;
+    let header = Titled(&cfg.header);
     let (label, response) = match claim {
         Err(e) => {
             tracing::warn!(target: "idem", parent: &span, error = &e as &dyn std::error::Error,
@@ -171,15 +179,13 @@ where
             );
             ("response_not_stored", problem(ProblemKind::ResponseNotStored, detail))
         }
-        Ok(Claim::Completed(rec)) => {
-            match rec.result.as_deref().and_then(StoredResponse::decode) {
-                Some(stored) => ("replayed", replay(stored)),
-                None => (
-                    "stored_response_corrupt",
-                    problem(ProblemKind::StoredResponseCorrupt, "the stored response is corrupt"),
-                ),
-            }
-        }
+        Ok(Claim::Completed(rec)) => match rec.result.as_deref().and_then(StoredResponse::decode) {
+            Some(stored) => ("replayed", replay(stored)),
+            None => (
+                "stored_response_corrupt",
+                problem(ProblemKind::StoredResponseCorrupt, "the stored response is corrupt"),
+            ),
+        },
         Ok(Claim::InProgress { retry_after, .. }) => {
             let detail = format!("a request with this {header} is still being processed");
             let p = Problem::new(ProblemKind::InProgress, detail).retry_after(retry_after);
@@ -192,7 +198,12 @@ where
             ("reused", problem(ProblemKind::Reused, detail))
         }
         Ok(Claim::Acquired(lease)) => {
-            let req = Request::from_parts(parts, ReqBody::from(bytes));
+            let mut req = Request::from_parts(parts, ReqBody::from(bytes));
+            req.extensions_mut().insert(IdempotentRequest {
+                key: lease.key().clone(),
+                attempt: lease.attempt(),
+                took_over: lease.took_over_expired(),
+            });
             let task = run(inner, store, cfg, lease, req).instrument(span.clone());
             // A spawned task is not cancelled when the client disconnects and hyper drops this
             // future: the handler's effect and the stored response stay together.

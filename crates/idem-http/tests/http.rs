@@ -73,7 +73,8 @@ async fn first_request_runs_and_retry_replays<St: DedupStore + 'static>(store: S
 async fn in_flight_key_is_409<St: DedupStore + 'static>(store: St) {
     let app = serve(layer(store)).await;
     let addr = app.addr;
-    let first = tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await });
+    let first =
+        tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await });
     app.wait_calls(1).await;
     let second = app.send(Req::post("/slow", "k", BODY)).await;
     assert_eq!(second.status, 409, "{}", second.text());
@@ -149,6 +150,7 @@ async fn server_error_releases_the_key<St: DedupStore + 'static>(store: St) {
     let retry = app.send(Req::post("/flaky", "k", BODY)).await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed());
+    assert!(retry.text().starts_with("created on attempt 2 (idem-"), "{}", retry.text());
     assert_eq!(app.calls(), 2);
     let again = app.send(Req::post("/flaky", "k", BODY)).await;
     assert!(again.replayed());

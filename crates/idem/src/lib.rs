@@ -11,3 +11,9 @@ pub mod sqlite {
 
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
+
+/// The HTTP `Idempotency-Key` layer (feature `http`; `axum` adds its axum glue).
+#[cfg(feature = "http")]
+pub mod http {
+    pub use idem_http::*;
+}

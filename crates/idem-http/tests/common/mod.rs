@@ -6,17 +6,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Router};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem_core::DedupStore;
-use idem_http::{IdempotencyKeyLayer, Principal};
+use idem_http::{IdempotencyKeyLayer, IdempotentRequest, Principal};
 use tokio::sync::{Semaphore, watch};
 
 /// Test time limit for any wait on a condition.
@@ -88,11 +88,15 @@ async fn slow(State(h): State<Handlers>, body: Bytes) -> Response {
 }
 
 // 503 on its first run, 201 afterwards.
-async fn flaky(State(h): State<Handlers>) -> Response {
+async fn flaky(
+    State(h): State<Handlers>,
+    Extension(idem): Extension<IdempotentRequest>,
+) -> Response {
     if bump(&h) == 1 {
         (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response()
     } else {
-        (StatusCode::CREATED, "created on retry").into_response()
+        let body = format!("created on attempt {} ({})", idem.attempt(), idem.downstream_key());
+        (StatusCode::CREATED, body).into_response()
     }
 }
 

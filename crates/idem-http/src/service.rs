@@ -162,7 +162,35 @@ where
     let span = tracing::debug_span!(target: "idem", "idem.http", scope = %dedup_key.scope(),
         key = %dedup_key.id(), outcome = tracing::field::Empty);
     let claim_req = ClaimRequest::new(dedup_key, fingerprint, cfg.lease, cfg.retain);
-    let claim = store.claim(&claim_req).instrument(span.clone()).await;
+    let req = Request::from_parts(parts, ReqBody::from(bytes));
+    let task = decide(inner, store, cfg, claim_req, req, span.clone()).instrument(span);
+    // From the claim on, the work runs on its own task: when the client disconnects, hyper drops
+    // this future, but a claimed key is still answered, and a handler's effect and its stored
+    // response stay together.
+    match tokio::spawn(task).await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Ok(problem(ProblemKind::StoreUnavailable, "the server is shutting down")),
+    }
+}
+
+async fn decide<S, St, ReqBody, ResBody>(
+    inner: S,
+    store: Arc<St>,
+    cfg: Arc<Config>,
+    claim_req: ClaimRequest,
+    mut req: Request<ReqBody>,
+    span: tracing::Span,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    St: DedupStore + 'static,
+    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError> + Send,
+{
+    let claim = store.claim(&claim_req).await;
     let header = Titled(&cfg.header);
     let (label, response) = match claim {
         Err(e) => {
@@ -198,23 +226,13 @@ where
             ("reused", problem(ProblemKind::Reused, detail))
         }
         Ok(Claim::Acquired(lease)) => {
-            let mut req = Request::from_parts(parts, ReqBody::from(bytes));
             req.extensions_mut().insert(IdempotentRequest {
                 key: lease.key().clone(),
                 attempt: lease.attempt(),
                 took_over: lease.took_over_expired(),
             });
-            let task = run(inner, store, cfg, lease, req).instrument(span.clone());
-            // A spawned task is not cancelled when the client disconnects and hyper drops this
-            // future: the handler's effect and the stored response stay together.
-            return match tokio::spawn(task).await {
-                Ok(result) => {
-                    span.record("outcome", "processed");
-                    result
-                }
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(_) => Ok(problem(ProblemKind::StoreUnavailable, "the server is shutting down")),
-            };
+            span.record("outcome", "handler");
+            return run(inner, store, cfg, lease, req).await;
         }
     };
     span.record("outcome", label);

@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{App, Req, serve};
 use idem_core::{DedupStore, MemoryStore};
 use idem_http::IdempotencyKeyLayer;
@@ -305,4 +307,41 @@ async fn stored_responses_survive_a_restart_with_sqlite() {
     assert!(retry.replayed());
     assert_eq!(retry.body, first.body);
     assert_eq!(app.calls(), 0);
+}
+
+// hyper drops the request future when the client goes away; the claimed request still finishes
+// and its response is stored, so the client's retry is a replay, not a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_request_future_does_not_cancel_the_handler() {
+    use tower_service::Service;
+    let (router, h) = common::router(layer(MemoryStore::new()));
+    let mut svc = router;
+    let request = || {
+        axum::http::Request::post("/slow")
+            .header("idempotency-key", "k")
+            .body(axum::body::Body::from(BODY))
+            .unwrap()
+    };
+    std::future::poll_fn(|cx| Service::<axum::extract::Request>::poll_ready(&mut svc, cx))
+        .await
+        .unwrap();
+    let call = svc.call(request());
+    let mut calls = h.calls.subscribe();
+    tokio::select! {
+        _ = call => panic!("the handler is held; the call cannot finish"),
+        r = tokio::time::timeout(common::WAIT, calls.wait_for(|n| *n >= 1)) => { r.unwrap().unwrap(); }
+    }
+    // The call future is dropped here, mid-handler. Let the handler finish.
+    h.gate.add_permits(1);
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let res = svc.call(request()).await.unwrap();
+        if res.headers().contains_key("idempotent-replayed") {
+            break;
+        }
+        assert_eq!(res.status(), 409, "while the handler runs, only 409s");
+        assert!(tokio::time::Instant::now() < deadline, "the dropped request never completed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(*h.calls.borrow(), 1);
 }

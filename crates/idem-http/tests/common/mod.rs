@@ -129,8 +129,8 @@ async fn auth(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Serves the test routes behind `layer` (and the auth middleware in front of it).
-pub async fn serve<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> App {
+/// The test routes behind `layer` (and the auth middleware in front of it).
+pub fn router<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> (Router, Handlers) {
     let h = Handlers { calls: Arc::new(watch::channel(0).0), gate: Arc::new(Semaphore::new(0)) };
     let app = Router::new()
         .route("/payments", post(pay).get(list))
@@ -143,6 +143,12 @@ pub async fn serve<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> 
         .with_state(h.clone())
         .layer(layer)
         .layer(middleware::from_fn(auth));
+    (app, h)
+}
+
+/// Serves [`router`] on 127.0.0.1:0.
+pub async fn serve<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> App {
+    let (app, h) = router(layer);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let server = tokio::spawn(async move {

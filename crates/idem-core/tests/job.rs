@@ -1,6 +1,10 @@
 //! Idempotent jobs: at most once per period, overlapping runs wait or skip, a crashed run is
 //! taken over after its lease. Time is tokio's paused clock, read by the store too.
 
+// Helpers shared by the #[tokio::test]s are not themselves tests, so clippy's test exemption
+// does not reach them.
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;

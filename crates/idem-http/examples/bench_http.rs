@@ -121,7 +121,12 @@ async fn load(name: &str, addr: SocketAddr, keys: Keys, a: &Args, run: u64) -> R
     let elapsed = started.elapsed();
     lat.sort();
     let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
-    Row { name: name.to_owned(), rps: a.requests as f64 / elapsed.as_secs_f64(), p50: pct(50), p99: pct(99) }
+    Row {
+        name: name.to_owned(),
+        rps: a.requests as f64 / elapsed.as_secs_f64(),
+        p50: pct(50),
+        p99: pct(99),
+    }
 }
 
 struct Client {
@@ -170,11 +175,21 @@ async fn raw_store<St: DedupStore + Clone + 'static>(name: &str, store: St, a: &
                     }
                     let t = Instant::now();
                     let key = DedupKey::new("raw", format!("k-{i}")).expect("key");
-                    let req = ClaimRequest::new(key, None, Duration::from_secs(30), Duration::from_secs(86_400));
+                    let req = ClaimRequest::new(
+                        key,
+                        None,
+                        Duration::from_secs(30),
+                        Duration::from_secs(86_400),
+                    );
                     let Claim::Acquired(lease) = store.claim(&req).await.expect("claim") else {
                         panic!("fresh key not acquired")
                     };
-                    store.complete(lease, Some(b"0123456789abcdef0123456789abcdef0123456789"), Duration::from_secs(86_400))
+                    store
+                        .complete(
+                            lease,
+                            Some(b"0123456789abcdef0123456789abcdef0123456789"),
+                            Duration::from_secs(86_400),
+                        )
                         .await
                         .expect("complete");
                     lat.push(t.elapsed());
@@ -189,7 +204,12 @@ async fn raw_store<St: DedupStore + Clone + 'static>(name: &str, store: St, a: &
     let elapsed = started.elapsed();
     lat.sort();
     let pct = |p: usize| lat[(lat.len() * p / 100).min(lat.len() - 1)];
-    Row { name: name.to_owned(), rps: a.requests as f64 / elapsed.as_secs_f64(), p50: pct(50), p99: pct(99) }
+    Row {
+        name: name.to_owned(),
+        rps: a.requests as f64 / elapsed.as_secs_f64(),
+        p50: pct(50),
+        p99: pct(99),
+    }
 }
 
 async fn sqlite(dir: &std::path::Path, name: &str, sync: SqliteSynchronous) -> SqliteStore {
@@ -216,7 +236,11 @@ async fn main() {
     );
     let bare = serve(app()).await;
     let mem = serve(app().layer(IdempotencyKeyLayer::new(MemoryStore::new()))).await;
-    let lite = serve(app().layer(IdempotencyKeyLayer::new(sqlite(dir.path(), "http.sqlite", a.synchronous).await))).await;
+    let lite =
+        serve(app().layer(IdempotencyKeyLayer::new(
+            sqlite(dir.path(), "http.sqlite", a.synchronous).await,
+        )))
+        .await;
     let raw_lite = sqlite(dir.path(), "raw.sqlite", a.synchronous).await;
 
     // Warm up each server (connections, allocator, SQLite pages).

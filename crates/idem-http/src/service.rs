@@ -104,9 +104,10 @@ where
     }
 }
 
-fn ready<R: From<Bytes>, E: Send + 'static>(p: Problem) -> ResponseFuture<Response<R>, E>
+fn ready<R, E>(p: Problem) -> ResponseFuture<Response<R>, E>
 where
-    R: Send + 'static,
+    R: From<Bytes> + Send + 'static,
+    E: Send + 'static,
 {
     Box::pin(std::future::ready(Ok(p.into_response())))
 }

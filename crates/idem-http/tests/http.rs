@@ -1,6 +1,10 @@
 //! The layer through real HTTP: an axum server on 127.0.0.1 and a hyper client, against the
 //! memory and SQLite stores.
 
+// Helpers shared by the #[tokio::test]s are not themselves tests, so clippy's test exemption
+// does not reach them.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

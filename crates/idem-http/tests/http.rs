@@ -349,3 +349,34 @@ async fn dropped_request_future_does_not_cancel_the_handler() {
     }
     assert_eq!(*h.calls.borrow(), 1);
 }
+
+// A request that outlives its lease is taken over by the retry (attempt 2), and the stale run,
+// fenced out, cannot overwrite the response the retry stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_is_taken_over_and_the_stale_run_is_fenced() {
+    let clock = idem_core::time::ManualClock::new();
+    let store = MemoryStore::with_clock(clock.clone());
+    let app = serve(layer(store).lease(Duration::from_secs(5))).await;
+    let addr = app.addr;
+    let stale =
+        tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await });
+    app.wait_calls(1).await;
+    assert_eq!(app.send(Req::post("/slow", "k", BODY)).await.status, 409);
+    clock.advance(Duration::from_secs(6));
+    let addr = app.addr;
+    let taker =
+        tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await });
+    app.wait_calls(2).await;
+    // The taker finishes first and stores its response; then the stale run finishes.
+    app.h.retry_gate.add_permits(1);
+    let taker = taker.await.unwrap();
+    app.h.gate.add_permits(1);
+    let stale = stale.await.unwrap();
+    assert!(taker.text().starts_with("slow attempt 2"), "{}", taker.text());
+    assert_eq!((taker.status.as_u16(), stale.status.as_u16()), (200, 200));
+    let replay = app.send(Req::post("/slow", "k", BODY)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, taker.body, "the fenced-out run overwrote the stored response");
+    assert_ne!(replay.body, stale.body);
+    assert_eq!(app.calls(), 2);
+}

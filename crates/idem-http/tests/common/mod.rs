@@ -26,8 +26,10 @@ pub const WAIT: Duration = Duration::from_secs(10);
 pub struct Handlers {
     /// How many times any handler ran (`watch` so tests can wait for a count).
     pub calls: Arc<watch::Sender<usize>>,
-    /// `/slow` waits for a permit here before answering.
+    /// `/slow` waits for a permit here before answering (its first attempt)…
     pub gate: Arc<Semaphore>,
+    /// …or here (later attempts, which took an expired lease over).
+    pub retry_gate: Arc<Semaphore>,
 }
 
 pub struct App {
@@ -79,12 +81,19 @@ async fn pay(State(h): State<Handlers>, body: Bytes) -> Response {
     res
 }
 
-async fn slow(State(h): State<Handlers>, body: Bytes) -> Response {
+async fn slow(
+    State(h): State<Handlers>,
+    Extension(idem): Extension<IdempotentRequest>,
+    body: Bytes,
+) -> Response {
     bump(&h);
-    let permit = h.gate.acquire().await.expect("gate open");
+    let gate = if idem.attempt() == 1 { &h.gate } else { &h.retry_gate };
+    let permit = gate.acquire().await.expect("gate open");
     permit.forget();
     let n = *h.calls.borrow();
-    (StatusCode::OK, format!("slow done after {n} calls, {} bytes", body.len())).into_response()
+    let text =
+        format!("slow attempt {} done after {n} calls, {} bytes", idem.attempt(), body.len());
+    (StatusCode::OK, text).into_response()
 }
 
 // 503 on its first run, 201 afterwards.
@@ -131,7 +140,11 @@ async fn auth(mut req: Request, next: Next) -> Response {
 
 /// The test routes behind `layer` (and the auth middleware in front of it).
 pub fn router<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> (Router, Handlers) {
-    let h = Handlers { calls: Arc::new(watch::channel(0).0), gate: Arc::new(Semaphore::new(0)) };
+    let h = Handlers {
+        calls: Arc::new(watch::channel(0).0),
+        gate: Arc::new(Semaphore::new(0)),
+        retry_gate: Arc::new(Semaphore::new(0)),
+    };
     let app = Router::new()
         .route("/payments", post(pay).get(list))
         .route("/slow", post(slow))

@@ -68,8 +68,18 @@ pub(crate) struct Config {
 /// path — and the [`Principal`](crate::Principal) the application put in the request's
 /// extensions, so one client can never replay another's response.
 ///
-/// The handler runs on a spawned tokio task: a client that disconnects mid-request cannot cancel
-/// it between its effect and the stored response.
+/// From the claim on, the work runs on a spawned tokio task: a client that disconnects
+/// mid-request cannot strand a claimed key or cancel the handler between its effect and the
+/// stored response. Make the [`lease`](Self::lease) longer than the slowest handler: a request
+/// still running when its lease ends may be taken over by a retry (the stale run is then fenced
+/// out and cannot overwrite the retry's stored response).
+///
+/// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
+/// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
+/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored`,
+/// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
+/// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `body_too_large`,
+/// `body_unreadable`.
 ///
 /// ```
 /// use std::time::Duration;

@@ -86,8 +86,12 @@ where
         }
         let key = match key::read(req.headers(), &cfg.header, cfg.max_key_len) {
             Ok(Some(key)) => key,
-            Ok(None) if !cfg.required => return Box::pin(inner.call(req)),
+            Ok(None) if !cfg.required => {
+                count(cfg, "no_key");
+                return Box::pin(inner.call(req));
+            }
             Ok(None) => {
+                count(cfg, "missing_key");
                 let detail = format!(
                     "{} {} requires an {} header",
                     req.method(),
@@ -97,6 +101,7 @@ where
                 return ready(Problem::new(ProblemKind::Missing, detail));
             }
             Err(problem) => {
+                count(cfg, "malformed_key");
                 return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
             }
         };
@@ -110,6 +115,13 @@ where
     E: Send + 'static,
 {
     Box::pin(std::future::ready(Ok(p.into_response())))
+}
+
+/// Counts one guarded request's outcome: `idem_http_requests_total{scope_prefix, outcome}`.
+fn count(cfg: &Config, outcome: &'static str) {
+    metrics::counter!("idem_http_requests_total", "scope_prefix" => cfg.scope_prefix.clone(),
+        "outcome" => outcome)
+    .increment(1);
 }
 
 fn problem<R: From<Bytes>>(kind: ProblemKind, detail: impl Into<String>) -> Response<R> {
@@ -144,13 +156,18 @@ where
                 cfg.max_body,
                 Titled(&cfg.header)
             );
+            count(&cfg, "body_too_large");
             return Ok(problem(ProblemKind::BodyTooLarge, detail));
         }
-        Err(e) => return Ok(problem(ProblemKind::BodyUnreadable, e.to_string())),
+        Err(e) => {
+            count(&cfg, "body_unreadable");
+            return Ok(problem(ProblemKind::BodyUnreadable, e.to_string()));
+        }
     };
     let fingerprint = match fingerprint(&cfg, &parts, &bytes) {
         Ok(fp) => fp,
         Err(e) => {
+            count(&cfg, "body_unreadable");
             return Ok(problem(ProblemKind::BodyUnreadable, format!("the body is not JSON: {e}")));
         }
     };
@@ -158,7 +175,10 @@ where
         Ok(k) => k,
         // The key was validated against a limit no larger than the store's and the scope is
         // hashed when too long, so this is unreachable in practice; answer it as a bad key.
-        Err(e) => return Ok(problem(ProblemKind::Malformed, e.to_string())),
+        Err(e) => {
+            count(&cfg, "malformed_key");
+            return Ok(problem(ProblemKind::Malformed, e.to_string()));
+        }
     };
     let span = tracing::debug_span!(target: "idem", "idem.http", scope = %dedup_key.scope(),
         key = %dedup_key.id(), outcome = tracing::field::Empty);
@@ -232,22 +252,26 @@ where
                 attempt: lease.attempt(),
                 took_over: lease.took_over_expired(),
             });
-            span.record("outcome", "handler");
-            return run(inner, store, cfg, lease, req).await;
+            let (label, result) = run(inner, store, &cfg, lease, req).await;
+            span.record("outcome", label);
+            count(&cfg, label);
+            return result;
         }
     };
     span.record("outcome", label);
+    count(&cfg, label);
     tracing::debug!(target: "idem", parent: &span, outcome = label, "idempotent request answered");
     Ok(response)
 }
 
+/// Runs the handler under the lease; returns the outcome label with the result.
 async fn run<S, St, ReqBody, ResBody>(
     mut inner: S,
     store: Arc<St>,
-    cfg: Arc<Config>,
+    cfg: &Config,
     lease: Lease,
     req: Request<ReqBody>,
-) -> Result<Response<ResBody>, S::Error>
+) -> (&'static str, Result<Response<ResBody>, S::Error>)
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -260,6 +284,7 @@ where
         Ok(r) => r,
         Err(panic) => {
             release(&*store, lease).await;
+            count(cfg, "released");
             std::panic::resume_unwind(panic);
         }
     };
@@ -268,15 +293,15 @@ where
         other => {
             // A 5xx or a service error: nothing is stored, the client may retry.
             release(&*store, lease).await;
-            return other;
+            return ("released", other);
         }
     };
     let (parts, body) = res.into_parts();
     let too_large = |len: u64| usize::try_from(len).map_or(true, |l| l > cfg.max_body);
     if too_large(body.size_hint().lower()) {
         // Known too large before reading: stream it through; record that it ran.
-        park_unstored(&*store, lease, &cfg).await;
-        return Ok(Response::from_parts(parts, body));
+        park_unstored(&*store, lease, cfg).await;
+        return ("not_stored", Ok(Response::from_parts(parts, body)));
     }
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
@@ -284,25 +309,32 @@ where
             let e: BoxError = e.into();
             tracing::warn!(target: "idem", error = %e, "response body failed; key released");
             release(&*store, lease).await;
-            return Ok(problem(ProblemKind::ResponseUnreadable, "the response body failed"));
+            let res = problem(ProblemKind::ResponseUnreadable, "the response body failed");
+            return ("released", Ok(res));
         }
     };
-    if bytes.len() > cfg.max_body {
-        park_unstored(&*store, lease, &cfg).await;
+    let label = if bytes.len() > cfg.max_body {
+        park_unstored(&*store, lease, cfg).await;
+        "not_stored"
     } else {
         let mut headers = parts.headers.clone();
         for name in &cfg.skipped_headers {
             headers.remove(name);
         }
         let stored = StoredResponse { status: parts.status, headers, body: bytes.clone() };
-        if let Err(e) = store.complete(lease, Some(&stored.encode()), cfg.retain).await {
-            // The handler's effect happened: answer with its response. The key stays in
-            // progress until the lease runs out; a retry after that runs the handler again.
-            tracing::warn!(target: "idem", error = &e as &dyn std::error::Error,
-                "response not stored; a retry after the lease will run the handler again");
+        match store.complete(lease, Some(&stored.encode()), cfg.retain).await {
+            Ok(()) => "stored",
+            Err(e) => {
+                // The handler's effect happened: answer with its response. The key stays in
+                // progress until the lease runs out (or was taken over, when the lease was
+                // lost); a retry after that runs the handler again.
+                tracing::warn!(target: "idem", error = &e as &dyn std::error::Error,
+                    "response not stored; a retry after the lease will run the handler again");
+                "store_failed"
+            }
         }
-    }
-    Ok(Response::from_parts(parts, ResBody::from(bytes)))
+    };
+    (label, Ok(Response::from_parts(parts, ResBody::from(bytes))))
 }
 
 async fn release<St: DedupStore>(store: &St, lease: Lease) {

@@ -6,6 +6,7 @@
 //!   with [`MemoryStore`] as its reference implementation.
 //! - [`Consumer`]: the engine that turns every delivery into exactly one [`Outcome`].
 //! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
+//! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
@@ -15,6 +16,7 @@ pub mod consumer;
 pub mod extract;
 pub mod fingerprint;
 pub mod ident;
+pub mod job;
 pub mod key;
 pub mod memory;
 pub mod record;

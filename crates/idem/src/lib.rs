@@ -31,3 +31,9 @@ pub mod mysql {
 
 #[cfg(feature = "mysql")]
 pub use idem_sqlx::{MySqlInbox, MySqlStore};
+
+/// The HTTP `Idempotency-Key` layer (feature `http`; `axum` adds its axum glue).
+#[cfg(feature = "http")]
+pub mod http {
+    pub use idem_http::*;
+}

@@ -1,0 +1,208 @@
+//! The layer and its configuration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use idem_core::FingerprintSpec;
+use tower_layer::Layer;
+
+use crate::IdempotencyKey;
+
+/// The header carrying the key, as the IETF draft names it.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header marking a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Response headers never stored: hop-by-hop headers, and ones that describe this transmission
+/// rather than the resource (`date`, `content-length`, which hyper recomputes) or another
+/// session (`set-cookie`).
+const SKIPPED_HEADERS: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "date",
+    "content-length",
+    "set-cookie",
+];
+
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) required: bool,
+    pub(crate) max_body: usize,
+    pub(crate) max_key_len: usize,
+    pub(crate) lease: Duration,
+    pub(crate) retain: Duration,
+    pub(crate) scope_prefix: String,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) skipped_headers: Vec<HeaderName>,
+}
+
+/// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
+/// [`DedupStore`](idem_core::DedupStore).
+///
+/// Following the IETF HTTPAPI draft "The Idempotency-Key HTTP Header Field":
+///
+/// | request | response |
+/// | --- | --- |
+/// | first with this key | the handler's; its status, headers and body are stored |
+/// | retry, same method, path and body | the stored response, with `Idempotent-Replayed: true` |
+/// | same key while the first is in flight | `409 Conflict` with `Retry-After` |
+/// | same key, different method, path or body | `422 Unprocessable Content` |
+/// | no key where [`required`](Self::required) | `400 Bad Request` |
+/// | empty, too long, repeated or control characters in the key | `400 Bad Request` naming it |
+///
+/// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)). A `5xx`
+/// from the handler (or a service error) releases the key so the client may retry; any other
+/// status is stored and replayed.
+///
+/// The store key is `(scope, idempotency key)`. The scope is the route — axum's route template
+/// when the `axum` feature is on and the layer is added with `Router::layer`, else the request
+/// path — and the [`Principal`](crate::Principal) the application put in the request's
+/// extensions, so one client can never replay another's response.
+///
+/// From the claim on, the work runs on a spawned tokio task: a client that disconnects
+/// mid-request cannot strand a claimed key or cancel the handler between its effect and the
+/// stored response. Make the [`lease`](Self::lease) longer than the slowest handler: a request
+/// still running when its lease ends may be taken over by a retry (the stale run is then fenced
+/// out and cannot overwrite the retry's stored response).
+///
+/// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
+/// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
+/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored`,
+/// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
+/// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `body_too_large`,
+/// `body_unreadable`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::MemoryStore;
+/// use idem_http::IdempotencyKeyLayer;
+///
+/// let layer = IdempotencyKeyLayer::new(MemoryStore::new())
+///     .required(true)
+///     .lease(Duration::from_secs(60))
+///     .retain(Duration::from_secs(24 * 3600));
+/// # let _ = layer;
+/// ```
+#[derive(Debug)]
+#[must_use]
+pub struct IdempotencyKeyLayer<St> {
+    store: Arc<St>,
+    cfg: Config,
+}
+
+impl<St> Clone for IdempotencyKeyLayer<St> {
+    fn clone(&self) -> Self {
+        Self { store: Arc::clone(&self.store), cfg: self.cfg.clone() }
+    }
+}
+
+impl<St> IdempotencyKeyLayer<St> {
+    /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
+    /// `PATCH`, key optional, keys up to 255 bytes, bodies up to 256 KiB, lease 30 s, retention
+    /// 24 h, scope prefix `http`, fingerprint of the raw body bytes.
+    pub fn new(store: St) -> Self {
+        Self {
+            store: Arc::new(store),
+            cfg: Config {
+                header: IDEMPOTENCY_KEY,
+                methods: vec![Method::POST, Method::PATCH],
+                required: false,
+                max_body: 256 * 1024,
+                max_key_len: 255,
+                lease: Duration::from_secs(30),
+                retain: Duration::from_secs(24 * 3600),
+                scope_prefix: "http".to_owned(),
+                fingerprint: FingerprintSpec::Bytes,
+                skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
+            },
+        }
+    }
+
+    /// The header carrying the key (default `Idempotency-Key`).
+    pub fn header(mut self, name: HeaderName) -> Self {
+        self.cfg.header = name;
+        self
+    }
+
+    /// The methods the layer guards (default `POST` and `PATCH`); others pass straight through.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.cfg.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a guarded request without a key is refused with `400` (default `false`: it is
+    /// passed through without deduplication).
+    pub fn required(mut self, required: bool) -> Self {
+        self.cfg.required = required;
+        self
+    }
+
+    /// The largest request body fingerprinted and the largest response body stored (default
+    /// 256 KiB). A larger request is refused with `413`. A larger response is returned to this
+    /// client, but only the fact that it was processed is stored (the record is parked *in
+    /// doubt*): a retry gets `409` ([`ProblemKind::ResponseNotStored`](crate::ProblemKind)) and the
+    /// handler does not run again. Keep it below your store's result limit (1 MiB for the memory
+    /// and SQLite stores).
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.cfg.max_body = bytes;
+        self
+    }
+
+    /// The longest key accepted, in bytes (default 255; at most 512, the store's key limit).
+    pub fn max_key_len(mut self, bytes: usize) -> Self {
+        self.cfg.max_key_len = bytes.min(idem_core::DEFAULT_MAX_KEY_BYTES);
+        self
+    }
+
+    /// How long a request holds its key before a retry may take it over (default 30 s). Make it
+    /// longer than the slowest handler; zero is raised to one millisecond.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.cfg.lease = lease.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a stored response is kept and replayed (default 24 h); zero is raised to one
+    /// second.
+    pub fn retain(mut self, retain: Duration) -> Self {
+        self.cfg.retain = retain.max(Duration::from_secs(1));
+        self
+    }
+
+    /// The first part of every scope (default `http`): give each service sharing a store its own.
+    pub fn scope_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.cfg.scope_prefix = prefix.into();
+        self
+    }
+
+    /// How the body enters the fingerprint (default the raw bytes; `CanonicalJson` ignores key
+    /// order and whitespace, `None` never reports a reused key). The method and the path with
+    /// its query are always part of it.
+    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.cfg.fingerprint = spec;
+        self
+    }
+
+    /// A response header not to store or replay, besides the hop-by-hop headers, `date`,
+    /// `content-length` and `set-cookie`.
+    pub fn skip_header(mut self, name: HeaderName) -> Self {
+        self.cfg.skipped_headers.push(name);
+        self
+    }
+}
+
+impl<S, St> Layer<S> for IdempotencyKeyLayer<St> {
+    type Service = IdempotencyKey<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyKey::new(inner, Arc::clone(&self.store), Arc::new(self.cfg.clone()))
+    }
+}

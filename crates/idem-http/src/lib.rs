@@ -1,0 +1,41 @@
+//! HTTP `Idempotency-Key` for **idem**: a tower [`Layer`](tower_layer::Layer) that makes retried
+//! `POST`/`PATCH` requests take effect once, over any [`DedupStore`](idem_core::DedupStore).
+//!
+//! - [`IdempotencyKeyLayer`]: the layer and its settings; its docs list the semantics.
+//! - [`Principal`]: the caller, put in the request's extensions by your authentication, so one
+//!   client never replays another's response.
+//! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
+//! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
+//!
+//! With the `axum` feature, the scope uses axum's route template (`/payments/{id}`) when the layer
+//! is added with `Router::layer`, and [`Problem`] implements `IntoResponse`.
+//!
+//! ```no_run
+//! # #[cfg(feature = "axum")] mod m {
+//! use axum::{Router, routing::post};
+//! use idem_core::MemoryStore;
+//! use idem_http::IdempotencyKeyLayer;
+//!
+//! async fn pay() -> &'static str { "paid" }
+//!
+//! # async fn serve() {
+//! let app: Router = Router::new()
+//!     .route("/payments", post(pay))
+//!     .layer(IdempotencyKeyLayer::new(MemoryStore::new()).required(true));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+//! axum::serve(listener, app).await.unwrap();
+//! # } }
+//! ```
+
+mod key;
+mod layer;
+mod principal;
+mod problem;
+mod service;
+mod stored;
+
+pub use key::KeyProblem;
+pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
+pub use principal::{IdempotentRequest, Principal};
+pub use problem::{Problem, ProblemKind};
+pub use service::{IdempotencyKey, ResponseFuture};

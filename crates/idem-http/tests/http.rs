@@ -30,6 +30,22 @@ macro_rules! each_store {
                 let store = idem_sqlx::SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
                 super::$case(store).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                let Some(url) = idem_testkit::service::require(
+                    "postgres", "IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test",
+                ) else { return };
+                let schema = format!("idem_http_{}_{}", stringify!($case), std::process::id());
+                let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await.unwrap();
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
+                    .execute(&pool).await.unwrap();
+                let store = idem_sqlx::PostgresStore::new(pool.clone()).with_schema(&schema).unwrap();
+                store.migrate().await.unwrap();
+                super::$case(store).await;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                    .execute(&pool).await.unwrap();
+            }
         }
     )*};
 }

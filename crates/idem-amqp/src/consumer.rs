@@ -173,7 +173,10 @@ impl<S: DedupStore> AmqpConsumer<S> {
         while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(5), stream.next()).await
         {
             match d.nack(BasicNackOptions { multiple: false, requeue: true }).await {
-                Ok(true) => stats.requeued += 1,
+                Ok(true) => {
+                    stats.requeued += 1;
+                    stats.returned_at_shutdown += 1;
+                }
                 _ => break,
             }
         }

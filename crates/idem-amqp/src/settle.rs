@@ -67,6 +67,9 @@ pub struct Stats {
     pub delayed: u64,
     /// Deliveries sent to the dead-letter exchange.
     pub dead_lettered: u64,
+    /// Deliveries the broker had pushed but the handler had not started when shutdown came:
+    /// requeued untouched (also counted in `requeued`).
+    pub returned_at_shutdown: u64,
 }
 
 pub(crate) fn action_of<T, E: Display>(o: &Outcome<T, E>, min: Duration, max: Duration) -> Action {

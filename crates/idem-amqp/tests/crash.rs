@@ -1,0 +1,421 @@
+//! Crash test on the real RabbitMQ, transactional-inbox mode on SQLite.
+//!
+//! Three competing consumers take 5,000 messages: 4,000 unique ids, 999 producer duplicates
+//! (same id, same body) and one id reused with a different body. Consumer A's connection is
+//! cut (through a TCP proxy the test owns) while its handler is inside the transaction;
+//! consumer C is a child process (this test binary re-run) that calls `std::process::abort()`
+//! after its commit and before its ack. Consumer B survives. Pass: every unique id's row is in
+//! the ledger (a table with no unique constraint) exactly once, the redelivered copies of the
+//! two interrupted messages end as duplicates, the reused id is in the dead-letter queue with
+//! its reason, and nothing is left in the queue or unacked.
+//!
+//! The PostgreSQL store is being written in parallel; this test uses the SQLite store and
+//! inbox until it lands.
+#![cfg(feature = "sqlite")]
+#![allow(clippy::unwrap_used, clippy::too_many_lines)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{Broker, DEFAULT_URL};
+use idem_amqp::lapin::options::BasicPublishOptions;
+use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
+use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
+use idem_core::Consumer;
+use idem_core::consumer::HandlerError;
+use idem_sqlx::{SqliteStore, Writes};
+use rand::seq::{IndexedRandom, SliceRandom};
+use sqlx::sqlite::SqliteConnection;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const CHILD_ENV: &str = "IDEM_AMQP_CRASH_CHILD";
+const UNIQUE: usize = 4_000;
+const TOTAL: usize = 5_000;
+const DROP_AT: usize = 40;
+const ABORT_AT: usize = 60;
+const LIMIT: Duration = Duration::from_secs(180);
+
+#[derive(Debug, Clone)]
+struct Seen {
+    who: &'static str,
+    key: String,
+    outcome: String,
+    redelivered: bool,
+}
+
+fn body(i: usize) -> Vec<u8> {
+    format!(r#"{{"order":"order-{i:04}","cents":{}}}"#, 100 + i).into_bytes()
+}
+
+/// Each delivery's effect: one ledger row (no unique constraint, so a second effect shows).
+fn ledger_writes(
+    who: &'static str,
+    cut: Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>,
+) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>> {
+    move |conn: &mut SqliteConnection, m: AmqpMessage| {
+        let cut = cut.clone();
+        Box::pin(async move {
+            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+            sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+                .bind(&key)
+                .bind(m.payload())
+                .bind(who)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if let Some((n, tell, go)) = cut
+                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+            {
+                // Mid-handler: the row is written, nothing committed or acked yet.
+                tell.send(key).unwrap();
+                go.notified().await;
+            }
+            Ok(())
+        }) as Writes<'_, (), HandlerError<String>>
+    }
+}
+
+fn engine(store: &SqliteStore) -> Consumer<SqliteStore> {
+    Consumer::builder(store.clone()).scope("crash").build().unwrap()
+}
+
+async fn start(
+    conn: &Connection,
+    store: &SqliteStore,
+    queue: &str,
+    hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
+) -> AmqpConsumer<SqliteStore> {
+    AmqpConsumer::builder(engine(store), queue)
+        .prefetch(16)
+        .batch(8, Duration::from_millis(2))
+        .on_settle(hook)
+        .connect(conn)
+        .await
+        .unwrap()
+}
+
+fn seen_hook(
+    who: &'static str,
+    tx: mpsc::UnboundedSender<Seen>,
+) -> impl Fn(&Report<'_>) + Send + Sync + 'static {
+    move |r: &Report<'_>| {
+        let _ = tx.send(Seen {
+            who,
+            key: r.key.unwrap_or_default().to_owned(),
+            outcome: r.outcome.to_owned(),
+            redelivered: r.message.redelivered(),
+        });
+    }
+}
+
+/// A TCP proxy to the broker whose connections the test can cut.
+struct Proxy {
+    addr: String,
+    tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let tasks = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t = Arc::clone(&tasks);
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let up = upstream.clone();
+                let h = tokio::spawn(async move {
+                    let mut server = TcpStream::connect(up).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                });
+                t.lock().unwrap().push(h);
+            }
+        });
+        Self { addr, tasks, accept }
+    }
+
+    /// Drops both sockets of every proxied connection: the broker sees the client vanish.
+    fn cut(&self) {
+        self.accept.abort();
+        for h in self.tasks.lock().unwrap().drain(..) {
+            h.abort();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_once_effects() {
+    let Some(b) = Broker::new("crash").await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("crash.sqlite");
+    let store_a = SqliteStore::open(&db).await.unwrap();
+    // Deliberately no unique constraint: a second effect must show up as a second row.
+    sqlx::query("CREATE TABLE ledger (key TEXT NOT NULL, body BLOB NOT NULL, who TEXT NOT NULL)")
+        .execute(store_a.pool())
+        .await
+        .unwrap();
+    let store_b = SqliteStore::open(&db).await.unwrap();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+
+    // A: through the proxy, cut mid-handler.
+    let upstream = idem_testkit::service::host_port(&b.url);
+    let proxy = Proxy::start(upstream.clone()).await;
+    let conn_a = Connection::connect(&b.url.replace(&upstream, &proxy.addr), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let a = start(&conn_a, &store_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
+    let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    let writes_a =
+        ledger_writes("A", Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go))));
+    let inbox_a = store_a.inbox(Duration::from_secs(86_400));
+    let pool_a = store_a.pool().clone();
+    let task_a = tokio::spawn(async move {
+        a.run_inbox(&inbox_a, &pool_a, writes_a, std::future::pending()).await
+    });
+
+    // B: survives.
+    let conn_b = b.connect().await;
+    let (mut stop_b, mut task_b) =
+        spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
+
+    // C: a child process that aborts between commit and ack.
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["crash_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .env("IDEM_AMQP_CRASH_QUEUE", b.queue())
+        .env("IDEM_AMQP_CRASH_DB", &db)
+        .env("IDEM_TEST_AMQP_URL", &b.url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (abort_tx, abort_rx) = oneshot::channel();
+    let stderr = child.stderr.take().unwrap();
+    let child_seen = seen_tx.clone();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        let (mut ready_tx, mut abort_tx) = (Some(ready_tx), Some(abort_tx));
+        while let Ok(Some(line)) = lines.next_line().await {
+            let f: Vec<&str> = line.split('\t').collect();
+            match f.as_slice() {
+                ["READY"] => drop(ready_tx.take().map(|t| t.send(()))),
+                ["ABORT_KEY", k] => drop(abort_tx.take().map(|t| t.send((*k).to_owned()))),
+                ["SEEN", k, o, r] => {
+                    let _ = child_seen.send(Seen {
+                        who: "C",
+                        key: (*k).to_owned(),
+                        outcome: (*o).to_owned(),
+                        redelivered: *r == "true",
+                    });
+                }
+                _ => eprintln!("child: {line}"),
+            }
+        }
+    });
+    tokio::time::timeout(LIMIT, ready_rx).await.unwrap().expect("child consumer is ready");
+
+    // The producer: 4,000 ids, 999 duplicates of them, one id reused with another body last.
+    let mut msgs: Vec<(String, Vec<u8>)> =
+        (0..UNIQUE).map(|i| (format!("order-{i:04}"), body(i))).collect();
+    let mut rng = rand::rng();
+    let dups: Vec<(String, Vec<u8>)> =
+        (0..TOTAL - UNIQUE - 1).map(|_| msgs.choose(&mut rng).unwrap().clone()).collect();
+    msgs.extend(dups);
+    msgs.shuffle(&mut rng);
+    let reused = msgs[0].0.clone();
+    let original_body = msgs[0].1.clone();
+    let reused_body = br#"{"order":"reused","cents":999999}"#.to_vec();
+    msgs.push((reused.clone(), reused_body.clone()));
+    assert_eq!(msgs.len(), TOTAL);
+    let bodies: HashMap<String, Vec<u8>> =
+        (0..UNIQUE).map(|i| (format!("order-{i:04}"), body(i))).collect();
+    let pub_ch = b.conn.create_channel().await.unwrap();
+    pub_ch.confirm_select(Default::default()).await.unwrap();
+    for chunk in msgs.chunks(500) {
+        let mut confirms = Vec::new();
+        for (id, body) in chunk {
+            let props = BasicProperties::default().with_delivery_mode(2).with_message_id(id.as_str().into());
+            confirms.push(
+                pub_ch
+                    .basic_publish("".into(), b.queue().into(), BasicPublishOptions::default(), body, props)
+                    .await
+                    .unwrap(),
+            );
+        }
+        for c in confirms {
+            assert!(c.await.unwrap().is_ack());
+        }
+    }
+
+    // Cut A's connection while its handler is inside the transaction, then let it finish: its
+    // commit happens, its ack cannot.
+    let drop_key = tokio::time::timeout(LIMIT, cut_rx.recv()).await.unwrap().unwrap();
+    proxy.cut();
+    go.notify_one();
+    let a_result = tokio::time::timeout(LIMIT, task_a).await.expect("A stops").unwrap();
+    assert!(a_result.is_err(), "A's run must fail once its connection is gone: {a_result:?}");
+
+    let abort_key = tokio::time::timeout(LIMIT, abort_rx).await.unwrap().expect("child aborts");
+    let status = tokio::time::timeout(LIMIT, child.wait()).await.unwrap().unwrap();
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(6), "the child died of SIGABRT: {status:?}");
+    }
+
+    // Wait until every unique id is processed, the reused one is dead-lettered and the queues
+    // are empty; then stop B, and go again if it had to give deliveries back.
+    let mut seen: Vec<Seen> = Vec::new();
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        while let Ok(s) = seen_rx.try_recv() {
+            seen.push(s);
+        }
+        let processed = seen.iter().filter(|s| s.outcome == "processed").count();
+        let conflicts = seen.iter().filter(|s| s.outcome == "conflict").count();
+        if processed >= UNIQUE
+            && conflicts >= 1
+            && b.count(b.queue()).await == 0
+            && b.count(b.topology.delay_queue()).await == 0
+        {
+            let _ = stop_b.send(());
+            let stats: Stats = task_b.await.unwrap().unwrap();
+            if stats.returned_at_shutdown == 0 {
+                break;
+            }
+            (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not done in {LIMIT:?}: {} seen", seen.len());
+        tokio::select! {
+            Some(s) = seen_rx.recv() => seen.push(s),
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    while let Ok(s) = seen_rx.try_recv() {
+        seen.push(s);
+    }
+
+    // Nothing unacked: every consumer is gone, so anything unacked would be ready again.
+    assert_eq!(b.count(b.queue()).await, 0, "work queue empty");
+    assert_eq!(b.count(b.topology.delay_queue()).await, 0, "delay queue empty");
+
+    // Every unique id's effect exactly once, with its original body.
+    let rows: Vec<(String, Vec<u8>, i64)> =
+        sqlx::query_as("SELECT key, MIN(body), COUNT(*) FROM ledger GROUP BY key")
+            .fetch_all(store_b.pool())
+            .await
+            .unwrap();
+    let twice: Vec<_> = rows.iter().filter(|r| r.2 != 1).map(|r| (&r.0, r.2)).collect();
+    assert!(twice.is_empty(), "effects repeated: {twice:?}");
+    assert_eq!(rows.len(), UNIQUE, "every unique id has its row");
+    for (key, body, _) in &rows {
+        assert_eq!(Some(body), bodies.get(key), "ledger body of {key}");
+    }
+    assert_eq!(bodies[&reused], original_body);
+    let processed: Vec<&Seen> = seen.iter().filter(|s| s.outcome == "processed").collect();
+    assert_eq!(processed.len(), UNIQUE, "one processed outcome per unique id");
+    let distinct: HashSet<&str> = processed.iter().map(|s| s.key.as_str()).collect();
+    assert_eq!(distinct.len(), UNIQUE);
+
+    // The interrupted messages came back and ended as duplicates.
+    for (what, key) in [("cut", &drop_key), ("aborted", &abort_key)] {
+        let again: Vec<&Seen> = seen.iter().filter(|s| &s.key == key && s.redelivered).collect();
+        assert!(!again.is_empty(), "the {what} message {key} was redelivered: {seen:?}");
+        assert!(
+            again.iter().all(|s| s.outcome == "duplicate"),
+            "redelivered copies of the {what} message end as duplicates: {again:?}"
+        );
+    }
+    let dup_count = seen.iter().filter(|s| s.outcome == "duplicate").count();
+    assert!(dup_count >= TOTAL - UNIQUE - 1 + 2, "{dup_count} duplicates");
+    let odd: Vec<&Seen> = seen
+        .iter()
+        .filter(|s| !matches!(s.outcome.as_str(), "processed" | "duplicate" | "conflict"))
+        .collect();
+    assert!(odd.is_empty(), "no other outcomes expected: {odd:?}");
+
+    // The reused id is in the dead-letter queue, with its reason.
+    let dlq = b.drain_dlq().await;
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].0.as_deref(), Some(reused.as_str()));
+    assert_eq!(dlq[0].2, reused_body);
+    let reason = dlq[0].1.clone().unwrap();
+    assert!(reason.starts_with(&format!("conflict: key crash/{reused} reused")), "{reason}");
+
+    let mut by_who: HashMap<&str, usize> = HashMap::new();
+    for s in &seen {
+        *by_who.entry(s.who).or_default() += 1;
+    }
+    assert!(by_who.get("C").copied().unwrap_or(0) >= ABORT_AT, "C competed: {by_who:?}");
+    println!(
+        "crash test: {} deliveries settled {by_who:?}, {dup_count} duplicates, cut {drop_key}, aborted {abort_key}",
+        seen.len()
+    );
+    let _ = conn_b.close(200, "".into()).await;
+    b.cleanup().await;
+}
+
+async fn spawn_b(
+    conn: &Connection,
+    store: &SqliteStore,
+    queue: &str,
+    seen: mpsc::UnboundedSender<Seen>,
+) -> (oneshot::Sender<()>, JoinHandle<Result<Stats, idem_amqp::Error>>) {
+    let c = start(conn, store, queue, seen_hook("B", seen)).await;
+    let inbox = store.inbox(Duration::from_secs(86_400));
+    let pool = store.pool().clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let writes = ledger_writes("B", None);
+        c.run_inbox(&inbox, &pool, writes, async move {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    (stop, task)
+}
+
+/// Consumer C, run as a child process by the crash test: aborts after its `ABORT_AT`th commit,
+/// before the ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the crash test's child process; run by it, not alone"]
+async fn crash_child() {
+    assert!(std::env::var(CHILD_ENV).is_ok(), "run only as the crash test's child process");
+    let queue = std::env::var("IDEM_AMQP_CRASH_QUEUE").unwrap();
+    let db = PathBuf::from(std::env::var("IDEM_AMQP_CRASH_DB").unwrap());
+    let url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+    child_main(&url, &queue, &db).await;
+}
+
+async fn child_main(url: &str, queue: &str, db: &Path) {
+    let store = SqliteStore::open(db).await.unwrap();
+    let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
+    let processed = AtomicUsize::new(0);
+    let hook = move |r: &Report<'_>| {
+        let key = r.key.unwrap_or_default();
+        eprintln!("SEEN\t{key}\t{}\t{}", r.outcome, r.message.redelivered());
+        // The hook runs after the commit and before the ack: the crash window.
+        if r.outcome == "processed"
+            && r.action == &Action::Ack
+            && processed.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AT
+        {
+            eprintln!("ABORT_KEY\t{key}");
+            std::process::abort();
+        }
+    };
+    let c = start(&conn, &store, queue, hook).await;
+    eprintln!("READY");
+    let inbox = store.inbox(Duration::from_secs(86_400));
+    let _ = c.run_inbox(&inbox, store.pool(), ledger_writes("C", None), std::future::pending()).await;
+    unreachable!("the child aborts before its queue runs dry");
+}

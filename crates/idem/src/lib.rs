@@ -11,3 +11,7 @@ pub mod sqlite {
 
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
+
+/// The RabbitMQ consumer adapter (feature `amqp`).
+#[cfg(feature = "amqp")]
+pub use idem_amqp as amqp;

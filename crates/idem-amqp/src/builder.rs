@@ -125,9 +125,9 @@ impl<S: DedupStore> AmqpConsumerBuilder<S> {
             .await
             .map_err(setup("confirm.select"))?;
         self.topology.declare(&publisher).await?;
-        let tag = self.tag.unwrap_or_else(|| {
-            format!("idem-{}-{:016x}", self.engine.scope(), rand_suffix())
-        });
+        let tag = self
+            .tag
+            .unwrap_or_else(|| format!("idem-{}-{:016x}", self.engine.scope(), rand_suffix()));
         Ok(AmqpConsumer {
             engine: self.engine,
             channel,

@@ -115,8 +115,10 @@ impl<S: DedupStore> AmqpConsumer<S> {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut stats = Stats::default();
         while let Some(batch) = self.fetch(&mut stream, shutdown.as_mut(), &mut stats).await? {
-            let outcomes =
-                self.engine.process_batch(&batch, |ctx, m: &AmqpMessage| handler(ctx, m.clone())).await;
+            let outcomes = self
+                .engine
+                .process_batch(&batch, |ctx, m: &AmqpMessage| handler(ctx, m.clone()))
+                .await;
             for (m, o) in batch.iter().zip(&outcomes) {
                 self.settle(m, o, &mut stats).await?;
             }
@@ -170,7 +172,8 @@ impl<S: DedupStore> AmqpConsumer<S> {
             tracing::warn!(target: "idem", error = %e, "basic.cancel failed");
         }
         // After cancel-ok the stream ends; the bound only guards against a silent broker.
-        while let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(5), stream.next()).await
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_secs(5), stream.next()).await
         {
             match d.nack(BasicNackOptions { multiple: false, requeue: true }).await {
                 Ok(true) => {

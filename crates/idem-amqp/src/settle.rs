@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_core::consumer::Disposition;
 use idem_core::{DedupStore, Outcome};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Confirmation};
 
 use crate::topology::{DELAYS_HEADER, OUTCOME_HEADER, QUEUE_HEADER, REASON_HEADER, SCOPE_HEADER};
@@ -121,7 +121,13 @@ impl<S: DedupStore> AmqpConsumer<S> {
                 let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
                 let delays = AMQPValue::LongUInt(m.delays().saturating_add(1));
                 let copy = self
-                    .publish_copy(m, "", &self.topology.delay_queue, &[(DELAYS_HEADER, delays)], Some(ms))
+                    .publish_copy(
+                        m,
+                        "",
+                        &self.topology.delay_queue,
+                        &[(DELAYS_HEADER, delays)],
+                        Some(ms),
+                    )
                     .await;
                 match copy {
                     Ok(()) => {
@@ -224,7 +230,7 @@ impl<S: DedupStore> AmqpConsumer<S> {
         if let Some(v) = p.priority() {
             props = props.with_priority(*v);
         }
-        let mut headers = p.headers().clone().unwrap_or_else(FieldTable::default);
+        let mut headers = p.headers().clone().unwrap_or_default();
         for (k, v) in extra {
             headers.insert((*k).into(), v.clone());
         }

@@ -114,9 +114,13 @@ impl Topology {
         .await
         .map_err(step("dead-letter exchange"))?;
         if let Some(dlq) = &self.dead_letter_queue {
-            ch.queue_declare(dlq.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
-                .await
-                .map_err(step("dead-letter queue"))?;
+            ch.queue_declare(
+                dlq.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(step("dead-letter queue"))?;
             ch.queue_bind(
                 dlq.as_str().into(),
                 self.dead_letter_exchange.as_str().into(),

@@ -59,7 +59,8 @@ fn body(i: usize) -> Vec<u8> {
 fn ledger_writes(
     who: &'static str,
     cut: Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>,
-) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>> {
+) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>>
+{
     move |conn: &mut SqliteConnection, m: AmqpMessage| {
         let cut = cut.clone();
         Box::pin(async move {
@@ -168,9 +169,12 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
     // A: through the proxy, cut mid-handler.
     let upstream = idem_testkit::service::host_port(&b.url);
     let proxy = Proxy::start(upstream.clone()).await;
-    let conn_a = Connection::connect(&b.url.replace(&upstream, &proxy.addr), ConnectionProperties::default())
-        .await
-        .unwrap();
+    let conn_a = Connection::connect(
+        &b.url.replace(&upstream, &proxy.addr),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
     let a = start(&conn_a, &store_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
     let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
     let go = Arc::new(Notify::new());
@@ -184,8 +188,7 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
 
     // B: survives.
     let conn_b = b.connect().await;
-    let (mut stop_b, mut task_b) =
-        spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
+    let (mut stop_b, mut task_b) = spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
 
     // C: a child process that aborts between commit and ack.
     let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
@@ -245,10 +248,18 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
     for chunk in msgs.chunks(500) {
         let mut confirms = Vec::new();
         for (id, body) in chunk {
-            let props = BasicProperties::default().with_delivery_mode(2).with_message_id(id.as_str().into());
+            let props = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(id.as_str().into());
             confirms.push(
                 pub_ch
-                    .basic_publish("".into(), b.queue().into(), BasicPublishOptions::default(), body, props)
+                    .basic_publish(
+                        "".into(),
+                        b.queue().into(),
+                        BasicPublishOptions::default(),
+                        body,
+                        props,
+                    )
                     .await
                     .unwrap(),
             );
@@ -295,7 +306,11 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
             }
             (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
         }
-        assert!(tokio::time::Instant::now() < deadline, "not done in {LIMIT:?}: {} seen", seen.len());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not done in {LIMIT:?}: {} seen",
+            seen.len()
+        );
         tokio::select! {
             Some(s) = seen_rx.recv() => seen.push(s),
             () = tokio::time::sleep(Duration::from_millis(100)) => {}
@@ -416,6 +431,7 @@ async fn child_main(url: &str, queue: &str, db: &Path) {
     let c = start(&conn, &store, queue, hook).await;
     eprintln!("READY");
     let inbox = store.inbox(Duration::from_secs(86_400));
-    let _ = c.run_inbox(&inbox, store.pool(), ledger_writes("C", None), std::future::pending()).await;
+    let _ =
+        c.run_inbox(&inbox, store.pool(), ledger_writes("C", None), std::future::pending()).await;
     unreachable!("the child aborts before its queue runs dry");
 }

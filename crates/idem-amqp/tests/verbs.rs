@@ -244,14 +244,13 @@ async fn a_header_extractor_replaces_the_message_id() {
         .key(Header::new("idempotency-key"))
         .build()
         .unwrap();
-    let c = AmqpConsumer::builder(engine, b.queue()).on_settle(hook).connect(&b.conn).await.unwrap();
+    let c =
+        AmqpConsumer::builder(engine, b.queue()).on_settle(hook).connect(&b.conn).await.unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(c.run(
-        |_ctx, _m| async { Ok::<_, HandlerError<String>>(()) },
-        async move {
+    let task =
+        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
             let _ = stopped.await;
-        },
-    ));
+        }));
     b.publish(Some("m-1"), b"pay", &[("Idempotency-Key", "k-1")]).await;
     b.publish(Some("m-2"), b"pay", &[("Idempotency-Key", "k-1")]).await;
     let mut seen = Vec::new();

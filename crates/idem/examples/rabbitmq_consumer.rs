@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use idem::Consumer;
+use idem::SqliteStore;
 use idem::amqp::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
@@ -23,7 +24,6 @@ use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::amqp::{Action, AmqpConsumer, RabbitWindow, Report};
 use idem::consumer::HandlerError;
 use idem::sqlite::Writes;
-use idem::SqliteStore;
 use sqlx::sqlite::SqliteConnection;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -51,9 +51,15 @@ async fn main() -> Result<(), Error> {
     ];
     for (id, body) in orders {
         let props = BasicProperties::default().with_delivery_mode(2).with_message_id(id.into());
-        ch.basic_publish("".into(), queue.as_str().into(), BasicPublishOptions::default(), body.as_bytes(), props)
-            .await?
-            .await?;
+        ch.basic_publish(
+            "".into(),
+            queue.as_str().into(),
+            BasicPublishOptions::default(),
+            body.as_bytes(),
+            props,
+        )
+        .await?
+        .await?;
         println!("published {id}: {body}");
     }
 
@@ -99,10 +105,11 @@ async fn main() -> Result<(), Error> {
     let dlq = topology.dead_letter_queue().unwrap_or_default();
     while let Some(m) = ch.basic_get(dlq.into(), BasicGetOptions { no_ack: true }).await? {
         let d = m.delivery;
-        let reason = d.properties.headers().as_ref().and_then(|h| match h.inner().get("x-idem-reason") {
-            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
-            _ => None,
-        });
+        let reason =
+            d.properties.headers().as_ref().and_then(|h| match h.inner().get("x-idem-reason") {
+                Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                _ => None,
+            });
         println!(
             "dead-letter queue: {:?} {} — reason: {}",
             d.properties.message_id(),

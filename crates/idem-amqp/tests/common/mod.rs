@@ -33,8 +33,7 @@ pub struct Seen {
     pub payload: Vec<u8>,
 }
 
-pub fn reporter() -> (impl Fn(&Report<'_>) + Send + Sync + 'static, mpsc::UnboundedReceiver<Seen>)
-{
+pub fn reporter() -> (impl Fn(&Report<'_>) + Send + Sync + 'static, mpsc::UnboundedReceiver<Seen>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let hook = move |r: &Report<'_>| {
         let _ = tx.send(Seen {
@@ -81,9 +80,13 @@ impl Broker {
         let ch = conn.create_channel().await.unwrap();
         ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
         let queue = format!("idem-test-{tag}-{}", suffix());
-        ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
-            .await
-            .unwrap();
+        ch.queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
         Some(Self { url, conn, ch, topology: Topology::for_queue(queue) })
     }
 

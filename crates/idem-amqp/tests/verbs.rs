@@ -285,3 +285,35 @@ async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
     assert!(c.is_ok(), "7 days cover 10 h");
     b.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_fetched_together_are_claimed_together() {
+    let Some(b) = Broker::new("batch").await else { return };
+    for i in 0..10 {
+        b.publish(Some(&format!("k-{i}")), b"{}", &[]).await;
+    }
+    let store = idem_testkit::faults::FaultyStore::new(MemoryStore::new());
+    let engine = Consumer::builder(store.clone()).scope("batch").build().unwrap();
+    let (hook, mut rx) = reporter();
+    let c = AmqpConsumer::builder(engine, b.queue())
+        .prefetch(16)
+        .batch(10, Duration::from_secs(2))
+        .on_settle(hook)
+        .connect(&b.conn)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task =
+        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+            let _ = stopped.await;
+        }));
+    let mut seen = Vec::new();
+    wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 10).await;
+    assert!(seen.iter().all(|s| s.outcome == "processed"));
+    assert_eq!(store.claim_many_calls(), 1, "ten deliveries, one claim_many round trip");
+    assert_eq!(store.claims(), 10);
+    stop.send(()).unwrap();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(stats.acked, 10);
+    b.cleanup().await;
+}

@@ -41,7 +41,7 @@ const UNIQUE: usize = 4_000;
 const TOTAL: usize = 5_000;
 const DROP_AT: usize = 40;
 const ABORT_AT: usize = 60;
-const LIMIT: Duration = Duration::from_secs(180);
+const LIMIT: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone)]
 struct Seen {
@@ -292,9 +292,14 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
         while let Ok(s) = seen_rx.try_recv() {
             seen.push(s);
         }
-        let processed = seen.iter().filter(|s| s.outcome == "processed").count();
+        // Consumers that died mid-batch committed deliveries they never reported, so the
+        // ledger, not the reports, says when every unique id is done.
+        let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(DISTINCT key) FROM ledger")
+            .fetch_one(store_b.pool())
+            .await
+            .unwrap();
         let conflicts = seen.iter().filter(|s| s.outcome == "conflict").count();
-        if processed >= UNIQUE
+        if rows >= i64::try_from(UNIQUE).unwrap()
             && conflicts >= 1
             && b.count(b.queue()).await == 0
             && b.count(b.topology.delay_queue()).await == 0
@@ -308,8 +313,13 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "not done in {LIMIT:?}: {} seen",
-            seen.len()
+            "not done in {LIMIT:?}: {} seen, {:?}, queue {}",
+            seen.len(),
+            seen.iter().fold(HashMap::<(&str, &str), usize>::new(), |mut m, s| {
+                *m.entry((s.who, s.outcome.as_str())).or_default() += 1;
+                m
+            }),
+            b.count(b.queue()).await
         );
         tokio::select! {
             Some(s) = seen_rx.recv() => seen.push(s),
@@ -337,10 +347,12 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
         assert_eq!(Some(body), bodies.get(key), "ledger body of {key}");
     }
     assert_eq!(bodies[&reused], original_body);
+    // A processed outcome is reported at most once per id (a crashed consumer's batch may
+    // have committed ids it never got to report; their redeliveries are duplicates).
     let processed: Vec<&Seen> = seen.iter().filter(|s| s.outcome == "processed").collect();
-    assert_eq!(processed.len(), UNIQUE, "one processed outcome per unique id");
     let distinct: HashSet<&str> = processed.iter().map(|s| s.key.as_str()).collect();
-    assert_eq!(distinct.len(), UNIQUE);
+    assert_eq!(distinct.len(), processed.len(), "no id processed twice");
+    assert!(processed.len() > UNIQUE - 2 * 16, "{} processed reports", processed.len());
 
     // The interrupted messages came back and ended as duplicates.
     for (what, key) in [("cut", &drop_key), ("aborted", &abort_key)] {
@@ -352,6 +364,7 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
         );
     }
     let dup_count = seen.iter().filter(|s| s.outcome == "duplicate").count();
+    assert_eq!(processed.len() + dup_count + 1, seen.len(), "every report is one of the three");
     assert!(dup_count >= TOTAL - UNIQUE - 1 + 2, "{dup_count} duplicates");
     let odd: Vec<&Seen> = seen
         .iter()

@@ -16,6 +16,27 @@ use crate::{AmqpConsumer, Error, RabbitWindow, Report, Topology};
 /// "in progress elsewhere" clamped to 1 s – 5 min, the [`Topology::for_queue`] companions,
 /// consumer tag `idem-<scope>-<random>`, no retention check (set one with
 /// [`retention_window`](Self::retention_window)).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_amqp::{AmqpConsumer, RabbitWindow};
+/// use idem_core::{Consumer, MemoryStore, extract::Header};
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let conn = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;
+/// let engine = Consumer::builder(MemoryStore::new())
+///     .scope("payments")
+///     .key(Header::new("Idempotency-Key")) // instead of the AMQP message_id
+///     .build()?;
+/// let consumer = AmqpConsumer::builder(engine, "payments")
+///     .prefetch(128)
+///     .batch(64, Duration::from_millis(2))
+///     .retention_window(RabbitWindow::new().delivery_limit(10))
+///     .on_settle(|r| println!("{:?} → {} → {:?}", r.key, r.outcome, r.action))
+///     .connect(&conn)
+///     .await?;
+/// # drop(consumer); Ok(()) }
+/// ```
 #[must_use]
 pub struct AmqpConsumerBuilder<S> {
     pub(crate) engine: Consumer<S>,

@@ -16,6 +16,19 @@
 //! RabbitMQ redelivers an unacked message when its channel closes and after `consumer_timeout`
 //! (30 min by default); quorum queues stop after `x-delivery-limit` deliveries. Records must
 //! outlive that: give the builder a [`RabbitWindow`] and `connect` refuses a shorter retention.
+//! RabbitMQ has no per-delivery "still working" signal: a handler longer than
+//! `consumer_timeout` gets its channel closed and its message redelivered, so keep handlers
+//! shorter (the engine's `heartbeat` extends only the idem lease, which the redelivery then
+//! finds in progress and sends round the delay queue until the first attempt finishes).
+//!
+//! # Failure modes
+//! - A dead-letter or delay copy that is not confirmed (nacked, unroutable, channel gone) is
+//!   never followed by an ack: the original is requeued instead.
+//! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
+//!   again: the dead-letter queue is at least once.
+//! - Any broker error ends [`AmqpConsumer::run`] with an [`Error`]; reconnect and build a new
+//!   consumer. Unacked messages are redelivered by the broker; the store turns them into
+//!   duplicates.
 //!
 //! [`Context::downstream_key`]: idem_core::consumer::Context::downstream_key
 

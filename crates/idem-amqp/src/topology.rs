@@ -29,6 +29,16 @@ pub const QUEUE_HEADER: &str = "x-idem-queue";
 ///   (`<queue>.idem.dlq`) with the work queue's name as routing key. Conflicts and permanent
 ///   failures are republished there with the reason in headers, under publisher confirms,
 ///   before the original is acked.
+///
+/// ```
+/// use idem_amqp::Topology;
+///
+/// let t = Topology::for_queue("orders");
+/// assert_eq!(t.delay_queue(), "orders.idem.delay");
+/// assert_eq!(t.dead_letter_queue(), Some("orders.idem.dlq"));
+/// let mine = t.with_dead_letter("ops.dlx", None);
+/// assert_eq!((mine.dead_letter_exchange(), mine.dead_letter_queue()), ("ops.dlx", None));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
     pub(crate) queue: String,

@@ -70,6 +70,41 @@ pub struct Broker {
     pub conn: Connection,
     pub ch: Channel,
     pub topology: Topology,
+    cleaned: bool,
+}
+
+impl Drop for Broker {
+    /// A failing test still deletes its queues: on a fresh connection, from a thread with a
+    /// runtime of its own (the test's runtime may be unwinding).
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        let (url, t) = (self.url.clone(), self.topology.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let Ok(conn) = Connection::connect(&url, ConnectionProperties::default()).await
+                else {
+                    return;
+                };
+                let Ok(ch) = conn.create_channel().await else { return };
+                let mut queues = vec![t.queue().to_owned(), t.delay_queue().to_owned()];
+                queues.extend(t.dead_letter_queue().map(str::to_owned));
+                for q in queues {
+                    let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+                }
+                let _ = ch
+                    .exchange_delete(
+                        t.dead_letter_exchange().into(),
+                        ExchangeDeleteOptions::default(),
+                    )
+                    .await;
+                let _ = conn.close(200, "".into()).await;
+            });
+        })
+        .join();
+    }
 }
 
 impl Broker {
@@ -87,7 +122,7 @@ impl Broker {
         )
         .await
         .unwrap();
-        Some(Self { url, conn, ch, topology: Topology::for_queue(queue) })
+        Some(Self { url, conn, ch, topology: Topology::for_queue(queue), cleaned: false })
     }
 
     pub fn queue(&self) -> &str {
@@ -171,7 +206,8 @@ impl Broker {
     }
 
     /// Deletes the work queue and its companions.
-    pub async fn cleanup(self) {
+    pub async fn cleanup(mut self) {
+        self.cleaned = true;
         let t = &self.topology;
         let mut queues = vec![t.queue().to_owned(), t.delay_queue().to_owned()];
         queues.extend(t.dead_letter_queue().map(str::to_owned));

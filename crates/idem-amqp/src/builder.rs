@@ -146,9 +146,11 @@ impl<S: DedupStore> AmqpConsumerBuilder<S> {
             .await
             .map_err(setup("confirm.select"))?;
         self.topology.declare(&publisher).await?;
-        let tag = self
-            .tag
-            .unwrap_or_else(|| format!("idem-{}-{:016x}", self.engine.scope(), rand_suffix()));
+        // AMQP short strings hold 255 bytes; scopes may be longer.
+        let tag = self.tag.unwrap_or_else(|| {
+            let scope: String = self.engine.scope().chars().take(64).collect();
+            format!("idem-{scope}-{:016x}", rand_suffix())
+        });
         Ok(AmqpConsumer {
             engine: self.engine,
             channel,

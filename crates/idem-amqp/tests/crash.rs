@@ -1,4 +1,5 @@
-//! Crash test on the real RabbitMQ, transactional-inbox mode on SQLite.
+//! Crash tests on the real RabbitMQ, in transactional-inbox mode and in two-phase mode, on
+//! SQLite.
 //!
 //! Three competing consumers take 5,000 messages: 4,000 unique ids, 999 producer duplicates
 //! (same id, same body) and one id reused with a different body. Consumer A's connection is
@@ -8,6 +9,11 @@
 //! the ledger (a table with no unique constraint) exactly once, the redelivered copies of the
 //! two interrupted messages end as duplicates, the reused id is in the dead-letter queue with
 //! its reason, and nothing is left in the queue or unacked.
+//!
+//! In two-phase mode the ledger row is the handler's effect and the engine records completion
+//! afterwards; the cut falls after the effect and the abort after the completion, so exactly
+//! once still holds there (a crash *between* effect and completion reruns the handler with the
+//! same downstream key: that is what the key is for, and what the inbox mode avoids).
 //!
 //! The PostgreSQL store is being written in parallel; this test uses the SQLite store and
 //! inbox until it lands.
@@ -58,7 +64,7 @@ fn body(i: usize) -> Vec<u8> {
 /// Each delivery's effect: one ledger row (no unique constraint, so a second effect shows).
 fn ledger_writes(
     who: &'static str,
-    cut: Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>,
+    cut: Cut,
 ) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>>
 {
     move |conn: &mut SqliteConnection, m: AmqpMessage| {
@@ -84,6 +90,67 @@ fn ledger_writes(
     }
 }
 
+type Cut = Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>;
+
+/// How the effect is made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The ledger row commits with the inbox marker.
+    Inbox,
+    /// The handler writes the ledger row under a lease; the engine then records completion.
+    TwoPhase,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Inbox => "inbox",
+            Self::TwoPhase => "two-phase",
+        }
+    }
+}
+
+async fn run_consumer(
+    c: AmqpConsumer<SqliteStore>,
+    mode: Mode,
+    store: SqliteStore,
+    who: &'static str,
+    cut: Cut,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<Stats, idem_amqp::Error> {
+    match mode {
+        Mode::Inbox => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
+        }
+        Mode::TwoPhase => {
+            let pool = store.pool().clone();
+            let handler = move |_ctx, m: AmqpMessage| {
+                let (pool, cut) = (pool.clone(), cut.clone());
+                async move {
+                    let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+                    sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+                        .bind(&key)
+                        .bind(m.payload())
+                        .bind(who)
+                        .execute(&pool)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    if let Some((n, tell, go)) = cut
+                        && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+                    {
+                        // Mid-handler: the effect is done, its completion not yet recorded.
+                        tell.send(key).unwrap();
+                        go.notified().await;
+                    }
+                    Ok::<_, HandlerError<String>>(())
+                }
+            };
+            c.run(handler, shutdown).await
+        }
+    }
+}
+
 fn engine(store: &SqliteStore) -> Consumer<SqliteStore> {
     Consumer::builder(store.clone()).scope("crash").build().unwrap()
 }
@@ -97,6 +164,7 @@ async fn start(
     AmqpConsumer::builder(engine(store), queue)
         .prefetch(16)
         .batch(8, Duration::from_millis(2))
+        .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
         .on_settle(hook)
         .connect(conn)
         .await
@@ -154,7 +222,19 @@ impl Proxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_once_effects() {
-    let Some(b) = Broker::new("crash").await else { return };
+    scenario(Mode::Inbox).await;
+}
+
+/// Two-phase: the cut and the abort both fall after the effect is done (the abort after its
+/// completion is recorded), so the ledger still shows each effect once; the cut consumer's
+/// redelivered message meets a live lease and goes round the delay queue first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_phase_three_consumers_a_cut_connection_and_an_aborted_process() {
+    scenario(Mode::TwoPhase).await;
+}
+
+async fn scenario(mode: Mode) {
+    let Some(b) = Broker::new(&format!("crash-{}", mode.name())).await else { return };
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("crash.sqlite");
     let store_a = SqliteStore::open(&db).await.unwrap();
@@ -178,23 +258,21 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
     let a = start(&conn_a, &store_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
     let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
     let go = Arc::new(Notify::new());
-    let writes_a =
-        ledger_writes("A", Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go))));
-    let inbox_a = store_a.inbox(Duration::from_secs(86_400));
-    let pool_a = store_a.pool().clone();
-    let task_a = tokio::spawn(async move {
-        a.run_inbox(&inbox_a, &pool_a, writes_a, std::future::pending()).await
-    });
+    let cut = Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go)));
+    let task_a =
+        tokio::spawn(run_consumer(a, mode, store_a.clone(), "A", cut, std::future::pending()));
 
     // B: survives.
     let conn_b = b.connect().await;
-    let (mut stop_b, mut task_b) = spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
+    let (mut stop_b, mut task_b) =
+        spawn_b(&conn_b, &store_b, b.queue(), mode, seen_tx.clone()).await;
 
     // C: a child process that aborts between commit and ack.
     let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
         .args(["crash_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, "1")
         .env("IDEM_AMQP_CRASH_QUEUE", b.queue())
+        .env("IDEM_AMQP_CRASH_MODE", mode.name())
         .env("IDEM_AMQP_CRASH_DB", &db)
         .env("IDEM_TEST_AMQP_URL", &b.url)
         .stdout(std::process::Stdio::null())
@@ -309,7 +387,7 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
             if stats.returned_at_shutdown == 0 {
                 break;
             }
-            (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), seen_tx.clone()).await;
+            (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), mode, seen_tx.clone()).await;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -358,17 +436,43 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
     for (what, key) in [("cut", &drop_key), ("aborted", &abort_key)] {
         let again: Vec<&Seen> = seen.iter().filter(|s| &s.key == key && s.redelivered).collect();
         assert!(!again.is_empty(), "the {what} message {key} was redelivered: {seen:?}");
+        // In two-phase mode a redelivery may first meet the live lease (in progress elsewhere,
+        // round the delay queue); every copy after the first processing ends as a duplicate.
+        let copies: Vec<&Seen> = seen.iter().filter(|s| &s.key == key).collect();
+        let processed_at = copies.iter().position(|s| s.outcome == "processed");
+        let later = &copies[processed_at.map_or(0, |p| p + 1)..];
         assert!(
-            again.iter().all(|s| s.outcome == "duplicate"),
-            "redelivered copies of the {what} message end as duplicates: {again:?}"
+            later
+                .iter()
+                .all(|s| matches!(s.outcome.as_str(), "duplicate" | "in_progress_elsewhere")),
+            "copies of the {what} message after its processing: {copies:?}"
         );
+        assert!(
+            copies.iter().any(|s| s.outcome == "duplicate"),
+            "the {what} message ends as a duplicate: {copies:?}"
+        );
+        if mode == Mode::Inbox {
+            assert!(
+                again.iter().all(|s| s.outcome == "duplicate"),
+                "redelivered copies of the {what} message end as duplicates: {again:?}"
+            );
+        }
     }
     let dup_count = seen.iter().filter(|s| s.outcome == "duplicate").count();
-    assert_eq!(processed.len() + dup_count + 1, seen.len(), "every report is one of the three");
+    let waiting = seen.iter().filter(|s| s.outcome == "in_progress_elsewhere").count();
+    if mode == Mode::Inbox {
+        assert_eq!(waiting, 0, "no lease holders in inbox mode");
+    }
+    assert_eq!(processed.len() + dup_count + waiting + 1, seen.len(), "no other outcome");
     assert!(dup_count >= TOTAL - UNIQUE - 1 + 2, "{dup_count} duplicates");
     let odd: Vec<&Seen> = seen
         .iter()
-        .filter(|s| !matches!(s.outcome.as_str(), "processed" | "duplicate" | "conflict"))
+        .filter(|s| {
+            !matches!(
+                s.outcome.as_str(),
+                "processed" | "duplicate" | "conflict" | "in_progress_elsewhere"
+            )
+        })
         .collect();
     assert!(odd.is_empty(), "no other outcomes expected: {odd:?}");
 
@@ -386,7 +490,8 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
     }
     assert!(by_who.get("C").copied().unwrap_or(0) >= ABORT_AT, "C competed: {by_who:?}");
     println!(
-        "crash test: {} deliveries settled {by_who:?}, {dup_count} duplicates, cut {drop_key}, aborted {abort_key}",
+        "crash test ({}): {} deliveries settled {by_who:?}, {dup_count} duplicates, {waiting} in progress elsewhere, cut {drop_key}, aborted {abort_key}",
+        mode.name(),
         seen.len()
     );
     let _ = conn_b.close(200, "".into()).await;
@@ -397,19 +502,14 @@ async fn spawn_b(
     conn: &Connection,
     store: &SqliteStore,
     queue: &str,
+    mode: Mode,
     seen: mpsc::UnboundedSender<Seen>,
 ) -> (oneshot::Sender<()>, JoinHandle<Result<Stats, idem_amqp::Error>>) {
     let c = start(conn, store, queue, seen_hook("B", seen)).await;
-    let inbox = store.inbox(Duration::from_secs(86_400));
-    let pool = store.pool().clone();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let writes = ledger_writes("B", None);
-        c.run_inbox(&inbox, &pool, writes, async move {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let task = tokio::spawn(run_consumer(c, mode, store.clone(), "B", None, async move {
+        let _ = stopped.await;
+    }));
     (stop, task)
 }
 
@@ -422,10 +522,14 @@ async fn crash_child() {
     let queue = std::env::var("IDEM_AMQP_CRASH_QUEUE").unwrap();
     let db = PathBuf::from(std::env::var("IDEM_AMQP_CRASH_DB").unwrap());
     let url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
-    child_main(&url, &queue, &db).await;
+    let mode = match std::env::var("IDEM_AMQP_CRASH_MODE").as_deref() {
+        Ok("two-phase") => Mode::TwoPhase,
+        _ => Mode::Inbox,
+    };
+    child_main(&url, &queue, &db, mode).await;
 }
 
-async fn child_main(url: &str, queue: &str, db: &Path) {
+async fn child_main(url: &str, queue: &str, db: &Path, mode: Mode) {
     let store = SqliteStore::open(db).await.unwrap();
     let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
     let processed = AtomicUsize::new(0);
@@ -443,8 +547,6 @@ async fn child_main(url: &str, queue: &str, db: &Path) {
     };
     let c = start(&conn, &store, queue, hook).await;
     eprintln!("READY");
-    let inbox = store.inbox(Duration::from_secs(86_400));
-    let _ =
-        c.run_inbox(&inbox, store.pool(), ledger_writes("C", None), std::future::pending()).await;
+    let _ = run_consumer(c, mode, store, "C", None, std::future::pending()).await;
     unreachable!("the child aborts before its queue runs dry");
 }

@@ -37,3 +37,7 @@ pub use idem_sqlx::{MySqlInbox, MySqlStore};
 pub mod http {
     pub use idem_http::*;
 }
+
+/// The RabbitMQ consumer adapter (feature `amqp`).
+#[cfg(feature = "amqp")]
+pub use idem_amqp as amqp;

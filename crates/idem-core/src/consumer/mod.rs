@@ -90,6 +90,24 @@ impl<S: DedupStore> Consumer<S> {
         &self.cfg.scope
     }
 
+    /// How long completed records are kept (adapters check it against their broker's
+    /// redelivery window at startup).
+    pub fn retain(&self) -> std::time::Duration {
+        self.cfg.retain
+    }
+
+    /// The fingerprint this consumer would record for `msg` (adapters whose writes go through
+    /// a transactional inbox instead of [`Consumer::process`] need it).
+    ///
+    /// # Errors
+    /// The parse error when the fingerprint spec needs JSON and the payload is not JSON.
+    pub fn fingerprint_of<M: Envelope>(
+        &self,
+        msg: &M,
+    ) -> Result<Option<crate::Fingerprint>, serde_json::Error> {
+        self.cfg.fingerprint.fingerprint(msg.payload())
+    }
+
     /// The key this consumer would use for `msg`.
     ///
     /// # Errors

@@ -1,0 +1,146 @@
+//! The queues and exchange the adapter uses beside the work queue.
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, ExchangeKind};
+
+use crate::Error;
+
+/// Header counting trips through the delay queue.
+pub const DELAYS_HEADER: &str = "x-idem-delays";
+/// Header with the reason a message was dead-lettered.
+pub const REASON_HEADER: &str = "x-idem-reason";
+/// Header with the outcome that dead-lettered it (`conflict`, `failed_permanent`).
+pub const OUTCOME_HEADER: &str = "x-idem-outcome";
+/// Header with the consumer scope that dead-lettered it.
+pub const SCOPE_HEADER: &str = "x-idem-scope";
+/// Header with the queue it was consumed from.
+pub const QUEUE_HEADER: &str = "x-idem-queue";
+
+/// Names of the work queue and its companions.
+///
+/// - **delay queue** (`<queue>.idem.delay`): no consumers; each message carries a per-message
+///   TTL (`expiration`) and dead-letters back to the work queue through the default exchange
+///   when it expires. Used for "in progress elsewhere": the copy comes back after the other
+///   consumer's lease. RabbitMQ expires per-message TTLs only at the head of a queue, so a
+///   short delay queued behind a long one waits for it; the adapter clamps delays to
+///   `[min_delay, max_delay]` to keep them alike.
+/// - **dead-letter exchange** (`<queue>.idem.dlx`, direct) bound to the **dead-letter queue**
+///   (`<queue>.idem.dlq`) with the work queue's name as routing key. Conflicts and permanent
+///   failures are republished there with the reason in headers, under publisher confirms,
+///   before the original is acked.
+///
+/// ```
+/// use idem_amqp::Topology;
+///
+/// let t = Topology::for_queue("orders");
+/// assert_eq!(t.delay_queue(), "orders.idem.delay");
+/// assert_eq!(t.dead_letter_queue(), Some("orders.idem.dlq"));
+/// let mine = t.with_dead_letter("ops.dlx", None);
+/// assert_eq!((mine.dead_letter_exchange(), mine.dead_letter_queue()), ("ops.dlx", None));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    pub(crate) queue: String,
+    pub(crate) delay_queue: String,
+    pub(crate) dead_letter_exchange: String,
+    pub(crate) dead_letter_queue: Option<String>,
+}
+
+impl Topology {
+    /// The default companions of `queue`.
+    pub fn for_queue(queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        Self {
+            delay_queue: format!("{queue}.idem.delay"),
+            dead_letter_exchange: format!("{queue}.idem.dlx"),
+            dead_letter_queue: Some(format!("{queue}.idem.dlq")),
+            queue,
+        }
+    }
+
+    /// The work queue.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The delay queue.
+    pub fn delay_queue(&self) -> &str {
+        &self.delay_queue
+    }
+
+    /// The dead-letter exchange.
+    pub fn dead_letter_exchange(&self) -> &str {
+        &self.dead_letter_exchange
+    }
+
+    /// The dead-letter queue bound to the exchange, if the adapter declares one.
+    pub fn dead_letter_queue(&self) -> Option<&str> {
+        self.dead_letter_queue.as_deref()
+    }
+
+    /// Uses another delay queue.
+    #[must_use]
+    pub fn with_delay_queue(mut self, name: impl Into<String>) -> Self {
+        self.delay_queue = name.into();
+        self
+    }
+
+    /// Uses another dead-letter exchange, and binds `queue` to it (`None`: the exchange is
+    /// yours and already routes somewhere; the adapter still publishes with `mandatory`, so an
+    /// unroutable dead-letter is never acked away).
+    #[must_use]
+    pub fn with_dead_letter(mut self, exchange: impl Into<String>, queue: Option<String>) -> Self {
+        self.dead_letter_exchange = exchange.into();
+        self.dead_letter_queue = queue;
+        self
+    }
+
+    /// Checks the work queue exists and declares the companions (idempotent).
+    pub(crate) async fn declare(&self, ch: &Channel) -> Result<(), Error> {
+        let step = |what: &'static str| move |source| Error::Topology { what, source };
+        ch.queue_declare(
+            self.queue.as_str().into(),
+            QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(step("work queue (passive declare)"))?;
+        let mut args = FieldTable::default();
+        args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(LongString::from("")));
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(LongString::from(self.queue.as_str())),
+        );
+        ch.queue_declare(self.delay_queue.as_str().into(), QueueDeclareOptions::durable(), args)
+            .await
+            .map_err(step("delay queue"))?;
+        ch.exchange_declare(
+            self.dead_letter_exchange.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(step("dead-letter exchange"))?;
+        if let Some(dlq) = &self.dead_letter_queue {
+            ch.queue_declare(
+                dlq.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(step("dead-letter queue"))?;
+            ch.queue_bind(
+                dlq.as_str().into(),
+                self.dead_letter_exchange.as_str().into(),
+                self.queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(step("dead-letter binding"))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,563 @@
+//! Crash tests on the real RabbitMQ, in transactional-inbox mode and in two-phase mode, on
+//! SQLite.
+//!
+//! Three competing consumers take 5,000 messages: 4,000 unique ids, 999 producer duplicates
+//! (same id, same body) and one id reused with a different body. Consumer A's connection is
+//! cut (through a TCP proxy the test owns) while its handler is inside the transaction;
+//! consumer C is a child process (this test binary re-run) that calls `std::process::abort()`
+//! after its commit and before its ack. Consumer B survives. Pass: every unique id's row is in
+//! the ledger (a table with no unique constraint) exactly once, the redelivered copies of the
+//! two interrupted messages end as duplicates, the reused id is in the dead-letter queue with
+//! its reason, and nothing is left in the queue or unacked.
+//!
+//! In two-phase mode the ledger row is the handler's effect and the engine records completion
+//! afterwards; the cut falls after the effect and the abort after the completion, so exactly
+//! once still holds there (a crash *between* effect and completion reruns the handler with the
+//! same downstream key: that is what the key is for, and what the inbox mode avoids).
+//!
+//! The PostgreSQL store is being written in parallel; this test uses the SQLite store and
+//! inbox until it lands.
+#![cfg(feature = "sqlite")]
+#![allow(clippy::unwrap_used, clippy::too_many_lines)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{Broker, DEFAULT_URL};
+use idem_amqp::lapin::options::BasicPublishOptions;
+use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
+use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
+use idem_core::Consumer;
+use idem_core::consumer::HandlerError;
+use idem_sqlx::{SqliteStore, Writes};
+use rand::seq::{IndexedRandom, SliceRandom};
+use sqlx::sqlite::SqliteConnection;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const CHILD_ENV: &str = "IDEM_AMQP_CRASH_CHILD";
+const UNIQUE: usize = 4_000;
+const TOTAL: usize = 5_000;
+const DROP_AT: usize = 40;
+const ABORT_AT: usize = 60;
+const LIMIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone)]
+struct Seen {
+    who: &'static str,
+    key: String,
+    outcome: String,
+    redelivered: bool,
+}
+
+fn body(i: usize) -> Vec<u8> {
+    format!(r#"{{"order":"order-{i:04}","cents":{}}}"#, 100 + i).into_bytes()
+}
+
+/// Each delivery's effect: one ledger row (no unique constraint, so a second effect shows).
+fn ledger_writes(
+    who: &'static str,
+    cut: Cut,
+) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>>
+{
+    move |conn: &mut SqliteConnection, m: AmqpMessage| {
+        let cut = cut.clone();
+        Box::pin(async move {
+            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+            sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+                .bind(&key)
+                .bind(m.payload())
+                .bind(who)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if let Some((n, tell, go)) = cut
+                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+            {
+                // Mid-handler: the row is written, nothing committed or acked yet.
+                tell.send(key).unwrap();
+                go.notified().await;
+            }
+            Ok(())
+        }) as Writes<'_, (), HandlerError<String>>
+    }
+}
+
+type Cut = Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>;
+
+/// How the effect is made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The ledger row commits with the inbox marker.
+    Inbox,
+    /// The handler writes the ledger row under a lease; the engine then records completion.
+    TwoPhase,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Inbox => "inbox",
+            Self::TwoPhase => "two-phase",
+        }
+    }
+}
+
+async fn run_consumer(
+    c: AmqpConsumer<SqliteStore>,
+    mode: Mode,
+    store: SqliteStore,
+    who: &'static str,
+    cut: Cut,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<Stats, idem_amqp::Error> {
+    match mode {
+        Mode::Inbox => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
+        }
+        Mode::TwoPhase => {
+            let pool = store.pool().clone();
+            let handler = move |_ctx, m: AmqpMessage| {
+                let (pool, cut) = (pool.clone(), cut.clone());
+                async move {
+                    let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+                    sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+                        .bind(&key)
+                        .bind(m.payload())
+                        .bind(who)
+                        .execute(&pool)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    if let Some((n, tell, go)) = cut
+                        && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+                    {
+                        // Mid-handler: the effect is done, its completion not yet recorded.
+                        tell.send(key).unwrap();
+                        go.notified().await;
+                    }
+                    Ok::<_, HandlerError<String>>(())
+                }
+            };
+            c.run(handler, shutdown).await
+        }
+    }
+}
+
+fn engine(store: &SqliteStore) -> Consumer<SqliteStore> {
+    Consumer::builder(store.clone()).scope("crash").build().unwrap()
+}
+
+async fn start(
+    conn: &Connection,
+    store: &SqliteStore,
+    queue: &str,
+    hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
+) -> AmqpConsumer<SqliteStore> {
+    AmqpConsumer::builder(engine(store), queue)
+        .prefetch(16)
+        .batch(8, Duration::from_millis(2))
+        .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
+        .on_settle(hook)
+        .connect(conn)
+        .await
+        .unwrap()
+}
+
+fn seen_hook(
+    who: &'static str,
+    tx: mpsc::UnboundedSender<Seen>,
+) -> impl Fn(&Report<'_>) + Send + Sync + 'static {
+    move |r: &Report<'_>| {
+        let _ = tx.send(Seen {
+            who,
+            key: r.key.unwrap_or_default().to_owned(),
+            outcome: r.outcome.to_owned(),
+            redelivered: r.message.redelivered(),
+        });
+    }
+}
+
+/// A TCP proxy to the broker whose connections the test can cut.
+struct Proxy {
+    addr: String,
+    tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let tasks = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t = Arc::clone(&tasks);
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let up = upstream.clone();
+                let h = tokio::spawn(async move {
+                    let mut server = TcpStream::connect(up).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                });
+                t.lock().unwrap().push(h);
+            }
+        });
+        Self { addr, tasks, accept }
+    }
+
+    /// Drops both sockets of every proxied connection: the broker sees the client vanish.
+    fn cut(&self) {
+        self.accept.abort();
+        for h in self.tasks.lock().unwrap().drain(..) {
+            h.abort();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_once_effects() {
+    scenario(Mode::Inbox).await;
+}
+
+/// Two-phase: the cut and the abort both fall after the effect is done (the abort after its
+/// completion is recorded), so the ledger still shows each effect once; the cut consumer's
+/// redelivered message meets A's live lease (the test holds A until it has) and goes round the
+/// delay queue until A's completion is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_phase_three_consumers_a_cut_connection_and_an_aborted_process() {
+    scenario(Mode::TwoPhase).await;
+}
+
+async fn scenario(mode: Mode) {
+    let Some(b) = Broker::new(&format!("crash-{}", mode.name())).await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("crash.sqlite");
+    let store_a = SqliteStore::open(&db).await.unwrap();
+    // Deliberately no unique constraint: a second effect must show up as a second row.
+    sqlx::query("CREATE TABLE ledger (key TEXT NOT NULL, body BLOB NOT NULL, who TEXT NOT NULL)")
+        .execute(store_a.pool())
+        .await
+        .unwrap();
+    let store_b = SqliteStore::open(&db).await.unwrap();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+
+    // A: through the proxy, cut mid-handler.
+    let upstream = idem_testkit::service::host_port(&b.url);
+    let proxy = Proxy::start(upstream.clone()).await;
+    let conn_a = Connection::connect(
+        &b.url.replace(&upstream, &proxy.addr),
+        ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let a = start(&conn_a, &store_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
+    let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
+    let go = Arc::new(Notify::new());
+    let cut = Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go)));
+    let task_a =
+        tokio::spawn(run_consumer(a, mode, store_a.clone(), "A", cut, std::future::pending()));
+
+    // B: survives.
+    let conn_b = b.connect().await;
+    let (mut stop_b, mut task_b) =
+        spawn_b(&conn_b, &store_b, b.queue(), mode, seen_tx.clone()).await;
+
+    // C: a child process that aborts between commit and ack.
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["crash_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .env("IDEM_AMQP_CRASH_QUEUE", b.queue())
+        .env("IDEM_AMQP_CRASH_MODE", mode.name())
+        .env("IDEM_AMQP_CRASH_DB", &db)
+        .env("IDEM_TEST_AMQP_URL", &b.url)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (abort_tx, abort_rx) = oneshot::channel();
+    let stderr = child.stderr.take().unwrap();
+    let child_seen = seen_tx.clone();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        let (mut ready_tx, mut abort_tx) = (Some(ready_tx), Some(abort_tx));
+        while let Ok(Some(line)) = lines.next_line().await {
+            let f: Vec<&str> = line.split('\t').collect();
+            match f.as_slice() {
+                ["READY"] => drop(ready_tx.take().map(|t| t.send(()))),
+                ["ABORT_KEY", k] => drop(abort_tx.take().map(|t| t.send((*k).to_owned()))),
+                ["SEEN", k, o, r] => {
+                    let _ = child_seen.send(Seen {
+                        who: "C",
+                        key: (*k).to_owned(),
+                        outcome: (*o).to_owned(),
+                        redelivered: *r == "true",
+                    });
+                }
+                _ => eprintln!("child: {line}"),
+            }
+        }
+    });
+    tokio::time::timeout(LIMIT, ready_rx).await.unwrap().expect("child consumer is ready");
+
+    // The producer: 4,000 ids, 999 duplicates of them, one id reused with another body last.
+    let mut msgs: Vec<(String, Vec<u8>)> =
+        (0..UNIQUE).map(|i| (format!("order-{i:04}"), body(i))).collect();
+    let mut rng = rand::rng();
+    let dups: Vec<(String, Vec<u8>)> =
+        (0..TOTAL - UNIQUE - 1).map(|_| msgs.choose(&mut rng).unwrap().clone()).collect();
+    msgs.extend(dups);
+    msgs.shuffle(&mut rng);
+    let reused = msgs[0].0.clone();
+    let original_body = msgs[0].1.clone();
+    let reused_body = br#"{"order":"reused","cents":999999}"#.to_vec();
+    msgs.push((reused.clone(), reused_body.clone()));
+    assert_eq!(msgs.len(), TOTAL);
+    let bodies: HashMap<String, Vec<u8>> =
+        (0..UNIQUE).map(|i| (format!("order-{i:04}"), body(i))).collect();
+    let pub_ch = b.conn.create_channel().await.unwrap();
+    pub_ch.confirm_select(Default::default()).await.unwrap();
+    for chunk in msgs.chunks(500) {
+        let mut confirms = Vec::new();
+        for (id, body) in chunk {
+            let props = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(id.as_str().into());
+            confirms.push(
+                pub_ch
+                    .basic_publish(
+                        "".into(),
+                        b.queue().into(),
+                        BasicPublishOptions::default(),
+                        body,
+                        props,
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        for c in confirms {
+            assert!(c.await.unwrap().is_ack());
+        }
+    }
+
+    // Cut A's connection while its handler is inside the transaction, then let it finish: its
+    // commit happens, its ack cannot.
+    let drop_key = tokio::time::timeout(LIMIT, cut_rx.recv()).await.unwrap().unwrap();
+    proxy.cut();
+    let mut seen: Vec<Seen> = Vec::new();
+    if mode == Mode::TwoPhase {
+        // A's lease is live and holds no database lock: hold A until the redelivered copy has
+        // met the lease at another consumer, so the delay-queue path runs for certain.
+        let met = |s: &Seen| s.key == drop_key && s.outcome == "in_progress_elsewhere";
+        while !seen.iter().any(met) {
+            let s = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+            seen.push(s);
+        }
+    }
+    go.notify_one();
+    let a_result = tokio::time::timeout(LIMIT, task_a).await.expect("A stops").unwrap();
+    assert!(a_result.is_err(), "A's run must fail once its connection is gone: {a_result:?}");
+
+    let abort_key = tokio::time::timeout(LIMIT, abort_rx).await.unwrap().expect("child aborts");
+    let status = tokio::time::timeout(LIMIT, child.wait()).await.unwrap().unwrap();
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(6), "the child died of SIGABRT: {status:?}");
+    }
+
+    // Wait until every unique id is processed, the reused one is dead-lettered and the queues
+    // are empty; then stop B, and go again if it had to give deliveries back.
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        while let Ok(s) = seen_rx.try_recv() {
+            seen.push(s);
+        }
+        // Consumers that died mid-batch committed deliveries they never reported, so the
+        // ledger, not the reports, says when every unique id is done.
+        let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(DISTINCT key) FROM ledger")
+            .fetch_one(store_b.pool())
+            .await
+            .unwrap();
+        let conflicts = seen.iter().filter(|s| s.outcome == "conflict").count();
+        if rows >= i64::try_from(UNIQUE).unwrap()
+            && conflicts >= 1
+            && b.count(b.queue()).await == 0
+            && b.count(b.topology.delay_queue()).await == 0
+        {
+            let _ = stop_b.send(());
+            let stats: Stats = task_b.await.unwrap().unwrap();
+            if stats.returned_at_shutdown == 0 {
+                break;
+            }
+            (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), mode, seen_tx.clone()).await;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not done in {LIMIT:?}: {} seen, {:?}, queue {}",
+            seen.len(),
+            seen.iter().fold(HashMap::<(&str, &str), usize>::new(), |mut m, s| {
+                *m.entry((s.who, s.outcome.as_str())).or_default() += 1;
+                m
+            }),
+            b.count(b.queue()).await
+        );
+        tokio::select! {
+            Some(s) = seen_rx.recv() => seen.push(s),
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    while let Ok(s) = seen_rx.try_recv() {
+        seen.push(s);
+    }
+
+    // Nothing unacked: every consumer is gone, so anything unacked would be ready again.
+    assert_eq!(b.count(b.queue()).await, 0, "work queue empty");
+    assert_eq!(b.count(b.topology.delay_queue()).await, 0, "delay queue empty");
+
+    // Every unique id's effect exactly once, with its original body.
+    let rows: Vec<(String, Vec<u8>, i64)> =
+        sqlx::query_as("SELECT key, MIN(body), COUNT(*) FROM ledger GROUP BY key")
+            .fetch_all(store_b.pool())
+            .await
+            .unwrap();
+    let twice: Vec<_> = rows.iter().filter(|r| r.2 != 1).map(|r| (&r.0, r.2)).collect();
+    assert!(twice.is_empty(), "effects repeated: {twice:?}");
+    assert_eq!(rows.len(), UNIQUE, "every unique id has its row");
+    for (key, body, _) in &rows {
+        assert_eq!(Some(body), bodies.get(key), "ledger body of {key}");
+    }
+    assert_eq!(bodies[&reused], original_body);
+    // A processed outcome is reported at most once per id (a crashed consumer's batch may
+    // have committed ids it never got to report; their redeliveries are duplicates).
+    let processed: Vec<&Seen> = seen.iter().filter(|s| s.outcome == "processed").collect();
+    let distinct: HashSet<&str> = processed.iter().map(|s| s.key.as_str()).collect();
+    assert_eq!(distinct.len(), processed.len(), "no id processed twice");
+    assert!(processed.len() > UNIQUE - 2 * 16, "{} processed reports", processed.len());
+
+    // The interrupted messages came back and ended as duplicates.
+    for (what, key) in [("cut", &drop_key), ("aborted", &abort_key)] {
+        let again: Vec<&Seen> = seen.iter().filter(|s| &s.key == key && s.redelivered).collect();
+        assert!(!again.is_empty(), "the {what} message {key} was redelivered: {seen:?}");
+        // In two-phase mode a redelivery may first meet the live lease (in progress elsewhere,
+        // round the delay queue); every copy after the first processing ends as a duplicate.
+        let copies: Vec<&Seen> = seen.iter().filter(|s| &s.key == key).collect();
+        let processed_at = copies.iter().position(|s| s.outcome == "processed");
+        let later = &copies[processed_at.map_or(0, |p| p + 1)..];
+        assert!(
+            later
+                .iter()
+                .all(|s| matches!(s.outcome.as_str(), "duplicate" | "in_progress_elsewhere")),
+            "copies of the {what} message after its processing: {copies:?}"
+        );
+        assert!(
+            copies.iter().any(|s| s.outcome == "duplicate"),
+            "the {what} message ends as a duplicate: {copies:?}"
+        );
+        if mode == Mode::Inbox {
+            assert!(
+                again.iter().all(|s| s.outcome == "duplicate"),
+                "redelivered copies of the {what} message end as duplicates: {again:?}"
+            );
+        }
+    }
+    let dup_count = seen.iter().filter(|s| s.outcome == "duplicate").count();
+    let waiting = seen.iter().filter(|s| s.outcome == "in_progress_elsewhere").count();
+    match mode {
+        Mode::Inbox => assert_eq!(waiting, 0, "no lease holders in inbox mode"),
+        Mode::TwoPhase => assert!(waiting >= 1, "the cut message met A's live lease"),
+    }
+    assert_eq!(processed.len() + dup_count + waiting + 1, seen.len(), "no other outcome");
+    assert!(dup_count >= TOTAL - UNIQUE - 1 + 2, "{dup_count} duplicates");
+    let odd: Vec<&Seen> = seen
+        .iter()
+        .filter(|s| {
+            !matches!(
+                s.outcome.as_str(),
+                "processed" | "duplicate" | "conflict" | "in_progress_elsewhere"
+            )
+        })
+        .collect();
+    assert!(odd.is_empty(), "no other outcomes expected: {odd:?}");
+
+    // The reused id is in the dead-letter queue, with its reason.
+    let dlq = b.drain_dlq().await;
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].0.as_deref(), Some(reused.as_str()));
+    assert_eq!(dlq[0].2, reused_body);
+    let reason = dlq[0].1.clone().unwrap();
+    assert!(reason.starts_with(&format!("conflict: key crash/{reused} reused")), "{reason}");
+
+    let mut by_who: HashMap<&str, usize> = HashMap::new();
+    for s in &seen {
+        *by_who.entry(s.who).or_default() += 1;
+    }
+    assert!(by_who.get("C").copied().unwrap_or(0) >= ABORT_AT, "C competed: {by_who:?}");
+    println!(
+        "crash test ({}): {} deliveries settled {by_who:?}, {dup_count} duplicates, {waiting} in progress elsewhere, cut {drop_key}, aborted {abort_key}",
+        mode.name(),
+        seen.len()
+    );
+    let _ = conn_b.close(200, "".into()).await;
+    b.cleanup().await;
+}
+
+async fn spawn_b(
+    conn: &Connection,
+    store: &SqliteStore,
+    queue: &str,
+    mode: Mode,
+    seen: mpsc::UnboundedSender<Seen>,
+) -> (oneshot::Sender<()>, JoinHandle<Result<Stats, idem_amqp::Error>>) {
+    let c = start(conn, store, queue, seen_hook("B", seen)).await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(run_consumer(c, mode, store.clone(), "B", None, async move {
+        let _ = stopped.await;
+    }));
+    (stop, task)
+}
+
+/// Consumer C, run as a child process by the crash test: aborts after its `ABORT_AT`th commit,
+/// before the ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the crash test's child process; run by it, not alone"]
+async fn crash_child() {
+    assert!(std::env::var(CHILD_ENV).is_ok(), "run only as the crash test's child process");
+    let queue = std::env::var("IDEM_AMQP_CRASH_QUEUE").unwrap();
+    let db = PathBuf::from(std::env::var("IDEM_AMQP_CRASH_DB").unwrap());
+    let url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+    let mode = match std::env::var("IDEM_AMQP_CRASH_MODE").as_deref() {
+        Ok("two-phase") => Mode::TwoPhase,
+        _ => Mode::Inbox,
+    };
+    child_main(&url, &queue, &db, mode).await;
+}
+
+async fn child_main(url: &str, queue: &str, db: &Path, mode: Mode) {
+    let store = SqliteStore::open(db).await.unwrap();
+    let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
+    let processed = AtomicUsize::new(0);
+    let hook = move |r: &Report<'_>| {
+        let key = r.key.unwrap_or_default();
+        eprintln!("SEEN\t{key}\t{}\t{}", r.outcome, r.message.redelivered());
+        // The hook runs after the commit and before the ack: the crash window.
+        if r.outcome == "processed"
+            && r.action == &Action::Ack
+            && processed.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AT
+        {
+            eprintln!("ABORT_KEY\t{key}");
+            std::process::abort();
+        }
+    };
+    let c = start(&conn, &store, queue, hook).await;
+    eprintln!("READY");
+    let _ = run_consumer(c, mode, store, "C", None, std::future::pending()).await;
+    unreachable!("the child aborts before its queue runs dry");
+}

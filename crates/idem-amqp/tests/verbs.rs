@@ -1,0 +1,319 @@
+//! Each outcome ends in the right broker verb, on the real RabbitMQ.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use common::{Broker, Seen, reporter, wait_for};
+use idem_amqp::{Action, AmqpConsumer, Error, RabbitWindow};
+use idem_core::consumer::HandlerError;
+use idem_core::extract::Header;
+use idem_core::{Consumer, MemoryStore};
+use tokio::sync::{Notify, oneshot};
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn engine(store: &MemoryStore, scope: &str) -> Consumer<MemoryStore> {
+    Consumer::builder(store.clone()).scope(scope).build().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processed_duplicate_conflict_and_missing_key() {
+    let Some(b) = Broker::new("verbs").await else { return };
+    let (hook, mut rx) = reporter();
+    let store = MemoryStore::new();
+    let c = AmqpConsumer::builder(engine(&store, "verbs"), b.queue())
+        .on_settle(hook)
+        .connect(&b.conn)
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let r = Arc::clone(&runs);
+    let task = tokio::spawn(c.run(
+        move |_ctx, _m| {
+            let r = Arc::clone(&r);
+            async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError<String>>("done".to_owned())
+            }
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    b.publish(Some("a"), br#"{"n":1}"#, &[]).await;
+    b.publish(Some("a"), br#"{ "n" : 1 }"#, &[]).await; // same canonical JSON: a duplicate
+    b.publish(Some("a"), br#"{"n":2}"#, &[]).await; // reused id, other body: a conflict
+    b.publish(None, b"no id", &[]).await;
+    let mut seen = Vec::new();
+    wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 4).await;
+    let outcomes: Vec<_> = seen.iter().map(|s| s.outcome).collect();
+    assert_eq!(outcomes, ["processed", "duplicate", "conflict", "failed_permanent"]);
+    assert_eq!(seen[0].action, Action::Ack);
+    assert_eq!(seen[1].action, Action::Ack);
+    assert!(matches!(seen[2].action, Action::DeadLetter { .. }));
+    stop.send(()).unwrap();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!((stats.received, stats.acked, stats.dead_lettered), (4, 4, 2));
+    assert_eq!(b.count(b.queue()).await, 0, "nothing left unacked");
+    let dlq = b.drain_dlq().await;
+    assert_eq!(dlq.len(), 2, "{dlq:?}");
+    assert_eq!(dlq[0].0.as_deref(), Some("a"));
+    assert_eq!(dlq[0].2, br#"{"n":2}"#);
+    assert!(dlq[0].1.as_deref().unwrap().starts_with("conflict: key verbs/a reused"), "{dlq:?}");
+    assert!(dlq[1].1.as_deref().unwrap().contains("message id is missing"), "{dlq:?}");
+    b.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failure_releases_and_requeues_then_permanent_dead_letters() {
+    let Some(b) = Broker::new("fail").await else { return };
+    let (hook, mut rx) = reporter();
+    let store = MemoryStore::new();
+    let c = AmqpConsumer::builder(engine(&store, "fail"), b.queue())
+        .on_settle(hook)
+        .connect(&b.conn)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(c.run(
+        |ctx, m| async move {
+            match (m.payload(), ctx.attempt()) {
+                (b"flaky", 1) => Err(HandlerError::Transient("503 from upstream".to_owned())),
+                (b"flaky", _) => Ok(ctx.attempt()),
+                _ => Err(HandlerError::Permanent("invalid order".to_owned())),
+            }
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    b.publish(Some("t"), b"flaky", &[]).await;
+    b.publish(Some("p"), b"bad", &[]).await;
+    let mut seen = Vec::new();
+    wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 3).await;
+    let t: Vec<_> = seen.iter().filter(|s| s.key.as_deref() == Some("t")).collect();
+    assert_eq!(t[0].outcome, "failed_transient");
+    assert_eq!(t[0].action, Action::Requeue);
+    assert_eq!(t[1].outcome, "processed");
+    assert!(t[1].redelivered, "the requeued copy is flagged redelivered");
+    let p = seen.iter().find(|s| s.key.as_deref() == Some("p")).unwrap();
+    assert_eq!(p.outcome, "failed_permanent");
+    stop.send(()).unwrap();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!((stats.requeued, stats.processed, stats.dead_lettered), (1, 1, 1));
+    assert_eq!(b.count(b.queue()).await, 0);
+    let dlq = b.drain_dlq().await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].1.as_deref(), Some("handler failed: invalid order"));
+    b.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
+    let Some(b) = Broker::new("delay").await else { return };
+    let store = MemoryStore::new();
+    let (hook_a, mut rx_a) = reporter();
+    let (hook_b, mut rx_b) = reporter();
+    let conn_b = b.connect().await;
+    let build = |hook| {
+        AmqpConsumer::builder(engine(&store, "delay"), b.queue())
+            .prefetch(1)
+            .batch(1, Duration::from_millis(1))
+            .retry_delay(Duration::from_millis(200), Duration::from_millis(500))
+            .on_settle(hook)
+    };
+    let a = build(hook_a).connect(&b.conn).await.unwrap();
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let (stop_a, stopped_a) = oneshot::channel::<()>();
+    let (s, r) = (Arc::clone(&started), Arc::clone(&release));
+    let task_a = tokio::spawn(a.run(
+        move |_ctx, _m| {
+            let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+            async move {
+                s.notify_one();
+                r.notified().await;
+                Ok::<_, HandlerError<String>>(())
+            }
+        },
+        async move {
+            let _ = stopped_a.await;
+        },
+    ));
+    b.publish(Some("x"), b"slow", &[]).await;
+    tokio::time::timeout(LIMIT, started.notified()).await.expect("A starts the handler");
+    // A holds the lease; B gets the producer's duplicate copy.
+    let b_consumer = build(hook_b).connect(&conn_b).await.unwrap();
+    let (stop_b, stopped_b) = oneshot::channel::<()>();
+    let task_b = tokio::spawn(b_consumer.run(
+        |_ctx, _m| async { Ok::<_, HandlerError<String>>(()) },
+        async move {
+            let _ = stopped_b.await;
+        },
+    ));
+    b.publish(Some("x"), b"slow", &[]).await;
+    let mut seen_b = Vec::new();
+    wait_for(&mut rx_b, &mut seen_b, LIMIT, |s| !s.is_empty()).await;
+    assert_eq!(seen_b[0].outcome, "in_progress_elsewhere");
+    assert!(
+        matches!(seen_b[0].action, Action::Delay(d) if d == Duration::from_millis(500)),
+        "the 30 s lease is clamped to the max delay: {:?}",
+        seen_b[0].action
+    );
+    release.notify_one();
+    // The copy returns from the delay queue; whoever gets it sees the completed record.
+    let mut seen_a = Vec::new();
+    let done = |s: &[Seen]| s.iter().any(|x| x.outcome == "duplicate");
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        tokio::select! {
+            Some(x) = rx_a.recv() => seen_a.push(x),
+            Some(x) = rx_b.recv() => seen_b.push(x),
+            () = tokio::time::sleep_until(deadline) => panic!("no duplicate: {seen_a:?} {seen_b:?}"),
+        }
+        if done(&seen_a) || done(&seen_b) {
+            break;
+        }
+    }
+    let dup = seen_a.iter().chain(&seen_b).find(|x| x.outcome == "duplicate").unwrap();
+    assert!(dup.delays >= 1, "the duplicate came back through the delay queue: {dup:?}");
+    assert_eq!(seen_a[0].outcome, "processed");
+    stop_a.send(()).unwrap();
+    stop_b.send(()).unwrap();
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+    assert_eq!(b.count(b.queue()).await, 0);
+    assert_eq!(b.count(b.topology.delay_queue()).await, 0);
+    let _ = conn_b.close(200, "".into()).await;
+    b.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() {
+    let Some(b) = Broker::new("drain").await else { return };
+    let store = MemoryStore::new();
+    let c = AmqpConsumer::builder(engine(&store, "drain"), b.queue())
+        .prefetch(3)
+        .batch(1, Duration::from_millis(1))
+        .connect(&b.conn)
+        .await
+        .unwrap();
+    for id in ["1", "2", "3"] {
+        b.publish(Some(id), id.as_bytes(), &[]).await;
+    }
+    let started = Arc::new(Notify::new());
+    let release = Arc::new(Notify::new());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (s, r) = (Arc::clone(&started), Arc::clone(&release));
+    let task = tokio::spawn(c.run(
+        move |_ctx, _m| {
+            let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+            async move {
+                s.notify_one();
+                r.notified().await;
+                Ok::<_, HandlerError<String>>(())
+            }
+        },
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    tokio::time::timeout(LIMIT, started.notified()).await.expect("handler starts");
+    stop.send(()).unwrap();
+    assert!(!task.is_finished(), "shutdown waits for the handler in flight");
+    release.notify_one();
+    let stats = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap().unwrap();
+    assert_eq!((stats.processed, stats.acked), (1, 1), "{stats:?}");
+    // The two prefetched deliveries went back to the queue, unprocessed.
+    b.wait_count(b.queue(), 2, LIMIT).await;
+    b.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_extractor_replaces_the_message_id() {
+    let Some(b) = Broker::new("header").await else { return };
+    let (hook, mut rx) = reporter();
+    let engine = Consumer::builder(MemoryStore::new())
+        .scope("header")
+        .key(Header::new("idempotency-key"))
+        .build()
+        .unwrap();
+    let c =
+        AmqpConsumer::builder(engine, b.queue()).on_settle(hook).connect(&b.conn).await.unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task =
+        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+            let _ = stopped.await;
+        }));
+    b.publish(Some("m-1"), b"pay", &[("Idempotency-Key", "k-1")]).await;
+    b.publish(Some("m-2"), b"pay", &[("Idempotency-Key", "k-1")]).await;
+    let mut seen = Vec::new();
+    wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 2).await;
+    assert_eq!(seen[0].key.as_deref(), Some("k-1"));
+    assert_eq!([seen[0].outcome, seen[1].outcome], ["processed", "duplicate"]);
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    b.cleanup().await;
+}
+
+#[tokio::test]
+async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
+    let Some(b) = Broker::new("window").await else { return };
+    let engine = Consumer::builder(MemoryStore::new())
+        .scope("window")
+        .retain(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let err = AmqpConsumer::builder(engine, b.queue())
+        .retention_window(RabbitWindow::new().delivery_limit(20))
+        .connect(&b.conn)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Retention(_)), "{err}");
+    assert!(err.to_string().contains("20 deliveries × 30m"), "{err}");
+    let ok = Consumer::builder(MemoryStore::new()).scope("window").build().unwrap();
+    let c = AmqpConsumer::builder(ok, b.queue())
+        .retention_window(RabbitWindow::new().delivery_limit(20))
+        .connect(&b.conn)
+        .await;
+    assert!(c.is_ok(), "7 days cover 10 h");
+    b.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_fetched_together_are_claimed_together() {
+    let Some(b) = Broker::new("batch").await else { return };
+    for i in 0..10 {
+        b.publish(Some(&format!("k-{i}")), b"{}", &[]).await;
+    }
+    let store = idem_testkit::faults::FaultyStore::new(MemoryStore::new());
+    let engine = Consumer::builder(store.clone()).scope("batch").build().unwrap();
+    let (hook, mut rx) = reporter();
+    let c = AmqpConsumer::builder(engine, b.queue())
+        .prefetch(16)
+        .batch(10, Duration::from_secs(2))
+        .on_settle(hook)
+        .connect(&b.conn)
+        .await
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task =
+        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+            let _ = stopped.await;
+        }));
+    let mut seen = Vec::new();
+    wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 10).await;
+    assert!(seen.iter().all(|s| s.outcome == "processed"));
+    assert_eq!(store.claim_many_calls(), 1, "ten deliveries, one claim_many round trip");
+    assert_eq!(store.claims(), 10);
+    stop.send(()).unwrap();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!(stats.acked, 10);
+    b.cleanup().await;
+}

@@ -90,6 +90,22 @@ impl<S: DedupStore> Consumer<S> {
         &self.cfg.scope
     }
 
+    /// How long a claim holds a key.
+    pub fn lease(&self) -> std::time::Duration {
+        self.cfg.lease
+    }
+
+    /// How long completed records are kept.
+    pub fn retain(&self) -> std::time::Duration {
+        self.cfg.retain
+    }
+
+    /// The lease heartbeat interval, if one is set. Broker adapters extend the broker's own ack
+    /// deadline on the same beat.
+    pub fn heartbeat(&self) -> Option<std::time::Duration> {
+        self.cfg.heartbeat
+    }
+
     /// The key this consumer would use for `msg`.
     ///
     /// # Errors

@@ -42,6 +42,8 @@ mod report;
 mod settings;
 mod source;
 
+/// The client this adapter is built on, re-exported so callers use the same version.
+pub use async_nats;
 pub use compat::redelivery_window;
 pub use consumer::{JetStreamConsumer, Verdicts};
 pub use delivery::{Delivery, MSG_ID_HEADER};

@@ -371,7 +371,7 @@ async fn crash(mode: Mode) {
         count(&ledger, "SELECT COUNT(*) FROM ledger WHERE msg_key = 'o-7'").await > 0
     })
     .await;
-    tokio::time::sleep(DUP_WINDOW).await; // a producer reusing the id after JetStream's window
+    tokio::time::sleep(DUP_WINDOW * 3).await; // a producer reusing the id after JetStream's window
     env.publish(REUSED, br#"{"order":7,"cents":999999}"#).await;
 
     let (status, child_committed) = tokio::time::timeout(Duration::from_secs(60), child_done)

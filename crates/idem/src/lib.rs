@@ -11,3 +11,7 @@ pub mod sqlite {
 
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
+
+/// The NATS JetStream consumer adapter (feature `nats`).
+#[cfg(feature = "nats")]
+pub use idem_nats as nats;

@@ -18,6 +18,7 @@ pub fn nats_url() -> Option<String> {
 
 /// A stream and dead-letter stream with random names, deleted by [`Env::cleanup`].
 pub struct Env {
+    pub url: String,
     pub client: async_nats::Client,
     pub js: Context,
     pub name: String,
@@ -58,7 +59,7 @@ impl Env {
         })
         .await
         .expect("create dlq stream");
-        Self { client, js, name, subject, dlq_stream, dlq_subject }
+        Self { url: url.to_owned(), client, js, name, subject, dlq_stream, dlq_subject }
     }
 
     pub async fn consumer(&self, name: &str, ack_wait: Duration, max_deliver: i64) -> PullConsumer {
@@ -97,9 +98,10 @@ impl Env {
 
     /// A producer's retry of a message last published at `last`: sent once JetStream's
     /// duplicate window has passed (the retry of a producer that timed out waiting for its
-    /// publish ack), so it is stored as another copy. Sets `last` to now.
+    /// publish ack), so it is stored as another copy. The server forgets ids on a timer, up to
+    /// twice the window late, hence three windows. Sets `last` to now.
     pub async fn retry(&self, id: &str, body: &[u8], last: &mut tokio::time::Instant) -> u64 {
-        tokio::time::sleep_until(*last + DUP_WINDOW + Duration::from_millis(20)).await;
+        tokio::time::sleep_until(*last + DUP_WINDOW * 3).await;
         let seq = self.publish(id, body).await;
         *last = tokio::time::Instant::now();
         seq
@@ -123,9 +125,31 @@ impl Env {
         out
     }
 
+    /// Deletes the streams now (they are also deleted on drop, even when the test panics).
     pub async fn cleanup(self) {
         let _ = self.js.delete_stream(&self.name).await;
         let _ = self.js.delete_stream(&self.dlq_stream).await;
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // On its own thread and runtime: the test's runtime may be unwinding.
+        let (url, names) = (self.url.clone(), [self.name.clone(), self.dlq_stream.clone()]);
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                return;
+            };
+            rt.block_on(async {
+                if let Ok(c) = async_nats::connect(&url).await {
+                    let js = jetstream::new(c);
+                    for n in &names {
+                        let _ = js.delete_stream(n).await;
+                    }
+                }
+            });
+        })
+        .join();
     }
 }
 

@@ -47,14 +47,15 @@ use crate::{Delivery, Error, Report, Settings};
 ///     .heartbeat(Duration::from_secs(10))
 ///     .build()?;
 /// let nats = JetStreamConsumer::new(js, pull, dedup, Settings::new("orders.dlq")).await?;
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// # drop(stop);
 /// let report = nats.run(|ctx, msg| {
 ///     let body = msg.payload_bytes();
 ///     async move {
 ///         // charge the customer, passing ctx.downstream_key() as the payment's idempotency key
 ///         Ok::<_, HandlerError<std::io::Error>>(body.len())
 ///     }
-/// }, tokio::signal::ctrl_c().map(|_| ())).await?;
-/// # use futures_util::FutureExt;
+/// }, async { let _ = stopped.await; }).await?;
 /// println!("{report}");
 /// # Ok(()) }
 /// ```

@@ -42,7 +42,7 @@ const MAX_STORED_RESULT: usize = 64 * 1024;
 /// use idem_nats::{InboxConsumer, Settings};
 /// use idem_sqlx::SqliteStore;
 ///
-/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
 /// let pull = js.get_stream("ORDERS").await?.get_consumer("order-writer").await?;
 /// let store = SqliteStore::open("shop.sqlite").await?;

@@ -141,24 +141,27 @@ impl Source {
     }
 
     /// Runs `work` while telling JetStream every `progress` interval that the batch is still
-    /// being handled, which restarts each message's `ack_wait`.
+    /// being handled, which restarts each message's `ack_wait`. The heartbeat runs beside the
+    /// work, never instead of it, so a slow publish (a reconnecting client) cannot stall handlers.
     pub(crate) async fn with_progress<F: Future>(&self, batch: &[Delivery], work: F) -> F::Output {
         let Some(every) = self.progress else { return work.await };
-        let mut work = std::pin::pin!(work);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                biased;
-                out = &mut work => return out,
-                _ = tick.tick() => {
-                    for d in batch {
-                        if let Err(e) = d.reply(AckKind::Progress).await {
-                            tracing::warn!(target: "idem", seq = d.stream_sequence(), error = %e,
-                                "progress heartbeat failed; the message may be redelivered and then found in progress");
-                        }
+        let beat = async {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                let beats = batch.iter().map(|d| d.reply(AckKind::Progress));
+                for (d, r) in batch.iter().zip(futures_util::future::join_all(beats).await) {
+                    if let Err(e) = r {
+                        tracing::warn!(target: "idem", seq = d.stream_sequence(), error = %e,
+                            "progress heartbeat failed; the message may be redelivered and then found in progress");
                     }
                 }
             }
+        };
+        tokio::select! {
+            biased;
+            out = work => out,
+            _ = beat => unreachable!("the progress loop never ends"),
         }
     }
 

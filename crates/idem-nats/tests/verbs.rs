@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Env, header, nats_url, wait_for};
-use idem_core::Consumer;
 use idem_core::consumer::HandlerError;
 use idem_core::extract::Envelope;
+use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FingerprintSpec};
 use idem_nats::{Error, JetStreamConsumer, Settings, headers};
 use idem_sqlx::SqliteStore;
 
@@ -95,11 +95,14 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
 #[tokio::test]
 async fn progress_keeps_a_long_handler_from_being_redelivered() {
     let Some(url) = nats_url() else { return };
+    let _ = tracing_subscriber::fmt().with_env_filter("idem=debug").with_test_writer().try_init();
     let env = Env::new(&url).await;
     let dir = tempfile::tempdir().expect("tempdir");
     // ack_wait 1 s, handler 3 s: without Progress JetStream would redeliver it twice meanwhile.
     let pull = env.consumer("slow", Duration::from_secs(1), 5).await;
-    let dedup = Consumer::builder(store(&dir).await)
+    let sqlite = store(&dir).await;
+    let probe = sqlite.clone();
+    let dedup = Consumer::builder(sqlite)
         .scope("slow")
         .lease(Duration::from_secs(1))
         .heartbeat(Duration::from_millis(250))
@@ -122,9 +125,18 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
         }
         seen
     });
+    let probe = &probe;
     let v = nats
-        .process(&batch, |_ctx, _d| async {
-            tokio::time::sleep(Duration::from_secs(3)).await; // the slow work itself
+        .process(&batch, |ctx, d| async move {
+            // The slow work itself, past the 1 s lease: the heartbeat must have extended it, so a
+            // competing claim now finds the key in progress rather than taking it over.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            let key = ctx.key().expect("keyed").clone();
+            let fp = FingerprintSpec::default().fingerprint(d.payload()).expect("json");
+            let req = ClaimRequest::new(key, fp, Duration::from_secs(1), Duration::from_secs(60));
+            let claim = probe.claim(&req).await.expect("claim");
+            assert!(matches!(claim, Claim::InProgress { .. }), "lease not extended: {claim:?}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
             Ok::<_, HandlerError<String>>(())
         })
         .await;

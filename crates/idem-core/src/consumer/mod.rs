@@ -404,21 +404,25 @@ impl<S: DedupStore> Consumer<S> {
     }
 
     /// Runs the handler, extending the lease on every heartbeat tick when one is configured.
+    ///
+    /// The heartbeat runs beside the handler, never instead of it: awaiting `extend` while the
+    /// handler is not polled would deadlock a handler that holds what `extend` needs (the one
+    /// connection of a SQLite pool, say) until the pool's acquire timeout.
     async fn drive<Fut: Future>(&self, lease: &mut Lease, fut: Fut) -> Fut::Output {
         let Some(every) = self.cfg.heartbeat else { return fut.await };
-        let fut = std::pin::pin!(fut);
-        let mut fut = fut;
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                biased;
-                out = &mut fut => return out,
-                _ = tick.tick() => {
-                    if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
-                        tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
-                    }
+        let beat = async {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
+                    tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
                 }
             }
+        };
+        tokio::select! {
+            biased;
+            out = fut => out,
+            _ = beat => unreachable!("the heartbeat loop never ends"),
         }
     }
 

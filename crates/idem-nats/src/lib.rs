@@ -10,6 +10,10 @@
 //! | transient failure | release the claim, `Nak` after [`Settings::retry_delay`] |
 //! | conflict, permanent failure, retry at the last `max_deliver` | publish to the dead-letter subject (publish ack awaited) with [`headers::REASON`], then `Term` |
 //!
+//! A retry due at the consumer's last allowed delivery (`max_deliver`) is dead-lettered instead
+//! (`Idem-Outcome: gave_up`), because JetStream would stop delivering it without a trace; for a
+//! key in progress elsewhere that copy is redundant but never a loss.
+//!
 //! While handlers run, `Progress` (`+WPI`) restarts `ack_wait` on the same beat as the lease
 //! heartbeat. The key comes from `Nats-Msg-Id` by default ([`Delivery`] implements
 //! [`Envelope`](idem_core::extract::Envelope), so any `KeyExtractor` works). Messages fetched

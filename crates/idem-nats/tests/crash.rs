@@ -124,6 +124,8 @@ impl Adapter {
                 let dedup = Consumer::builder(store)
                     .scope("crash")
                     .lease(ACK_WAIT)
+                    // Lease heartbeat, and with it JetStream Progress, on the same beat.
+                    .heartbeat(ACK_WAIT / 4)
                     .retain(Duration::from_secs(86_400))
                     .build()
                     .expect("dedup");
@@ -264,6 +266,7 @@ async fn count(pool: &SqlitePool, sql: &'static str) -> i64 {
 
 async fn crash(mode: Mode) {
     let Some(url) = nats_url() else { return };
+    let _ = tracing_subscriber::fmt().with_env_filter("idem=warn").with_test_writer().try_init();
     let env = Env::new(&url).await;
     env.consumer(CONSUMER, ACK_WAIT, 20).await;
     let dir = tempfile::tempdir().expect("tempdir");

@@ -101,3 +101,64 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
     .await;
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn inbox_run_commits_then_acks_until_shutdown() {
+    let Some(url) = nats_url() else { return };
+    let env = Env::new(&url).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("run.sqlite")).await.expect("store");
+    sqlx::query("CREATE TABLE effects (k TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("table");
+    let pull = env.consumer("inbox-run", Duration::from_secs(30), 4).await;
+    let inbox = InboxConsumer::new(
+        env.js.clone(),
+        pull,
+        &store,
+        "inbox-run",
+        Duration::from_secs(86_400),
+        Settings::new(&env.dlq_subject).batch(8).idle_wait(Duration::from_millis(100)),
+    )
+    .await
+    .expect("inbox");
+    for i in 0..30 {
+        publish(&env, Some(&format!("k-{}", i % 20)), &format!(r#"{{"k":{}}}"#, i % 20)).await;
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        let inbox = inbox.with_key(Header::new("Order-Id"));
+        inbox
+            .run(
+                |conn, d| {
+                    let k = d.header("order-id").unwrap_or_default().to_owned();
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects (k) VALUES (?)")
+                            .bind(k)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                        Ok::<_, HandlerError<String>>(())
+                    })
+                },
+                async {
+                    let _ = stopped.await;
+                },
+            )
+            .await
+    });
+    wait_for("all acked", Duration::from_secs(10), || async {
+        env.pending("inbox-run").await == (0, 0)
+    })
+    .await;
+    stop.send(()).expect("stop");
+    let report = run.await.expect("join").expect("run");
+    assert_eq!((report.processed, report.duplicates, report.acked), (20, 10, 30), "{report}");
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(store.pool())
+        .await
+        .expect("n");
+    assert_eq!(rows, 20);
+    env.cleanup().await;
+}

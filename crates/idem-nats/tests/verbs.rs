@@ -207,3 +207,53 @@ async fn startup_refuses_unsafe_configurations() {
     assert!(matches!(e, Error::Heartbeat { .. }), "{e}");
     env.cleanup().await;
 }
+
+#[tokio::test]
+async fn run_processes_until_shutdown_and_finishes_its_batch() {
+    let Some(url) = nats_url() else { return };
+    let env = Env::new(&url).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pull = env.consumer("runner", Duration::from_secs(30), 5).await;
+    let dedup = Consumer::builder(store(&dir).await).scope("runner").build().expect("consumer");
+    let nats = JetStreamConsumer::new(
+        env.js.clone(),
+        pull,
+        dedup,
+        Settings::new(&env.dlq_subject).batch(16).idle_wait(Duration::from_millis(100)),
+    )
+    .await
+    .expect("adapter");
+    for i in 0..50 {
+        env.publish(&format!("r-{i}"), format!(r#"{{"i":{i}}}"#).as_bytes()).await;
+    }
+    let handled = Arc::new(AtomicU32::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let counter = Arc::clone(&handled);
+    let run = tokio::spawn(async move {
+        nats.run(
+            move |_ctx, _d| {
+                let counter = Arc::clone(&counter);
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, HandlerError<String>>(())
+                }
+            },
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await
+    });
+    wait_for("50 handled", Duration::from_secs(10), || async {
+        handled.load(Ordering::SeqCst) == 50
+    })
+    .await;
+    wait_for("all acked", Duration::from_secs(10), || async {
+        env.pending("runner").await == (0, 0)
+    })
+    .await;
+    stop.send(()).expect("stop");
+    let report = run.await.expect("join").expect("run");
+    assert_eq!((report.processed, report.acked, report.fetched), (50, 50, 50), "{report}");
+    env.cleanup().await;
+}

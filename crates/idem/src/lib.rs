@@ -41,3 +41,7 @@ pub mod http {
 /// The RabbitMQ consumer adapter (feature `amqp`).
 #[cfg(feature = "amqp")]
 pub use idem_amqp as amqp;
+
+/// The NATS JetStream consumer adapter (feature `nats`).
+#[cfg(feature = "nats")]
+pub use idem_nats as nats;

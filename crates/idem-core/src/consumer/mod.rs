@@ -90,6 +90,11 @@ impl<S: DedupStore> Consumer<S> {
         &self.cfg.scope
     }
 
+    /// How long a claim holds a key.
+    pub fn lease(&self) -> std::time::Duration {
+        self.cfg.lease
+    }
+
     /// How long completed records are kept (adapters check it against their broker's
     /// redelivery window at startup).
     pub fn retain(&self) -> std::time::Duration {
@@ -106,6 +111,12 @@ impl<S: DedupStore> Consumer<S> {
         msg: &M,
     ) -> Result<Option<crate::Fingerprint>, serde_json::Error> {
         self.cfg.fingerprint.fingerprint(msg.payload())
+    }
+
+    /// The lease heartbeat interval, if one is set. Broker adapters extend the broker's own ack
+    /// deadline on the same beat.
+    pub fn heartbeat(&self) -> Option<std::time::Duration> {
+        self.cfg.heartbeat
     }
 
     /// The key this consumer would use for `msg`.
@@ -406,21 +417,25 @@ impl<S: DedupStore> Consumer<S> {
     }
 
     /// Runs the handler, extending the lease on every heartbeat tick when one is configured.
+    ///
+    /// The heartbeat runs beside the handler, never instead of it: awaiting `extend` while the
+    /// handler is not polled would deadlock a handler that holds what `extend` needs (the one
+    /// connection of a SQLite pool, say) until the pool's acquire timeout.
     async fn drive<Fut: Future>(&self, lease: &mut Lease, fut: Fut) -> Fut::Output {
         let Some(every) = self.cfg.heartbeat else { return fut.await };
-        let fut = std::pin::pin!(fut);
-        let mut fut = fut;
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                biased;
-                out = &mut fut => return out,
-                _ = tick.tick() => {
-                    if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
-                        tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
-                    }
+        let beat = async {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
+                    tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
                 }
             }
+        };
+        tokio::select! {
+            biased;
+            out = fut => out,
+            _ = beat => unreachable!("the heartbeat loop never ends"),
         }
     }
 

@@ -17,4 +17,6 @@ pub use error::Error;
 pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
 #[doc(hidden)]
 pub use store::ClockOffset;
+mod stream;
 pub use store::{MAX_RESULT_BYTES, RedisStore, RedisStoreBuilder, ServerSettings};
+pub use stream::{Settled, StreamConsumer, StreamConsumerBuilder, StreamEntry};

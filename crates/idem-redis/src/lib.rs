@@ -18,5 +18,7 @@ pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
 #[doc(hidden)]
 pub use store::ClockOffset;
 mod stream;
+/// The Redis client crate this adapter is built on (for `Client` and your own commands).
+pub use redis;
 pub use store::{MAX_RESULT_BYTES, RedisStore, RedisStoreBuilder, ServerSettings};
 pub use stream::{Settled, StreamConsumer, StreamConsumerBuilder, StreamEntry};

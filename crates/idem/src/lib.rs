@@ -11,3 +11,8 @@ pub mod sqlite {
 
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
+
+/// The Redis store and the Redis Streams consumer adapter (feature `redis`); `idem::redis::redis`
+/// is the client crate they are built on.
+#[cfg(feature = "redis")]
+pub use idem_redis as redis;

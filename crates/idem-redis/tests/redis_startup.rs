@@ -105,6 +105,7 @@ async fn shared_server_passes_the_check() {
 
 #[tokio::test]
 async fn bad_namespace_is_refused() {
-    let err = RedisStore::builder("redis://127.0.0.1/").expect("url").namespace("a}{b").unwrap_err();
+    let err =
+        RedisStore::builder("redis://127.0.0.1/").expect("url").namespace("a}{b").unwrap_err();
     assert!(matches!(err, Error::InvalidNamespace { .. }), "{err}");
 }

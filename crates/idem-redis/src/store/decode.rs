@@ -1,8 +1,8 @@
 //! Script replies to idem values.
 
-use idem_core::{
-    Claim, ClaimRequest, Fingerprint, KeyHash, Lease, Record, RecordState, StoreError, Timestamp,
-};
+use idem_core::{Claim, ClaimRequest, Fingerprint, KeyHash, Lease, Record, StoreError, Timestamp};
+
+use super::codec;
 use redis::Value;
 
 fn corrupt(what: impl Into<String>) -> StoreError {
@@ -20,33 +20,11 @@ fn int(v: &Value, what: &str) -> Result<i64, StoreError> {
     }
 }
 
-fn opt_int(v: &Value, what: &str) -> Result<Option<i64>, StoreError> {
-    if matches!(v, Value::Nil) { Ok(None) } else { int(v, what).map(Some) }
-}
-
 fn bytes(v: &Value) -> Option<&[u8]> {
     match v {
         Value::BulkString(b) => Some(b),
         _ => None,
     }
-}
-
-fn text(v: &Value, what: &str) -> Result<String, StoreError> {
-    bytes(v)
-        .and_then(|b| String::from_utf8(b.to_vec()).ok())
-        .ok_or_else(|| corrupt(format!("{what} is missing or not UTF-8")))
-}
-
-fn fingerprint(v: &Value) -> Result<Option<Fingerprint>, StoreError> {
-    bytes(v)
-        .map(|b| {
-            Fingerprint::from_slice(b).map_err(|n| corrupt(format!("fingerprint of {n} bytes")))
-        })
-        .transpose()
-}
-
-fn state(code: i64) -> Result<RecordState, StoreError> {
-    RecordState::from_code(code).ok_or_else(|| corrupt(format!("state code {code}")))
 }
 
 fn u64_of(n: i64, what: &str) -> Result<u64, StoreError> {
@@ -64,28 +42,17 @@ fn array<'a>(v: &'a Value, what: &str) -> Result<&'a [Value], StoreError> {
     }
 }
 
-/// A record from `HMGET` of the script's `FIELDS`; `None` when the key does not exist.
+/// A record from a `GET` reply (or a script's); `None` when the key does not exist.
 pub(crate) fn record(v: &Value, hash: KeyHash) -> Result<Option<Record>, StoreError> {
-    let f = array(v, "record")?;
-    let [st, fp, res, att, tok, prev, cr, up, lu, exp, sc, id] = f else {
-        return Err(corrupt(format!("record has {} fields, expected 12", f.len())));
-    };
-    let Some(st) = opt_int(st, "state")? else { return Ok(None) };
-    Ok(Some(Record {
-        key_hash: hash,
-        scope: text(sc, "scope")?,
-        id: text(id, "id")?,
-        state: state(st)?,
-        fingerprint: fingerprint(fp)?,
-        result: bytes(res).map(<[u8]>::to_vec),
-        attempt: u32_of(int(att, "attempt")?, "attempt")?,
-        token: u64_of(int(tok, "token")?, "token")?,
-        previous: opt_int(prev, "previous state")?.map(state).transpose()?,
-        created_at: Timestamp::from_micros(int(cr, "created")?),
-        updated_at: Timestamp::from_micros(int(up, "updated")?),
-        lease_until: opt_int(lu, "lease end")?.map(Timestamp::from_micros),
-        expires_at: Timestamp::from_micros(int(exp, "expiry")?),
-    }))
+    match v {
+        Value::Nil => Ok(None),
+        Value::BulkString(b) => codec::record(b, hash).map(Some),
+        other => Err(corrupt(format!("record: unexpected reply {other:?}"))),
+    }
+}
+
+fn fingerprint(v: &Value) -> Result<Option<Fingerprint>, StoreError> {
+    codec::fingerprint(bytes(v).unwrap_or_default())
 }
 
 /// A claim reply (see `scripts::CLAIM_FN`).
@@ -106,7 +73,7 @@ pub(crate) fn claim(v: &Value, req: &ClaimRequest) -> Result<Claim, StoreError> 
                 u64_of(int(token, "token")?, "token")?,
                 u32_of(int(attempt, "attempt")?, "attempt")?,
                 Timestamp::from_micros(int(until, "lease end")?),
-                if prev < 0 { None } else { Some(state(prev)?) },
+                if prev < 0 { None } else { Some(codec::state(prev)?) },
             )))
         }
         (Some(1), _) => Ok(Claim::Completed(rec(1)?)),

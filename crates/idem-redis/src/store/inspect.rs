@@ -5,9 +5,6 @@ use redis::Value;
 
 use super::{RedisStore, backend, decode};
 
-const FIELDS: [&str; 12] =
-    ["st", "fp", "res", "att", "tok", "prev", "cr", "up", "lu", "exp", "sc", "id"];
-
 /// Keys per `SCAN` step (a hint to the server, not a bound).
 const SCAN_COUNT: usize = 1000;
 
@@ -38,7 +35,7 @@ impl RedisStore {
         }
         let mut pipe = redis::pipe();
         for k in keys {
-            pipe.cmd("HMGET").arg(k).arg(&FIELDS[..]);
+            pipe.cmd("GET").arg(k);
         }
         let replies: Vec<Value> =
             pipe.query_async(&mut self.conn.clone()).await.map_err(|e| backend(op, e))?;
@@ -83,13 +80,12 @@ impl RedisStore {
 
 /// Operator access. `get` and `force_release` touch one key; `list` and `count` **scan the
 /// whole database** (`SCAN MATCH` on the namespace prefix, pages of 1,000, then one pipelined
-/// `HMGET` per page): O(keys in the database) time and round trips, and `list` holds every
+/// `GET` per page): O(keys in the database) time and round trips, and `list` holds every
 /// matching record in memory to sort it. Fine for operator tools; not for a hot path.
 impl InspectStore for RedisStore {
     async fn get(&self, key: &DedupKey) -> Result<Option<Record>, StoreError> {
-        let v: Value = redis::cmd("HMGET")
+        let v: Value = redis::cmd("GET")
             .arg(self.record_key(key))
-            .arg(&FIELDS[..])
             .query_async(&mut self.conn.clone())
             .await
             .map_err(|e| backend("get", e))?;

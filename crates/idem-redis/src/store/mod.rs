@@ -1,6 +1,7 @@
 //! `RedisStore`: the dedup contract on Redis, one Lua script per operation.
 
 mod check;
+mod codec;
 mod decode;
 mod inspect;
 mod scripts;

@@ -152,14 +152,16 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
 
     // Exactly once: every non-poison key's effect ran once, whatever was duplicated, reclaimed
     // or left unacked by the dropped consumer.
-    let ledger = ledger.lock().expect("ledger");
-    for i in POISON..UNIQUE {
-        assert_eq!(ledger.get(&format!("o-{i}")).copied(), Some(1), "o-{i}");
+    {
+        let ledger = ledger.lock().expect("ledger");
+        for i in POISON..UNIQUE {
+            assert_eq!(ledger.get(&format!("o-{i}")).copied(), Some(1), "o-{i}");
+        }
+        for i in 0..POISON {
+            assert_eq!(ledger.get(&format!("o-{i}")), None, "poison o-{i} had an effect");
+        }
+        assert_eq!(ledger.len(), UNIQUE - POISON);
     }
-    for i in 0..POISON {
-        assert_eq!(ledger.get(&format!("o-{i}")), None, "poison o-{i} had an effect");
-    }
-    assert_eq!(ledger.len(), UNIQUE - POISON);
 
     // Every conflict and poison entry was dead-lettered once, with its reason.
     let dead: redis::streams::StreamRangeReply =

@@ -101,3 +101,58 @@ pub(crate) fn record(v: &[u8], hash: KeyHash) -> Result<Record, StoreError> {
         expires_at: Timestamp::from_micros(expires),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packs a record the way the scripts' `struct.pack` does.
+    fn pack(st: u8, prev: i8, lease: f64, fp: &[u8], res: Option<&[u8]>) -> Vec<u8> {
+        let mut v = vec![st, prev.to_be_bytes()[0]];
+        v.extend(3u32.to_be_bytes());
+        for d in [1_796_280_526_751_527.0f64, 10.0, 11.0, lease, 99.0] {
+            v.extend(d.to_be_bytes());
+        }
+        let field = |v: &mut Vec<u8>, b: &[u8]| {
+            v.extend(u32::try_from(b.len()).unwrap().to_be_bytes());
+            v.extend(b);
+        };
+        field(&mut v, fp);
+        v.push(u8::from(res.is_some()));
+        field(&mut v, res.unwrap_or_default());
+        field(&mut v, b"orders");
+        field(&mut v, "o-1é".as_bytes());
+        v
+    }
+
+    #[test]
+    fn decodes_what_the_scripts_write() {
+        let h = KeyHash([7; 32]);
+        let r = record(&pack(1, 2, -1.0, &[5; 32], Some(b"ok")), h).unwrap();
+        assert_eq!(r.state, RecordState::Completed);
+        assert_eq!(r.previous, Some(RecordState::Released));
+        assert_eq!(r.attempt, 3);
+        assert_eq!(r.token, 1_796_280_526_751_527);
+        assert_eq!(r.lease_until, None);
+        assert_eq!(r.expires_at, Timestamp::from_micros(99));
+        assert_eq!(r.fingerprint, Some(Fingerprint([5; 32])));
+        assert_eq!(r.result.as_deref(), Some(&b"ok"[..]));
+        assert_eq!((r.scope.as_str(), r.id.as_str()), ("orders", "o-1é"));
+
+        let r = record(&pack(0, -1, 42.0, &[], None), h).unwrap();
+        assert_eq!((r.previous, r.fingerprint, r.result), (None, None, None));
+        assert_eq!(r.lease_until, Some(Timestamp::from_micros(42)));
+    }
+
+    #[test]
+    fn refuses_malformed_values() {
+        let h = KeyHash([0; 32]);
+        let good = pack(0, -1, 1.0, &[], None);
+        for cut in [0, 1, 10, good.len() - 1] {
+            assert!(matches!(record(&good[..cut], h), Err(StoreError::Corrupt { .. })), "{cut}");
+        }
+        assert!(record(&pack(9, -1, 1.0, &[], None), h).is_err(), "unknown state");
+        assert!(record(&pack(0, -1, 1.5, &[], None), h).is_err(), "fractional time");
+        assert!(record(&pack(0, -1, 1.0, &[1; 7], None), h).is_err(), "short fingerprint");
+    }
+}

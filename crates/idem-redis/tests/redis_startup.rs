@@ -1,11 +1,14 @@
-//! The startup checks (R14) against real servers: a private `redis-server` on a spare port with
-//! an evicting policy (or with the AOF on), and the shared one.
+//! Against a private `redis-server` on a spare port (so server-wide settings and counters are
+//! ours alone): the startup checks (R14) with an evicting policy or the AOF on, and that
+//! concurrent claims share one connection and a batch is one command. Plus the shared server's
+//! settings.
 
 mod common;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore};
 use idem_redis::{Error, RedisStore, ServerSettings};
 
 /// A `redis-server` of our own, killed when dropped.
@@ -108,4 +111,61 @@ async fn bad_namespace_is_refused() {
     let err =
         RedisStore::builder("redis://127.0.0.1/").expect("url").namespace("a}{b").unwrap_err();
     assert!(matches!(err, Error::InvalidNamespace { .. }), "{err}");
+}
+
+fn info_field(info: &str, name: &str) -> i64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(-1)
+}
+
+fn evalsha_calls(stats: &str) -> i64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_share_one_connection_and_a_batch_is_one_script() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = RedisStore::connect(&server.url).await.expect("connect");
+    let req = |i: usize| {
+        ClaimRequest::new(
+            DedupKey::new("pipe", format!("k-{i}")).expect("key"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+    };
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let s = store.clone();
+            let r = req(i);
+            tokio::spawn(async move { s.claim(&r).await })
+        })
+        .collect();
+    for t in tasks {
+        assert!(matches!(t.await.expect("task").expect("claim"), Claim::Acquired(_)));
+    }
+    let mut conn = store.connection().clone();
+    let clients: String =
+        redis::cmd("INFO").arg("clients").query_async(&mut conn).await.expect("info");
+    let stats: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await.expect("info");
+    assert_eq!(info_field(&clients, "connected_clients"), 1, "64 tasks, one connection");
+    // The store's connection, plus the one `spawn` pinged the server with.
+    assert_eq!(info_field(&stats, "total_connections_received"), 2);
+
+    // A first batch loads the script (EVALSHA answers NOSCRIPT once on a fresh server).
+    let _ = store.claim_many(&[req(99)]).await.expect("claim_many");
+    let before: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    let reqs: Vec<ClaimRequest> = (100..400).map(req).collect();
+    let claims = store.claim_many(&reqs).await.expect("claim_many");
+    assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
+    let after: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    assert_eq!(evalsha_calls(&after) - evalsha_calls(&before), 1, "300 claims, one script call");
 }

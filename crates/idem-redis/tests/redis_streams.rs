@@ -198,3 +198,56 @@ async fn missing_settings_are_refused() {
     let err = StreamConsumer::builder(client, engine).group("g").build().await.unwrap_err();
     assert!(err.to_string().contains("`stream` is not set"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-max");
+    let (store, _offset, mut cleanup) = common::store(&url, "streams-max").await;
+    cleanup.patterns.push(format!("{stream}*"));
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let _: String =
+        conn.xadd(&stream, "*", &[("message_id", "m-1"), ("payload", "{}")]).await.expect("xadd");
+    let engine = Consumer::builder(store).scope("s").build().expect("engine");
+    let mut c = StreamConsumer::builder(client.clone(), engine)
+        .stream(&stream)
+        .group("g")
+        .consumer_name("c")
+        .block(Duration::from_millis(50))
+        .reclaim_idle(Duration::from_millis(100))
+        .max_deliveries(2)
+        .build()
+        .await
+        .expect("consumer");
+    let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = runs.clone();
+        let settled = c
+            .poll(move |_ctx, _e| {
+                let r = r.clone();
+                async move {
+                    r.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Err::<(), _>(HandlerError::Transient("downstream is down".to_owned()))
+                }
+            })
+            .await
+            .expect("poll");
+        assert_eq!(settled.acked, 0, "a transient failure must never be acked");
+        let (pending, read) = group_state(&mut conn, &stream).await;
+        if pending == 0 && read == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never dead-lettered");
+    }
+    // First delivery plus one redelivery ran the handler; the third delivery dead-lettered it.
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let dead: redis::streams::StreamRangeReply =
+        conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
+    assert_eq!(dead.ids.len(), 1);
+    let reason: String = dead.ids[0].get("idem-reason").expect("reason");
+    assert!(reason.contains("delivered 3 times"), "{reason}");
+    let id: String = dead.ids[0].get("message_id").expect("original fields kept");
+    assert_eq!(id, "m-1");
+}

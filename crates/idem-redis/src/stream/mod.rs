@@ -50,6 +50,7 @@ struct Config {
     batch: usize,
     block: Duration,
     reclaim_idle: Duration,
+    max_deliveries: Option<u64>,
     roles: Arc<Fields>,
 }
 
@@ -117,6 +118,7 @@ pub struct StreamConsumerBuilder<S> {
     batch: usize,
     block: Duration,
     reclaim_idle: Duration,
+    max_deliveries: Option<u64>,
     payload_field: String,
     id_field: String,
     create_group: bool,
@@ -172,6 +174,14 @@ impl<S: DedupStore> StreamConsumerBuilder<S> {
     /// over with `XAUTOCLAIM` (default 30 s). Make it longer than a normal batch takes.
     pub fn reclaim_idle(mut self, d: Duration) -> Self {
         self.reclaim_idle = d;
+        self
+    }
+
+    /// Dead-letter an entry that `XAUTOCLAIM` hands out for the `n + 1`-th time without an
+    /// outcome that settled it (a transient failure that never heals, a handler that always
+    /// stalls). Default: no limit, so such an entry keeps coming back.
+    pub fn max_deliveries(mut self, n: u64) -> Self {
+        self.max_deliveries = Some(n);
         self
     }
 
@@ -252,6 +262,7 @@ impl<S: DedupStore> StreamConsumerBuilder<S> {
                 batch: self.batch,
                 block: self.block,
                 reclaim_idle: self.reclaim_idle,
+                max_deliveries: self.max_deliveries,
                 roles: Arc::new(Fields { payload: self.payload_field, id: self.id_field }),
             },
             cursor: "0-0".to_owned(),
@@ -274,6 +285,7 @@ impl<S: DedupStore> StreamConsumer<S> {
             batch: 64,
             block: Duration::from_secs(1),
             reclaim_idle: Duration::from_secs(30),
+            max_deliveries: None,
             payload_field: "payload".into(),
             id_field: "message_id".into(),
             create_group: true,
@@ -345,11 +357,88 @@ impl<S: DedupStore> StreamConsumer<S> {
             tracing::debug!(target: "idem", stream = %self.cfg.stream, n = reply.claimed.len(),
                 "reclaimed entries left pending by another consumer");
         }
-        Ok(reply
+        let entries: Vec<StreamEntry> = reply
             .claimed
             .into_iter()
             .map(|e| StreamEntry::from_reply(e.id, e.map, &self.cfg.roles))
-            .collect())
+            .collect();
+        let Some(max) = self.cfg.max_deliveries else { return Ok(entries) };
+        if entries.is_empty() {
+            return Ok(entries);
+        }
+        // XAUTOCLAIM counted this delivery; read each entry's count from the pending list.
+        let mut pipe = redis::pipe();
+        for e in &entries {
+            pipe.cmd("XPENDING")
+                .arg(&self.cfg.stream)
+                .arg(&self.cfg.group)
+                .arg(e.id())
+                .arg(e.id())
+                .arg(1);
+        }
+        let rows: Vec<Vec<(String, String, u64, u64)>> =
+            pipe.query_async(&mut self.conn).await.map_err(Error::redis("XPENDING"))?;
+        let mut keep = Vec::new();
+        let mut dead = Vec::new();
+        for (e, row) in entries.into_iter().zip(rows) {
+            match row.first() {
+                Some((_, _, _, n)) if *n > max => dead.push((
+                    e,
+                    format!("delivered {n} times without being settled (max_deliveries {max})"),
+                )),
+                _ => keep.push(e),
+            }
+        }
+        if !dead.is_empty() {
+            let refs: Vec<(&StreamEntry, String)> =
+                dead.iter().map(|(e, r)| (e, r.clone())).collect();
+            self.dead_letter(&refs).await?;
+            let ids: Vec<&str> = refs.iter().map(|(e, _)| e.id()).collect();
+            self.ack(&ids).await?;
+            tracing::warn!(target: "idem", stream = %self.cfg.stream, n = ids.len(),
+                "dead-lettered entries over max_deliveries");
+        }
+        Ok(keep)
+    }
+
+    /// Copies entries to the dead-letter stream with their reasons (one pipeline), returning
+    /// once every copy is written.
+    async fn dead_letter(&mut self, items: &[(&StreamEntry, String)]) -> Result<(), Error> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (entry, reason) in items {
+            let c = pipe.cmd("XADD").arg(&self.cfg.dead_letter).arg("*");
+            for (k, v) in entry.fields() {
+                c.arg(k).arg(v);
+            }
+            c.arg("idem-reason")
+                .arg(reason)
+                .arg("idem-source-stream")
+                .arg(&self.cfg.stream)
+                .arg("idem-source-id")
+                .arg(entry.id())
+                .arg("idem-group")
+                .arg(&self.cfg.group);
+        }
+        let _: Vec<String> =
+            pipe.query_async(&mut self.conn).await.map_err(Error::redis("XADD dead letter"))?;
+        Ok(())
+    }
+
+    async fn ack(&mut self, ids: &[&str]) -> Result<(), Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let _: i64 = redis::cmd("XACK")
+            .arg(&self.cfg.stream)
+            .arg(&self.cfg.group)
+            .arg(ids)
+            .query_async(&mut self.conn)
+            .await
+            .map_err(Error::redis("XACK"))?;
+        Ok(())
     }
 
     /// Runs a batch through the engine: one `claim_many` round trip, then the acquired
@@ -387,7 +476,7 @@ impl<S: DedupStore> StreamConsumer<S> {
     ) -> Result<Settled, Error> {
         let mut done = Settled::default();
         let mut ack: Vec<&str> = Vec::new();
-        let mut dead = redis::pipe();
+        let mut dead: Vec<(&StreamEntry, String)> = Vec::new();
         for (entry, outcome) in entries.iter().zip(outcomes) {
             match outcome.disposition() {
                 Disposition::Ack => {
@@ -395,40 +484,18 @@ impl<S: DedupStore> StreamConsumer<S> {
                     done.acked += 1;
                 }
                 Disposition::DeadLetter { reason } => {
-                    let c = dead.cmd("XADD").arg(&self.cfg.dead_letter).arg("*");
-                    for (k, v) in entry.fields() {
-                        c.arg(k).arg(v);
-                    }
-                    c.arg("idem-reason")
-                        .arg(&reason)
-                        .arg("idem-source-stream")
-                        .arg(&self.cfg.stream)
-                        .arg("idem-source-id")
-                        .arg(entry.id())
-                        .arg("idem-group")
-                        .arg(&self.cfg.group);
                     ack.push(entry.id());
+                    dead.push((entry, reason));
                     done.dead_lettered += 1;
                 }
                 _ => done.left_pending += 1,
             }
         }
         done.left_pending += entries.len().saturating_sub(outcomes.len());
-        if done.dead_lettered > 0 {
-            // Written and confirmed before the ack: a crash in between dead-letters the entry
-            // twice, never zero times.
-            let _: Vec<String> =
-                dead.query_async(&mut self.conn).await.map_err(Error::redis("XADD dead letter"))?;
-        }
-        if !ack.is_empty() {
-            let _: i64 = redis::cmd("XACK")
-                .arg(&self.cfg.stream)
-                .arg(&self.cfg.group)
-                .arg(&ack)
-                .query_async(&mut self.conn)
-                .await
-                .map_err(Error::redis("XACK"))?;
-        }
+        // Written and confirmed before the ack: a crash in between dead-letters the entry
+        // twice, never zero times.
+        self.dead_letter(&dead).await?;
+        self.ack(&ack).await?;
         Ok(done)
     }
 

@@ -18,7 +18,17 @@ pub struct ServerSettings {
 }
 
 impl ServerSettings {
-    /// Reads the settings from the server.
+    /// Reads the settings from the server (what
+    /// [`RedisStoreBuilder::connect`](crate::RedisStoreBuilder::connect) checks).
+    ///
+    /// ```no_run
+    /// use idem_redis::{RedisStore, ServerSettings};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_redis::Error> {
+    /// let store = RedisStore::connect("redis://127.0.0.1/").await?;
+    /// let settings = ServerSettings::read(&mut store.connection().clone()).await?;
+    /// println!("policy {}, persistent {:?}", settings.maxmemory_policy, settings.is_persistent());
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// [`Error::Redis`] when `INFO` fails.

@@ -45,3 +45,8 @@ pub use idem_amqp as amqp;
 /// The NATS JetStream consumer adapter (feature `nats`).
 #[cfg(feature = "nats")]
 pub use idem_nats as nats;
+
+/// The Redis store and the Redis Streams consumer adapter (feature `redis`); `idem::redis::redis`
+/// is the client crate they are built on.
+#[cfg(feature = "redis")]
+pub use idem_redis as redis;

@@ -1,0 +1,363 @@
+//! Throughput of `RedisStore` beside the raw Redis commands, in the same run, and the peers'
+//! 100,000-message workload through the idem engine.
+//!
+//! ```text
+//! cargo run --release -p idem-redis --example redis_bench -- primitives [N]
+//! cargo run --release -p idem-redis --example redis_bench -- workload [FILE] [REPEATS]
+//! ```
+//! `primitives` (median of 3 runs per cell): per message, at 1, 16 and 64 concurrent tasks sharing one multiplexed
+//! connection: `RedisStore` claim + complete; raw `SET k v NX PX 60000`; raw `SET NX` then
+//! `SET XX` (the two writes a claim + complete needs); then the same with 16 messages per task
+//! per round trip (`claim_many` + 16 completes; explicit pipelines of 16 for the raw commands).
+//! `workload`: `/tmp/peers/workload.jsonl` (from `../shared/peers/setup_peers.sh`) through
+//! `Consumer::process` at 1, 16 and 64 tasks, and through `Consumer::process_batch` (one
+//! `claim_many` per batch of 16 or 64), key = JSON `/message_id`, with the peers' handler and
+//! exactly-once check. Records carry a 60 s TTL, so nothing needs cleaning up.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_core::consumer::{Context, HandlerError};
+use idem_core::extract::{JsonPointer, Message};
+use idem_core::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome};
+use idem_redis::RedisStore;
+use redis::aio::ConnectionManager;
+use serde::{Deserialize, Serialize};
+
+const LEASE: Duration = Duration::from_secs(30);
+const RETAIN: Duration = Duration::from_secs(60);
+const BATCH: usize = 16;
+
+type BoxErr = Box<dyn std::error::Error + Send + Sync>;
+
+#[tokio::main]
+async fn main() -> Result<(), BoxErr> {
+    let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("primitives") => {
+            let n = args.get(1).map_or(Ok(100_000), |s| s.parse())?;
+            primitives(&url, n).await
+        }
+        Some("workload") => {
+            let file = args.get(1).map_or("/tmp/peers/workload.jsonl", String::as_str);
+            let repeats = args.get(2).map_or(Ok(3), |s| s.parse())?;
+            workload(&url, file, repeats).await
+        }
+        _ => Err("usage: redis_bench primitives [N] | workload [FILE] [REPEATS]".into()),
+    }
+}
+
+fn run_id() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Median of three runs of [`drive`], each with its own key range (`run` is added to `i`).
+async fn median3<F, Fut>(n: usize, tasks: usize, per_call: usize, op: F) -> Result<f64, BoxErr>
+where
+    F: Fn(usize) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = Result<(), BoxErr>> + Send,
+{
+    let mut rates = Vec::new();
+    for run in 0..3 {
+        let op = op.clone();
+        rates.push(drive(n, tasks, per_call, move |i| op(run * 10_000_000 + i)).await?);
+    }
+    rates.sort_by(f64::total_cmp);
+    Ok(rates[1])
+}
+
+/// Runs `op(i)` for i in 0..n (stepping by `per_call`) over `tasks` concurrent tasks; returns
+/// items per second.
+async fn drive<F, Fut>(n: usize, tasks: usize, per_call: usize, op: F) -> Result<f64, BoxErr>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), BoxErr>> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let op = Arc::new(op);
+    let started = Instant::now();
+    let mut handles = Vec::new();
+    for _ in 0..tasks {
+        let next = next.clone();
+        let op = op.clone();
+        handles.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(per_call, Ordering::Relaxed);
+                if i >= n {
+                    return Ok::<_, BoxErr>(());
+                }
+                op(i).await?;
+            }
+        }));
+    }
+    for h in handles {
+        h.await??;
+    }
+    Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn set_nx(conn: &mut ConnectionManager, key: &str) -> Result<(), BoxErr> {
+    let r: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("v")
+        .arg("NX")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(conn)
+        .await?;
+    if r.is_none() {
+        return Err(format!("{key} existed").into());
+    }
+    Ok(())
+}
+
+async fn primitives(url: &str, n: usize) -> Result<(), BoxErr> {
+    let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
+    let conn = store.connection().clone();
+    println!(
+        "| tasks | msgs per round trip | RedisStore claim+complete | raw SET NX PX | raw SET NX + SET XX | store / raw 2-cmd |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for tasks in [1usize, 16, 64] {
+        let n = if tasks == 1 { n / 4 } else { n } / BATCH * BATCH;
+        let run = run_id();
+        // RedisStore, one message per call.
+        let s = store.clone();
+        let r = run.clone();
+        let st = median3(n, tasks, 1, move |i| {
+            let s = s.clone();
+            let key = DedupKey::new(r.clone(), format!("m-{i}"));
+            async move {
+                let req = ClaimRequest::new(key?, None, LEASE, RETAIN);
+                let Claim::Acquired(l) = s.claim(&req).await? else {
+                    return Err("not acquired".into());
+                };
+                s.complete(l, None, RETAIN).await?;
+                Ok(())
+            }
+        })
+        .await?;
+        let c = conn.clone();
+        let r = run.clone();
+        let raw1 = median3(n, tasks, 1, move |i| {
+            let mut c = c.clone();
+            let key = format!("bench:{r}:a:{i}");
+            async move { set_nx(&mut c, &key).await }
+        })
+        .await?;
+        let c = conn.clone();
+        let r = run.clone();
+        let raw2 = median3(n, tasks, 1, move |i| {
+            let mut c = c.clone();
+            let key = format!("bench:{r}:b:{i}");
+            async move {
+                set_nx(&mut c, &key).await?;
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg("done")
+                    .arg("XX")
+                    .arg("PX")
+                    .arg(60_000)
+                    .query_async(&mut c)
+                    .await?;
+                Ok(())
+            }
+        })
+        .await?;
+        println!("| {tasks} | 1 | {st:.0} | {raw1:.0} | {raw2:.0} | {:.2} |", st / raw2);
+
+        // Batches of 16 per round trip.
+        let s = store.clone();
+        let r = run.clone();
+        let stb = median3(n, tasks, BATCH, move |i| {
+            let s = s.clone();
+            let r = r.clone();
+            async move {
+                let reqs = (i..i + BATCH)
+                    .map(|j| {
+                        DedupKey::new(r.clone(), format!("p-{j}"))
+                            .map(|k| ClaimRequest::new(k, None, LEASE, RETAIN))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let claims = s.claim_many(&reqs).await?;
+                let done = claims.into_iter().map(|c| {
+                    let s = s.clone();
+                    async move {
+                        match c {
+                            Claim::Acquired(l) => {
+                                s.complete(l, None, RETAIN).await.map_err(BoxErr::from)
+                            }
+                            _ => Err(BoxErr::from("not acquired")),
+                        }
+                    }
+                });
+                for d in futures_util::future::join_all(done).await {
+                    d?;
+                }
+                Ok(())
+            }
+        })
+        .await?;
+        let c = conn.clone();
+        let r = run.clone();
+        let rawb1 = median3(n, tasks, BATCH, move |i| {
+            let mut c = c.clone();
+            let mut p = redis::pipe();
+            for j in i..i + BATCH {
+                p.cmd("SET")
+                    .arg(format!("bench:{r}:c:{j}"))
+                    .arg("v")
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(60_000);
+            }
+            async move {
+                let _: Vec<Option<String>> = p.query_async(&mut c).await?;
+                Ok(())
+            }
+        })
+        .await?;
+        let c = conn.clone();
+        let r = run.clone();
+        let rawb2 = median3(n, tasks, BATCH, move |i| {
+            let mut c = c.clone();
+            let mut p1 = redis::pipe();
+            let mut p2 = redis::pipe();
+            for j in i..i + BATCH {
+                let k = format!("bench:{r}:d:{j}");
+                p1.cmd("SET").arg(&k).arg("v").arg("NX").arg("PX").arg(60_000);
+                p2.cmd("SET").arg(&k).arg("done").arg("XX").arg("PX").arg(60_000);
+            }
+            async move {
+                let _: Vec<Option<String>> = p1.query_async(&mut c).await?;
+                let _: Vec<Option<String>> = p2.query_async(&mut c).await?;
+                Ok(())
+            }
+        })
+        .await?;
+        println!("| {tasks} | {BATCH} | {stb:.0} | {rawb1:.0} | {rawb2:.0} | {:.2} |", stb / rawb2);
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+struct Order {
+    order_id: u64,
+    items: Vec<Item>,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    qty: u64,
+    price_cents: u64,
+}
+
+#[derive(Serialize, Deserialize, PartialEq, Eq, Debug, Clone)]
+struct Receipt {
+    order_id: u64,
+    total_cents: u64,
+    item_count: u64,
+    status: String,
+}
+
+fn receipt(payload: &[u8]) -> Result<Receipt, serde_json::Error> {
+    let o: Order = serde_json::from_slice(payload)?;
+    Ok(Receipt {
+        order_id: o.order_id,
+        total_cents: o.items.iter().map(|i| i.qty * i.price_cents).sum(),
+        item_count: o.items.iter().map(|i| i.qty).sum(),
+        status: "processed".into(),
+    })
+}
+
+async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
+    let text = std::fs::read_to_string(file)?;
+    let lines: Arc<Vec<String>> = Arc::new(text.lines().map(str::to_owned).collect());
+    // message_id -> index of its counter: the ledger of handler runs (it does not deduplicate).
+    let mut ids: HashMap<String, usize> = HashMap::new();
+    for l in lines.iter() {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        let id = v["message_id"].as_str().ok_or("no message_id")?.to_owned();
+        let n = ids.len();
+        ids.entry(id).or_insert(n);
+    }
+    let ids = Arc::new(ids);
+    println!("workload: {} messages, {} unique", lines.len(), ids.len());
+    println!("| tasks × batch | in flight | runs msgs/s | median msgs/s | exactly once |");
+    println!("|---|---:|---|---:|---|");
+    for (inflight, batch) in [(1usize, 1usize), (16, 1), (64, 1), (1, 16), (1, 64), (4, 64)] {
+        let mut rates = Vec::new();
+        let mut all_ok = true;
+        for _ in 0..repeats {
+            let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
+            let consumer = Consumer::builder(store)
+                .scope("orders")
+                .key(JsonPointer::new("/message_id"))
+                .lease(LEASE)
+                .retain(RETAIN)
+                .build()?;
+            let runs: Arc<Vec<AtomicU32>> =
+                Arc::new((0..ids.len()).map(|_| AtomicU32::new(0)).collect());
+            let bad = Arc::new(AtomicUsize::new(0));
+            let (l, c, r, ids2, b) =
+                (lines.clone(), consumer.clone(), runs.clone(), ids.clone(), bad.clone());
+            let rate = drive(lines.len(), inflight, batch, move |i| {
+                let (l, c, r, ids, b) = (l.clone(), c.clone(), r.clone(), ids2.clone(), b.clone());
+                async move {
+                    let msgs: Vec<Message> = l[i..(i + batch).min(l.len())]
+                        .iter()
+                        .map(|line| Message::new(line.as_bytes().to_vec()))
+                        .collect();
+                    let handler = |ctx: Context, m: &Message| {
+                        let (r, ids) = (r.clone(), ids.clone());
+                        let payload = m.payload.clone();
+                        async move {
+                            let id = ctx.key().map(DedupKey::id).unwrap_or_default();
+                            if let Some(&ix) = ids.get(id) {
+                                r[ix].fetch_add(1, Ordering::Relaxed);
+                            }
+                            receipt(&payload).map_err(|e| HandlerError::Permanent(e.to_string()))
+                        }
+                    };
+                    let outcomes = if batch == 1 {
+                        let m = &msgs[0];
+                        vec![c.process(m, |ctx| handler(ctx, m)).await]
+                    } else {
+                        c.process_batch(&msgs, handler).await
+                    };
+                    for (m, o) in msgs.iter().zip(outcomes) {
+                        let expected = receipt(&m.payload)?;
+                        match o {
+                            Outcome::Processed(got) | Outcome::Duplicate(Some(got))
+                                if got == expected => {}
+                            _ => {
+                                b.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    Ok(())
+                }
+            })
+            .await?;
+            let once = runs.iter().all(|n| n.load(Ordering::Relaxed) == 1)
+                && bad.load(Ordering::Relaxed) == 0;
+            all_ok &= once;
+            rates.push(rate);
+        }
+        let mut sorted = rates.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        let runs: Vec<String> = rates.iter().map(|r| format!("{r:.0}")).collect();
+        println!(
+            "| {inflight} × {batch} | {} | {} | {median:.0} | {} |",
+            inflight * batch,
+            runs.join(" / "),
+            if all_ok { "OK" } else { "FAIL" }
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,192 @@
+//! The Lua scripts. Each runs atomically on the server, so every read-decide-write of a record
+//! is one step: no other command interleaves (R3: no check-then-set).
+//!
+//! A record is one string value, packed with Redis' built-in `struct` library (see
+//! [`super::codec`] for the layout), written with `SET … PX` so the write and the native TTL
+//! are one command. One value instead of a hash keeps each script to 2–3 `redis.call`s, the
+//! main server-side cost. Times are microseconds of the server's `TIME` plus the clock offset
+//! passed as an `ARGV` (always 0 outside tests); doubles hold them exactly (below 2^53).
+
+/// Shared helpers, prepended to every script.
+const PRELUDE: &str = r#"
+local function now_us(offset)
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(offset)
+end
+local HDR = '>BbI4ddddd'
+local function load(k)
+  local v = redis.call('GET', k)
+  if not v then return nil end
+  local r = {raw = v}
+  local pos
+  r.st, r.prev, r.att, r.tok, r.cr, r.up, r.lu, r.exp, pos = struct.unpack(HDR, v)
+  r.fp, pos = struct.unpack('>I4c0', v, pos)
+  r.hasres, r.res, pos = struct.unpack('>BI4c0', v, pos)
+  r.sc, r.id = struct.unpack('>I4c0I4c0', v, pos)
+  return r
+end
+-- Writes the record with a native TTL at its logical expiry, in whole milliseconds rounded
+-- up, so Redis never deletes a record before it expires.
+local function save(k, r, now)
+  local v = struct.pack('>BbI4dddddI4c0BI4c0I4c0I4c0', r.st, r.prev, r.att, r.tok, r.cr, r.up,
+    r.lu, r.exp, #r.fp, r.fp, r.hasres, #r.res, r.res, #r.sc, r.sc, #r.id, r.id)
+  local ms = math.ceil((r.exp - now) / 1000)
+  if ms < 1 then ms = 1 end
+  redis.call('SET', k, v, 'PX', string.format('%.0f', ms))
+end
+local function live(r, now) return r.st == 0 and r.lu > now end
+"#;
+
+/// One claim, as a function the single and batch scripts call. Replies:
+/// `{0, token, attempt, until, prev or -1, fp}` acquired; `{1, record}` completed or in doubt;
+/// `{2, retry_after_us, attempt}` in progress; `{3, record}` conflict.
+const CLAIM_FN: &str = r#"
+local function claim(k, scope, id, fp, lease, retain, now)
+  local r = load(k)
+  local untl = now + lease
+  local keep = now + math.max(retain, lease)
+  if (not r) or (r.exp <= now and not live(r, now)) then
+    local token = now
+    if r then token = math.max(r.tok + 1, now) end
+    if token < 1 then token = 1 end
+    save(k, {st = 0, prev = -1, att = 1, tok = token, cr = now, up = now, lu = untl, exp = keep,
+      fp = fp, hasres = 0, res = '', sc = scope, id = id}, now)
+    return {0, token, 1, untl, -1, fp}
+  end
+  if r.fp ~= '' and fp ~= '' and r.fp ~= fp then return {3, r.raw} end
+  if r.st == 1 or r.st == 4 then return {1, r.raw} end
+  if live(r, now) then return {2, r.lu - now, r.att} end
+  r.prev = r.st
+  r.st = 0
+  r.att = r.att + 1
+  r.tok = math.max(r.tok + 1, now)
+  r.up = now
+  r.lu = untl
+  r.exp = math.max(r.exp, keep)
+  r.hasres = 0
+  r.res = ''
+  if r.fp == '' then r.fp = fp end
+  save(k, r, now)
+  return {0, r.tok, r.att, untl, r.prev, r.fp}
+end
+"#;
+
+/// KEYS: the record. ARGV: scope, id, fingerprint ('' for none), lease µs, retain µs, offset.
+pub(crate) fn claim() -> String {
+    format!(
+        "{PRELUDE}{CLAIM_FN}
+local now = now_us(ARGV[6])
+return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), now)"
+    )
+}
+
+/// KEYS: the records, in request order. ARGV: offset, then 5 per key (scope, id, fingerprint,
+/// lease µs, retain µs). One script: the batch is one round trip and one atomic step, and a key
+/// repeated in the batch sees its earlier occurrence's claim.
+pub(crate) fn claim_many() -> String {
+    format!(
+        "{PRELUDE}{CLAIM_FN}
+local now = now_us(ARGV[1])
+local out = {{}}
+for i = 1, #KEYS do
+  local a = 1 + (i - 1) * 5
+  out[i] = claim(KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4]),
+    tonumber(ARGV[a + 5]), now)
+end
+return out"
+    )
+}
+
+/// Fenced finish (complete or fail). KEYS: the record. ARGV: token, state code, has result
+/// ('1'/'0'), result, retain µs, offset. Replies 1, or 0 when the lease was lost.
+pub(crate) fn finish() -> String {
+    format!(
+        "{PRELUDE}
+local r = load(KEYS[1])
+if (not r) or r.st ~= 0 or r.tok ~= tonumber(ARGV[1]) then return 0 end
+local now = now_us(ARGV[6])
+r.st = tonumber(ARGV[2])
+r.up = now
+r.lu = -1
+r.exp = now + tonumber(ARGV[5])
+r.hasres = tonumber(ARGV[3])
+r.res = ARGV[4]
+save(KEYS[1], r, now)
+return 1"
+    )
+}
+
+/// Fenced release. KEYS: the record. ARGV: token, offset. Replies 1, or 0 when lost.
+pub(crate) fn release() -> String {
+    format!(
+        "{PRELUDE}
+local r = load(KEYS[1])
+if (not r) or r.st ~= 0 or r.tok ~= tonumber(ARGV[1]) then return 0 end
+local now = now_us(ARGV[2])
+r.st = 2
+r.up = now
+r.lu = -1
+save(KEYS[1], r, now)
+return 1"
+    )
+}
+
+/// Fenced extend. KEYS: the record. ARGV: token, by µs, offset. Replies the new lease end, or
+/// -1 when lost.
+pub(crate) fn extend() -> String {
+    format!(
+        "{PRELUDE}
+local r = load(KEYS[1])
+if (not r) or r.st ~= 0 or r.tok ~= tonumber(ARGV[1]) then return -1 end
+local now = now_us(ARGV[3])
+r.lu = now + tonumber(ARGV[2])
+r.exp = math.max(r.exp, r.lu)
+r.up = now
+save(KEYS[1], r, now)
+return r.lu"
+    )
+}
+
+/// Operator release, whatever the state. KEYS: the record. ARGV: offset. Replies 1 or 0
+/// (absent).
+pub(crate) fn force_release() -> String {
+    format!(
+        "{PRELUDE}
+local r = load(KEYS[1])
+if not r then return 0 end
+local now = now_us(ARGV[1])
+r.st = 2
+r.tok = math.max(r.tok + 1, now)
+r.up = now
+r.lu = -1
+save(KEYS[1], r, now)
+return 1"
+    )
+}
+
+/// Deletes the given records that are logically expired (retention passed, no live lease), at
+/// most ARGV[2] of them. KEYS: candidates. ARGV: offset, limit. Replies how many it deleted.
+/// Only needed with a test clock offset: without one, Redis' TTL deletes each record at its
+/// expiry.
+pub(crate) fn purge() -> String {
+    format!(
+        "{PRELUDE}
+local now = now_us(ARGV[1])
+local limit = tonumber(ARGV[2])
+local n = 0
+for i = 1, #KEYS do
+  if n >= limit then break end
+  local r = load(KEYS[i])
+  if r and r.exp <= now and not live(r, now) then
+    redis.call('DEL', KEYS[i])
+    n = n + 1
+  end
+end
+return n"
+    )
+}
+
+/// The server's time in µs plus the offset. ARGV: offset.
+pub(crate) fn now() -> String {
+    format!("{PRELUDE}\nreturn now_us(ARGV[1])")
+}

@@ -1,0 +1,97 @@
+//! A stream entry as an idem [`Envelope`].
+
+use std::sync::Arc;
+
+use idem_core::extract::Envelope;
+use redis::Value;
+
+/// Which entry fields play which part.
+#[derive(Debug)]
+pub(crate) struct Fields {
+    pub(crate) payload: String,
+    pub(crate) id: String,
+}
+
+/// One entry read from a stream: its id and fields.
+///
+/// As an [`Envelope`]: the payload is the field named by
+/// [`payload_field`](crate::StreamConsumerBuilder::payload_field) (default `payload`), the
+/// message id the field named by [`id_field`](crate::StreamConsumerBuilder::id_field) (default
+/// `message_id`), and every field is a header. So the consumer's key extractor chooses the
+/// key: the default reads the id field; `Header::new("order_id")` another field;
+/// `JsonPointer::new("/order/id")` a value inside the payload.
+///
+/// ```
+/// use idem_core::extract::Envelope;
+/// use idem_redis::StreamEntry;
+///
+/// let e = StreamEntry::new("1-0", vec![("message_id".into(), b"o-1".to_vec()),
+///                                      ("payload".into(), b"{}".to_vec())]);
+/// assert_eq!(e.message_id(), Some("o-1"));
+/// assert_eq!(e.payload(), b"{}");
+/// assert_eq!(e.header("MESSAGE_ID"), Some("o-1"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct StreamEntry {
+    id: String,
+    fields: Vec<(String, Vec<u8>)>,
+    roles: Arc<Fields>,
+}
+
+impl StreamEntry {
+    /// An entry with the default field roles (`payload`, `message_id`).
+    pub fn new(id: impl Into<String>, fields: Vec<(String, Vec<u8>)>) -> Self {
+        let roles = Arc::new(Fields { payload: "payload".into(), id: "message_id".into() });
+        Self { id: id.into(), fields, roles }
+    }
+
+    pub(crate) fn from_reply(
+        id: String,
+        map: std::collections::HashMap<String, Value>,
+        roles: &Arc<Fields>,
+    ) -> Self {
+        let mut fields: Vec<(String, Vec<u8>)> = map
+            .into_iter()
+            .map(|(k, v)| {
+                let bytes = match v {
+                    Value::BulkString(b) => b,
+                    Value::SimpleString(s) => s.into_bytes(),
+                    Value::Int(n) => n.to_string().into_bytes(),
+                    _ => Vec::new(),
+                };
+                (k, bytes)
+            })
+            .collect();
+        fields.sort_by(|a, b| a.0.cmp(&b.0));
+        Self { id, fields, roles: Arc::clone(roles) }
+    }
+
+    /// The entry id (`<ms>-<seq>`): a delivery position, never a dedup key.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// All fields.
+    pub fn fields(&self) -> &[(String, Vec<u8>)] {
+        &self.fields
+    }
+
+    /// A field's raw value.
+    pub fn field(&self, name: &str) -> Option<&[u8]> {
+        self.fields.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
+    }
+}
+
+impl Envelope for StreamEntry {
+    fn payload(&self) -> &[u8] {
+        self.field(&self.roles.payload).unwrap_or_default()
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.header(&self.roles.id)
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.field(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+}

@@ -1,0 +1,52 @@
+//! Shared setup for the Redis integration tests: the server URL, fresh namespaces, cleanup.
+#![allow(dead_code, unreachable_pub)]
+
+use idem_redis::{ClockOffset, RedisStore};
+
+/// The test server's URL, or `None` (skip, printed) when it does not answer outside CI.
+pub fn url() -> Option<String> {
+    idem_testkit::service::require("redis", "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/")
+}
+
+/// A namespace no other test uses.
+pub fn fresh_name(tag: &str) -> String {
+    format!("t-{tag}-{}-{:016x}", std::process::id(), rand::random::<u64>())
+}
+
+/// Deletes every key matching `pattern` when dropped (the test's own namespace or streams).
+pub struct Cleanup {
+    pub url: String,
+    pub patterns: Vec<String>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(self.url.as_str()) else { return };
+        let Ok(mut conn) = client.get_connection() else { return };
+        for p in &self.patterns {
+            let keys: Vec<String> = redis::cmd("KEYS").arg(p).query(&mut conn).unwrap_or_default();
+            for chunk in keys.chunks(500) {
+                let _: Result<i64, _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
+            }
+        }
+    }
+}
+
+/// A store in a fresh namespace with a test clock offset, and its cleanup guard.
+pub async fn store(url: &str, tag: &str) -> (RedisStore, ClockOffset, Cleanup) {
+    let name = fresh_name(tag);
+    let offset = ClockOffset::new();
+    let store = RedisStore::builder(url)
+        .expect("url")
+        .namespace(&name)
+        .expect("namespace")
+        .clock_offset(offset.clone())
+        .connect()
+        .await
+        .expect("connect to redis");
+    let cleanup = Cleanup {
+        url: url.to_owned(),
+        patterns: vec![format!("{}*", store.namespace().key_prefix())],
+    };
+    (store, offset, cleanup)
+}

@@ -1,0 +1,171 @@
+//! Against a private `redis-server` on a spare port (so server-wide settings and counters are
+//! ours alone): the startup checks (R14) with an evicting policy or the AOF on, and that
+//! concurrent claims share one connection and a batch is one command. Plus the shared server's
+//! settings.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore};
+use idem_redis::{Error, RedisStore, ServerSettings};
+
+/// A `redis-server` of our own, killed when dropped.
+struct Server {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `redis-server` with `args` on a free port; `None` (skip) when the binary is missing
+/// outside CI.
+fn spawn(args: &[&str]) -> Option<Server> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for _ in 0..5 {
+        let port = 20_000 + rand::random::<u16>() % 20_000;
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--dir", dir.path().to_str().expect("utf-8 path")])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) if idem_testkit::service::in_ci() => panic!("redis-server not runnable: {e}"),
+            Err(_) => {
+                eprintln!("skipped: redis-server not installed");
+                return None;
+            }
+        };
+        let url = format!("redis://127.0.0.1:{port}/");
+        let client = redis::Client::open(url.as_str()).expect("url");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break; // port taken: try another
+            }
+            if let Ok(mut c) = client.get_connection()
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return Some(Server { child, url, _dir: dir });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("could not start a private redis-server");
+}
+
+#[tokio::test]
+async fn evicting_policy_is_refused_unless_allowed() {
+    let Some(server) = spawn(&["--maxmemory-policy", "allkeys-lru", "--appendonly", "no"]) else {
+        return;
+    };
+    match RedisStore::connect(&server.url).await {
+        Err(Error::EvictingPolicy { policy }) => assert_eq!(policy, "allkeys-lru"),
+        other => panic!("expected EvictingPolicy, got {other:?}"),
+    }
+    let err = RedisStore::connect(&server.url).await.unwrap_err().to_string();
+    assert!(err.contains("noeviction") && err.contains(".allow_eviction(true)"), "{err}");
+    let store = RedisStore::builder(&server.url)
+        .expect("url")
+        .allow_eviction(true)
+        .connect()
+        .await
+        .expect("allowed");
+    let mut conn = store.connection().clone();
+    let s = ServerSettings::read(&mut conn).await.expect("settings");
+    assert_eq!(s.is_persistent(), Some(false));
+}
+
+#[tokio::test]
+async fn persistence_is_detected() {
+    let Some(server) = spawn(&["--appendonly", "yes"]) else { return };
+    let store = RedisStore::connect(&server.url).await.expect("noeviction is accepted");
+    let s = ServerSettings::read(&mut store.connection().clone()).await.expect("settings");
+    assert!(s.aof);
+    assert_eq!(s.is_persistent(), Some(true));
+    assert!(s.is_noeviction());
+}
+
+#[tokio::test]
+async fn shared_server_passes_the_check() {
+    let Some(url) = common::url() else { return };
+    let store = RedisStore::connect(&url).await.expect("the shared server is noeviction");
+    let s = ServerSettings::read(&mut store.connection().clone()).await.expect("settings");
+    assert!(s.is_noeviction(), "{s:?}");
+}
+
+#[tokio::test]
+async fn bad_namespace_is_refused() {
+    let err =
+        RedisStore::builder("redis://127.0.0.1/").expect("url").namespace("a}{b").unwrap_err();
+    assert!(matches!(err, Error::InvalidNamespace { .. }), "{err}");
+}
+
+fn info_field(info: &str, name: &str) -> i64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(-1)
+}
+
+fn evalsha_calls(stats: &str) -> i64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_share_one_connection_and_a_batch_is_one_script() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = RedisStore::connect(&server.url).await.expect("connect");
+    let req = |i: usize| {
+        ClaimRequest::new(
+            DedupKey::new("pipe", format!("k-{i}")).expect("key"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+    };
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let s = store.clone();
+            let r = req(i);
+            tokio::spawn(async move { s.claim(&r).await })
+        })
+        .collect();
+    for t in tasks {
+        assert!(matches!(t.await.expect("task").expect("claim"), Claim::Acquired(_)));
+    }
+    let mut conn = store.connection().clone();
+    let clients: String =
+        redis::cmd("INFO").arg("clients").query_async(&mut conn).await.expect("info");
+    let stats: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await.expect("info");
+    assert_eq!(info_field(&clients, "connected_clients"), 1, "64 tasks, one connection");
+    // The store's connection, plus the one `spawn` pinged the server with.
+    assert_eq!(info_field(&stats, "total_connections_received"), 2);
+
+    // A first batch loads the script (EVALSHA answers NOSCRIPT once on a fresh server).
+    let _ = store.claim_many(&[req(99)]).await.expect("claim_many");
+    let before: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    let reqs: Vec<ClaimRequest> = (100..400).map(req).collect();
+    let claims = store.claim_many(&reqs).await.expect("claim_many");
+    assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
+    let after: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    assert_eq!(evalsha_calls(&after) - evalsha_calls(&before), 1, "300 claims, one script call");
+}

@@ -46,6 +46,24 @@ macro_rules! each_store {
                 sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
                     .execute(&pool).await.unwrap();
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn redis() {
+                let Some(url) = idem_testkit::service::require(
+                    "redis", "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/",
+                ) else { return };
+                let ns = format!("http_{}_{}", stringify!($case), std::process::id());
+                let store = idem_redis::RedisStore::builder(&url).unwrap()
+                    .namespace(&ns).unwrap().connect().await.unwrap();
+                let mut conn = store.connection().clone();
+                let store_prefix = store.namespace().key_prefix().to_owned();
+                super::$case(store).await;
+                let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", store_prefix))
+                    .query_async(&mut conn).await.unwrap();
+                if !keys.is_empty() {
+                    let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+                }
+            }
         }
     )*};
 }

@@ -28,6 +28,12 @@ pub(crate) struct BenchSqlArgs {
     /// Tasks for the group-commit measurement.
     #[arg(long, default_value_t = 32)]
     group_tasks: usize,
+    /// Batches in flight at once for the group-commit measurement (`BatchConfig::max_in_flight`).
+    #[arg(long, default_value_t = 4)]
+    in_flight: usize,
+    /// Only the group-commit and batch measurements.
+    #[arg(long)]
+    batches_only: bool,
 }
 
 struct Row {
@@ -169,7 +175,8 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
         Arc::<str>::from(format!("UPDATE {schema}.raw SET state = 1, result = $2 WHERE k = $1"));
     let order = Arc::<str>::from(format!("INSERT INTO {schema}.orders VALUES ($1, 100)"));
     let inbox = store.inbox(Duration::from_secs(86_400));
-    for &c in &args.concurrency {
+    let per_message: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
+    for &c in per_message {
         let (p, ins2, upd2) = (pool.clone(), Arc::clone(&ins), Arc::clone(&upd));
         let run = format!("raw2-{c}");
         rows.push(
@@ -230,7 +237,7 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
         );
     }
     let g = args.group_tasks;
-    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(4));
+    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(args.in_flight));
     let (s, gn) = (batched.clone(), n * 4);
     rows.push(
         measure("idem: Batched claim + complete (group commit)", gn, g, move |i| {
@@ -319,7 +326,8 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     let upd = Arc::<str>::from(format!("UPDATE {t}_raw SET state = 1, result = ? WHERE k = ?"));
     let order = Arc::<str>::from(format!("INSERT INTO {t}_orders VALUES (?, 100)"));
     let inbox = store.inbox(Duration::from_secs(86_400));
-    for &c in &args.concurrency {
+    let per_message: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
+    for &c in per_message {
         let (p, ins2, upd2) = (pool.clone(), Arc::clone(&ins), Arc::clone(&upd));
         let run = format!("raw2-{c}");
         rows.push(
@@ -380,7 +388,7 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
         );
     }
     let g = args.group_tasks;
-    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(4));
+    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(args.in_flight));
     let s = batched.clone();
     rows.push(
         measure("idem: Batched claim + complete (group commit)", n * 4, g, move |i| {

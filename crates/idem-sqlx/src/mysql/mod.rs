@@ -56,6 +56,8 @@ const MAX_ROWS: usize = 1000;
 #[derive(Clone)]
 pub struct MySqlStore {
     pool: MySqlPool,
+    /// Whether the server takes `INSERT … RETURNING` (MariaDB ≥ 10.5); cleared on first refusal.
+    returning: Arc<std::sync::atomic::AtomicBool>,
     table: Identifier,
     sql: Arc<Sql>,
     skew: ClockSkew,
@@ -96,7 +98,13 @@ impl MySqlStore {
     /// Wraps an existing pool with the default table name.
     pub fn new(pool: MySqlPool) -> Self {
         let table = Identifier::new("table name", DEFAULT_TABLE).expect("default is valid");
-        Self { sql: Arc::new(Sql::new(table.as_str())), pool, table, skew: ClockSkew::new() }
+        Self {
+            sql: Arc::new(Sql::new(table.as_str())),
+            pool,
+            table,
+            skew: ClockSkew::new(),
+            returning: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        }
     }
 
     /// Uses another table (letters, digits, `_`; at most [`MAX_TABLE_NAME`] bytes).
@@ -364,8 +372,53 @@ pub(crate) fn backend(op: &'static str, e: sqlx::Error) -> StoreError {
     StoreError::backend(op, retryable, e)
 }
 
+impl MySqlStore {
+    /// The fresh-key fast path: a plain `INSERT … RETURNING`. `None` when the key exists (or the
+    /// server has no `RETURNING`): decide it with the upsert.
+    async fn try_insert(&self, req: &ClaimRequest) -> Result<Option<Lease>, StoreError> {
+        if !self.returning.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let b = self
+            .binds()
+            .bytes("hash", Some(&req.key.hash().0))
+            .text("scope", req.key.scope())
+            .text("id", req.key.id())
+            .bytes("fp", req.fingerprint.as_ref().map(|f| &f.0[..]))
+            .int("lease", Some(duration_micros(req.lease_for)))
+            .int("keep", Some(duration_micros(req.retain_for.max(req.lease_for))))
+            .int("owner", Some(nonce()));
+        match self.sql.insert_claim.query(&b).fetch_one(&self.pool).await {
+            Ok(row) => {
+                let get = |e| backend("claim", e);
+                let token: i64 = row.try_get(0).map_err(get)?;
+                let until: Option<i64> = row.try_get(1).map_err(get)?;
+                Ok(Some(Lease::new(
+                    req.key.clone(),
+                    req.fingerprint,
+                    u64::try_from(token)
+                        .map_err(|_| StoreError::Corrupt { what: format!("token {token}") })?,
+                    1,
+                    Timestamp::from_micros(until.unwrap_or_default()),
+                    None,
+                )))
+            }
+            Err(e) if is_duplicate_key(&e) => Ok(None),
+            // 1064: a server without INSERT … RETURNING (MySQL): use the upsert from now on.
+            Err(e) if error_number(&e) == Some(1064) => {
+                self.returning.store(false, Ordering::Relaxed);
+                Ok(None)
+            }
+            Err(e) => Err(backend("claim", e)),
+        }
+    }
+}
+
 impl DedupStore for MySqlStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        if let Some(lease) = self.try_insert(req).await? {
+            return Ok(Claim::Acquired(lease));
+        }
         for _ in 0..8 {
             if let Some(Some(claim)) = self.claim_round(&[req]).await?.pop() {
                 return Ok(claim);
@@ -398,30 +451,80 @@ impl DedupStore for MySqlStore {
         self.finish(&mut conn, &lease, RecordState::Completed, result, retain_for).await
     }
 
-    /// One transaction, so one commit (one log flush) for the batch.
+    /// One statement (one commit) for the batch; a second read only when some did not apply.
     async fn complete_many(
         &self,
         items: Vec<Completion>,
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(|e| backend("complete_many", e))?;
-        let mut out = Vec::with_capacity(items.len());
-        for c in &items {
-            let r = self
-                .finish(
-                    &mut tx,
-                    &c.lease,
-                    RecordState::Completed,
-                    c.result.as_deref(),
-                    c.retain_for,
-                )
-                .await;
-            if let Err(e @ StoreError::Backend { .. }) = r {
-                return Err(e);
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        let mut todo = Vec::new();
+        for (i, c) in items.iter().enumerate() {
+            let len = c.result.as_ref().map_or(0, Vec::len);
+            match StoreError::check_len("result", len, MAX_RESULT_BYTES) {
+                Err(e) => out.push(Some(Err(e))),
+                Ok(()) => {
+                    out.push(None);
+                    todo.push(i);
+                }
             }
-            out.push(r);
         }
-        tx.commit().await.map_err(|e| backend("complete_many", e))?;
-        Ok(out)
+        let skew = self.skew.micros();
+        for chunk in todo.chunks(MAX_ROWS) {
+            let mut q = sqlx::query(AssertSqlSafe(self.sql.complete_many(chunk.len())));
+            for &i in chunk {
+                let c = &items[i];
+                q = q
+                    .bind(c.lease.key().hash().0.to_vec())
+                    .bind(i64_of(c.lease.token(), "token")?)
+                    .bind(c.result.clone())
+                    .bind(duration_micros(c.retain_for));
+            }
+            let done = q
+                .bind(skew)
+                .bind(skew)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| backend("complete_many", e))?;
+            if usize::try_from(done.rows_affected()).unwrap_or(0) == chunk.len() {
+                for &i in chunk {
+                    out[i] = Some(Ok(()));
+                }
+                continue;
+            }
+            // Some leases were stale: a row completed with our token is ours.
+            let mut sel = sqlx::query(AssertSqlSafe(self.sql.tokens_of(chunk.len())));
+            for &i in chunk {
+                sel = sel.bind(items[i].lease.key().hash().0.to_vec());
+            }
+            let rows = sel.fetch_all(&self.pool).await.map_err(|e| backend("complete_many", e))?;
+            let mut applied = std::collections::HashSet::new();
+            for row in &rows {
+                let get = |e| backend("complete_many", e);
+                let (h, tok, state): (Vec<u8>, i64, i64) = (
+                    row.try_get(0).map_err(get)?,
+                    row.try_get(1).map_err(get)?,
+                    row.try_get(2).map_err(get)?,
+                );
+                if state == i64::from(RecordState::Completed.code()) {
+                    applied.insert((h, tok));
+                }
+            }
+            for &i in chunk {
+                let l = &items[i].lease;
+                let mine = (l.key().hash().0.to_vec(), i64::try_from(l.token()).unwrap_or(-1));
+                out[i] = Some(if applied.contains(&mine) {
+                    Ok(())
+                } else {
+                    Err(StoreError::LeaseLost { key: l.key().to_string() })
+                });
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Err(StoreError::backend("complete_many", false, "not decided")))
+            })
+            .collect())
     }
 
     async fn fail(

@@ -130,6 +130,7 @@ pub(super) struct Sql {
     pub ddl: Vec<String>,
     pub t: String,
     pub insert_marker: Stmt,
+    pub insert_claim: Stmt,
     pub take_marker: Stmt,
     pub select: Stmt,
     pub select_locked: Stmt,
@@ -185,6 +186,13 @@ impl Sql {
             insert_marker: s(format!(
                 "INSERT INTO {t} ({COLUMNS}, owner) VALUES (:hash, :scope, :id, 1, :fp, NULL, 1, \
                  {NOW}, NULL, {NOW}, {NOW}, NULL, {NOW} + :keep, :owner)"
+            )),
+            // MariaDB ≥ 10.5: a fresh key is one round trip (MySQL lacks RETURNING here; the
+            // store then falls back to the upsert path).
+            insert_claim: s(format!(
+                "INSERT INTO {t} ({COLUMNS}, owner) VALUES (:hash, :scope, :id, 0, :fp, NULL, 1, \
+                 {NOW}, NULL, {NOW}, {NOW}, {NOW} + :lease, {NOW} + :keep, :owner) \
+                 RETURNING token, lease_until"
             )),
             take_marker: s(format!(
                 "UPDATE {t} SET {} WHERE key_hash = :hash AND ({} OR {})",
@@ -267,6 +275,26 @@ impl Sql {
                state = IF({mine}, VALUES(state), state)",
             t = self.t
         )
+    }
+
+    /// Completes `n` leases in one statement: the batch joins the table on (hash, token).
+    pub(super) fn complete_many(&self, n: usize) -> String {
+        let now = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
+        let first = "SELECT ? AS h, ? AS tok, ? AS res, ? AS keep";
+        let rest = " UNION ALL SELECT ?, ?, ?, ?".repeat(n.saturating_sub(1));
+        format!(
+            "UPDATE {t} AS r JOIN ({first}{rest}) AS u ON r.key_hash = u.h AND r.token = u.tok \
+             SET r.state = 1, r.result = u.res, r.updated_at = {now}, r.lease_until = NULL, \
+                 r.expires_at = {now} + u.keep \
+             WHERE r.state = 0",
+            t = self.t
+        )
+    }
+
+    /// Reads (hash, token, state) of `n` keys, to tell which completions of a batch applied.
+    pub(super) fn tokens_of(&self, n: usize) -> String {
+        let marks = vec!["?"; n].join(", ");
+        format!("SELECT key_hash, token, state FROM {} WHERE key_hash IN ({marks})", self.t)
     }
 
     /// Reads `n` keys back after a claim upsert.

@@ -1,4 +1,5 @@
 //! `idem demo` end to end: the binary runs the story and its verdict is right.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::process::Command;
 

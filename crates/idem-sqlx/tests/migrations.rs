@@ -1,5 +1,6 @@
 //! The DDL shipped under `migrations/<db>/` is exactly what `migrate()` runs (default names).
 //! Regenerate with `IDEM_WRITE_MIGRATIONS=1 cargo test -p idem-sqlx --all-features --test migrations`.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 #![cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 
 use std::path::Path;

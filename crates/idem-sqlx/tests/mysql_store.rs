@@ -1,5 +1,6 @@
 //! MariaDB inbox, entity-as-marker pattern, names, startup checks, deadlocks and purge on the
 //! real server.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 #![cfg(feature = "mysql")]
 
 mod common;

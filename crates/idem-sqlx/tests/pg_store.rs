@@ -1,4 +1,5 @@
 //! PostgreSQL inbox, entity-as-marker, schema, startup checks and purge on the real server.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 #![cfg(feature = "postgres")]
 
 mod common;

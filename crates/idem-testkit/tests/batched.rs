@@ -1,4 +1,5 @@
 //! `Batched` (group commit) coalesces concurrent calls and keeps per-message answers.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::sync::Arc;
 use std::time::Duration;

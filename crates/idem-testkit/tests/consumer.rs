@@ -1,5 +1,6 @@
 //! The consumer engine through its public API, on `MemoryStore` with deterministic time.
 //! Each test injects the fault it is about (a crash, a store failure, a reused key).
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,6 +1,7 @@
 //! Observability of the consumer engine. Alone in its own test binary: `tracing` caches callsite
 //! interest process-wide, so a thread-local subscriber in a binary whose other tests run on
 //! threads without one may miss events.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

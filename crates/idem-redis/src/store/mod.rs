@@ -7,7 +7,6 @@ mod inspect;
 mod scripts;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use idem_core::time::duration_micros;
@@ -102,24 +101,7 @@ impl Scripts {
 /// yet deleted by Redis' TTL (which runs on the real clock), so a store with an offset treats
 /// them as expired in its scripts and [`DedupStore::purge`] deletes them with a bounded scan.
 #[doc(hidden)]
-#[derive(Debug, Clone, Default)]
-pub struct ClockOffset(Arc<AtomicI64>);
-
-impl ClockOffset {
-    /// An offset of zero.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Moves the store's clock forward by `d`.
-    pub fn advance(&self, d: Duration) {
-        self.0.fetch_add(duration_micros(d), Ordering::SeqCst);
-    }
-
-    fn micros(&self) -> i64 {
-        self.0.load(Ordering::SeqCst)
-    }
-}
+pub type ClockOffset = idem_core::time::ClockSkew;
 
 /// Configures a [`RedisStore`]: the namespace, the eviction override, the connection.
 #[must_use]

@@ -187,3 +187,24 @@ pub(crate) fn not_first<T: serde::de::DeserializeOwned>(
         }
     })
 }
+
+/// Sums `(state, count, expired)` rows of a count query, on any driver.
+pub(crate) fn counts_of<'r, R>(rows: &'r [R]) -> Result<idem_core::Counts, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let mut counts = idem_core::Counts::default();
+    for row in rows {
+        let get = |e| StoreError::backend("count", false, e);
+        let code: i64 = row.try_get(0).map_err(get)?;
+        let n: i64 = row.try_get(1).map_err(get)?;
+        let expired: i64 = row.try_get(2).map_err(get)?;
+        let state = RecordState::from_code(code)
+            .ok_or_else(|| StoreError::Corrupt { what: format!("unknown state code {code}") })?;
+        counts.add(state, u64::try_from(n).unwrap_or(0));
+        counts.expired += u64::try_from(expired).unwrap_or(0);
+    }
+    Ok(counts)
+}

@@ -639,19 +639,7 @@ impl InspectStore for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("count", e))?;
-        let mut counts = Counts::default();
-        for row in rows {
-            let get = |e| backend("count", e);
-            let code: i64 = row.try_get(0).map_err(get)?;
-            let n: i64 = row.try_get(1).map_err(get)?;
-            let expired: i64 = row.try_get(2).map_err(get)?;
-            let state = RecordState::from_code(code).ok_or_else(|| StoreError::Corrupt {
-                what: format!("unknown state code {code}"),
-            })?;
-            counts.add(state, u64::try_from(n).unwrap_or(0));
-            counts.expired += u64::try_from(expired).unwrap_or(0);
-        }
-        Ok(counts)
+        crate::row::counts_of(&rows)
     }
 
     async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {

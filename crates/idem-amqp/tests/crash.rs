@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Broker, DEFAULT_URL};
+use common::{Broker, DEFAULT_URL, PG_DEFAULT_URL, PgSchema};
 use idem_amqp::lapin::options::BasicPublishOptions;
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
@@ -36,7 +36,7 @@ use idem_core::consumer::{Context, HandlerError};
 use idem_core::{Consumer, DedupStore};
 use idem_sqlx::{PostgresStore, SqliteStore, Writes};
 use rand::seq::{IndexedRandom, SliceRandom};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::SqliteConnection;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -49,7 +49,6 @@ const TOTAL: usize = 5_000;
 const DROP_AT: usize = 40;
 const ABORT_AT: usize = 60;
 const LIMIT: Duration = Duration::from_secs(60);
-const PG_DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 #[derive(Debug, Clone)]
 struct Seen {
@@ -246,55 +245,6 @@ impl Db {
 enum Started {
     Sqlite(AmqpConsumer<SqliteStore>),
     Postgres(AmqpConsumer<PostgresStore>),
-}
-
-/// A schema of the test's own on PostgreSQL, dropped on success and, from `Drop`, on failure.
-struct PgSchema {
-    pool: PgPool,
-    name: String,
-    dropped: bool,
-}
-
-impl PgSchema {
-    async fn create(url: &str, name: String) -> (Self, PostgresStore) {
-        let pool = PgPoolOptions::new().max_connections(4).connect(url).await.unwrap();
-        let this = Self { pool, name, dropped: false };
-        this.exec(&format!("DROP SCHEMA IF EXISTS {} CASCADE", this.name)).await;
-        let store = PostgresStore::new(this.pool.clone()).with_schema(&this.name).unwrap();
-        store.migrate().await.unwrap();
-        (this, store)
-    }
-
-    async fn exec(&self, sql: &str) {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned())).execute(&self.pool).await.unwrap();
-    }
-
-    async fn drop_now(mut self) {
-        self.exec(&format!("DROP SCHEMA {} CASCADE", self.name)).await;
-        self.dropped = true;
-    }
-}
-
-impl Drop for PgSchema {
-    fn drop(&mut self) {
-        if self.dropped {
-            return;
-        }
-        let (url, name) = (
-            std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| PG_DEFAULT_URL.to_owned()),
-            self.name.clone(),
-        );
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async move {
-                if let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await {
-                    let sql = format!("DROP SCHEMA IF EXISTS {name} CASCADE");
-                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
-                }
-            });
-        })
-        .join();
-    }
 }
 
 /// The two-phase handler: the ledger row is the effect, written under the lease.

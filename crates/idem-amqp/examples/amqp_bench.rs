@@ -27,7 +27,8 @@ use idem_amqp::{AmqpConsumer, AmqpMessage, Report, Topology};
 use idem_core::consumer::HandlerError;
 use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
 use idem_sqlx::{PostgresStore, SqliteStore, Writes};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use idem_sqlx::postgres::PgWrites;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::sqlite::SqliteConnection;
 use tokio::sync::Notify;
 
@@ -56,6 +57,7 @@ async fn main() {
         "adapter inbox + SqliteInbox",
         "adapter two-phase + PostgresStore",
         "adapter two-phase + Batched<PostgresStore>",
+        "adapter inbox + PostgresInbox",
     ] {
         let queue = fill(&ch, n).await;
         let secs = match mode {
@@ -68,7 +70,7 @@ async fn main() {
             "adapter inbox + SqliteInbox" => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await.unwrap();
                 sqlx::query("CREATE TABLE effects (id TEXT)").execute(store.pool()).await.unwrap();
-                adapter(&conn, &queue, n, store.clone(), Some(store)).await
+                adapter(&conn, &queue, n, store.clone(), Some(Inbox::Sqlite(store))).await
             }
             "adapter two-phase + PostgresStore" => {
                 let store = pg_store(&pg, "two_phase").await;
@@ -76,10 +78,20 @@ async fn main() {
                 drop_schema(&pg, store.schema()).await;
                 secs
             }
-            _ => {
+            "adapter two-phase + Batched<PostgresStore>" => {
                 let store = pg_store(&pg, "batched").await;
                 let batched = Batched::new(store.clone(), BatchConfig::default());
                 let secs = adapter(&conn, &queue, n, batched, None).await;
+                drop_schema(&pg, store.schema()).await;
+                secs
+            }
+            _ => {
+                let store = pg_store(&pg, "inbox").await;
+                let sql = format!("CREATE TABLE {}.effects (id TEXT)", store.schema());
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pg).await.unwrap();
+                let secs =
+                    adapter(&conn, &queue, n, store.clone(), Some(Inbox::Postgres(store.clone())))
+                        .await;
                 drop_schema(&pg, store.schema()).await;
                 secs
             }
@@ -172,7 +184,7 @@ async fn adapter<S: DedupStore + Clone + Send + Sync + 'static>(
     queue: &str,
     n: u64,
     store: S,
-    inbox: Option<SqliteStore>,
+    inbox: Option<Inbox>,
 ) -> f64 {
     let settled = Arc::new(AtomicU64::new(0));
     let first = Arc::new(std::sync::Mutex::new(None::<Instant>));
@@ -196,15 +208,44 @@ async fn adapter<S: DedupStore + Clone + Send + Sync + 'static>(
         None => {
             c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, shutdown).await.unwrap()
         }
-        Some(store) => {
+        Some(Inbox::Sqlite(store)) => {
             let inbox = store.inbox(Duration::from_secs(86_400));
             c.run_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
+        }
+        Some(Inbox::Postgres(store)) => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            let effect = pg_effect(format!("{}.effects", store.schema()));
+            c.run_postgres_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
         }
     };
     // The last batch's acks are sent once run returns.
     let secs = first.lock().unwrap().unwrap().elapsed().as_secs_f64();
     assert_eq!(stats.processed, n, "{stats:?}");
     secs
+}
+
+/// The PostgreSQL inbox's effect: one row in `table`.
+fn pg_effect(
+    table: String,
+) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<sqlx::Error>>
+{
+    move |conn: &mut PgConnection, m: AmqpMessage| {
+        let sql = format!("INSERT INTO {table} VALUES ($1)");
+        Box::pin(async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(m.properties().message_id().as_ref().map(|s| s.to_string()))
+                .execute(&mut *conn)
+                .await
+                .map_err(HandlerError::Transient)?;
+            Ok(())
+        }) as PgWrites<'_, (), HandlerError<sqlx::Error>>
+    }
+}
+
+/// The inbox mode's database.
+enum Inbox {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
 }
 
 fn effect(

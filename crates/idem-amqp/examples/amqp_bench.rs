@@ -26,8 +26,8 @@ use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionPropertie
 use idem_amqp::{AmqpConsumer, AmqpMessage, Report, Topology};
 use idem_core::consumer::HandlerError;
 use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
-use idem_sqlx::{PostgresStore, SqliteStore, Writes};
 use idem_sqlx::postgres::PgWrites;
+use idem_sqlx::{PostgresStore, SqliteStore, Writes};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::sqlite::SqliteConnection;
 use tokio::sync::Notify;

@@ -411,8 +411,8 @@ async fn scenario(mode: Mode, kind: Kind) {
     let (schema, store_a) = match &pg_url {
         None => (None, Db::Sqlite(SqliteStore::open(&sqlite_path).await.unwrap())),
         Some(url) => {
-            let name = format!("idem_amqp_crash_{}_{}", mode.name(), std::process::id())
-                .replace('-', "_");
+            let name =
+                format!("idem_amqp_crash_{}_{}", mode.name(), std::process::id()).replace('-', "_");
             let (schema, store) = PgSchema::create(url, name).await;
             (Some(schema), Db::Postgres(store))
         }

@@ -112,13 +112,18 @@ async fn postgres_inbox_commits_then_acks_and_rolls_back_failed_writes() {
     let stats = task.await.unwrap().unwrap();
     assert_eq!(stats.dead_lettered, 3, "{stats:?}");
 
-    let rows: Vec<(Vec<u8>,)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT body FROM {schema}.ledger ORDER BY body")))
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let rows: Vec<(Vec<u8>,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT body FROM {schema}.ledger ORDER BY body"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     let rows: Vec<Vec<u8>> = rows.into_iter().map(|r| r.0).collect();
-    assert_eq!(rows, [b"after".to_vec(), b"flaky".to_vec(), b"good".to_vec()], "failed writes rolled back");
+    assert_eq!(
+        rows,
+        [b"after".to_vec(), b"flaky".to_vec(), b"good".to_vec()],
+        "failed writes rolled back"
+    );
     assert_eq!(b.count(b.queue()).await, 0);
     let mut dlq: Vec<(Option<String>, Option<String>)> =
         b.drain_dlq().await.into_iter().map(|(id, reason, _)| (id, reason)).collect();

@@ -115,7 +115,7 @@ impl<S: DedupStore> AmqpConsumer<S> {
         }
         // Row locks taken in one global order: batches sharing keys cannot deadlock. The sort
         // is stable, so copies of one key keep their delivery order.
-        keyed.sort_by(|a, b| a.1.hash().0.cmp(&b.1.hash().0));
+        keyed.sort_by_key(|k| k.1.hash().0);
         let backend = |op, e: sqlx::Error| StoreError::backend(op, true, e);
         let all_failed = |e: StoreError| {
             let e = Arc::new(e);

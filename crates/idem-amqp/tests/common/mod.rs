@@ -229,6 +229,7 @@ impl Broker {
 pub const PG_DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 #[cfg(feature = "postgres")]
+#[allow(unused_imports)] // not every test file uses it
 pub use pg::PgSchema;
 
 #[cfg(feature = "postgres")]
@@ -272,11 +273,13 @@ mod pg {
                 return;
             }
             let (url, name) = (
-                std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| PG_DEFAULT_URL.to_owned()),
+                std::env::var("IDEM_TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| PG_DEFAULT_URL.to_owned()),
                 self.name.clone(),
             );
             let _ = std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                let rt =
+                    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                 rt.block_on(async move {
                     if let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await {
                         let sql = format!("DROP SCHEMA IF EXISTS {name} CASCADE");

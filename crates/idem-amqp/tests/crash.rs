@@ -1,4 +1,4 @@
-//! Crash tests on the real RabbitMQ: transactional-inbox mode on SQLite, two-phase mode on
+//! Crash tests on the real RabbitMQ: transactional-inbox mode and two-phase mode, each on
 //! SQLite and on PostgreSQL.
 //!
 //! Three competing consumers take 5,000 messages: 4,000 unique ids, 999 producer duplicates
@@ -34,9 +34,10 @@ use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
 use idem_core::consumer::{Context, HandlerError};
 use idem_core::{Consumer, DedupStore};
+use idem_sqlx::postgres::PgWrites;
 use idem_sqlx::{PostgresStore, SqliteStore, Writes};
 use rand::seq::{IndexedRandom, SliceRandom};
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnection, PgPoolOptions};
 use sqlx::sqlite::SqliteConnection;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -88,6 +89,37 @@ fn ledger_writes(
             }
             Ok(())
         }) as Writes<'_, (), HandlerError<String>>
+    }
+}
+
+/// The same effect on PostgreSQL, in `<schema>.ledger`, inside the inbox's batch transaction.
+fn pg_ledger_writes(
+    schema: String,
+    who: &'static str,
+    cut: Cut,
+) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<String>> {
+    move |conn: &mut PgConnection, m: AmqpMessage| {
+        let cut = cut.clone();
+        let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
+        Box::pin(async move {
+            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(&key)
+                .bind(m.payload())
+                .bind(who)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if let Some((n, tell, go)) = cut
+                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+            {
+                // Mid-handler: the row is written, nothing committed or acked yet (and the
+                // batch's marks hold their row locks, so a redelivery waits for the commit).
+                tell.send(key).unwrap();
+                go.notified().await;
+            }
+            Ok(())
+        }) as PgWrites<'_, (), HandlerError<String>>
     }
 }
 
@@ -288,6 +320,11 @@ async fn run_consumer(
             let inbox = store.inbox(Duration::from_secs(86_400));
             c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
         }
+        (Started::Postgres(c), Mode::Inbox, Db::Postgres(store)) => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            let writes = pg_ledger_writes(store.schema().to_owned(), who, cut);
+            c.run_postgres_inbox(&inbox, store.pool(), writes, shutdown).await
+        }
         (Started::Sqlite(c), Mode::TwoPhase, db) => {
             c.run(two_phase_handler(db, who, cut), shutdown).await
         }
@@ -375,6 +412,13 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_phase_three_consumers_a_cut_connection_and_an_aborted_process() {
     scenario(Mode::TwoPhase, Kind::Sqlite).await;
+}
+
+/// The inbox scenario on `PostgresInbox` (`run_postgres_inbox`), the ledger in the test's
+/// own schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inbox_on_postgres_three_consumers_a_cut_connection_and_an_aborted_process() {
+    scenario(Mode::Inbox, Kind::Postgres).await;
 }
 
 /// The two-phase scenario on `PostgresStore`, the ledger a table in the test's own schema.

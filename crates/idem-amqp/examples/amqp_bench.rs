@@ -2,13 +2,14 @@
 //! in one run.
 //!
 //! ```text
-//! cargo run --release -p idem-amqp --features sqlite --example amqp_bench -- 10000
+//! cargo run --release -p idem-amqp --features sqlite,postgres --example amqp_bench -- 10000
 //! ```
 //!
 //! For each mode a fresh queue is filled with N unique messages (publishing is not timed), then
 //! the clock runs from the first delivery until the last is settled. Same prefetch (64) and
 //! batch (32) everywhere; the handler does nothing, so the figures are the price of the
-//! broker round trips and of idempotency. Broker: `IDEM_AMQP_URL`.
+//! broker round trips and of idempotency. Broker: `IDEM_AMQP_URL`; PostgreSQL:
+//! `IDEM_POSTGRES_URL` (each PostgreSQL mode gets a schema of its own, dropped afterwards).
 #![allow(clippy::unwrap_used, clippy::cast_precision_loss)]
 
 use std::sync::Arc;
@@ -24,8 +25,10 @@ use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem_amqp::{AmqpConsumer, AmqpMessage, Report, Topology};
 use idem_core::consumer::HandlerError;
-use idem_core::{Consumer, DedupStore, MemoryStore};
-use idem_sqlx::{SqliteStore, Writes};
+use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
+use idem_sqlx::postgres::PgWrites;
+use idem_sqlx::{PostgresStore, SqliteStore, Writes};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::sqlite::SqliteConnection;
 use tokio::sync::Notify;
 
@@ -40,6 +43,9 @@ async fn main() {
     let conn = Connection::connect(&url, ConnectionProperties::default()).await.unwrap();
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    let pg_url = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let pg = PgPoolOptions::new().max_connections(16).connect(&pg_url).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     println!("| mode | messages | seconds | msgs/s | vs ack-only |");
     println!("| --- | ---: | ---: | ---: | ---: |");
@@ -49,6 +55,9 @@ async fn main() {
         "adapter + MemoryStore",
         "adapter two-phase + SqliteStore",
         "adapter inbox + SqliteInbox",
+        "adapter two-phase + PostgresStore",
+        "adapter two-phase + Batched<PostgresStore>",
+        "adapter inbox + PostgresInbox",
     ] {
         let queue = fill(&ch, n).await;
         let secs = match mode {
@@ -58,10 +67,33 @@ async fn main() {
                 let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await.unwrap();
                 adapter(&conn, &queue, n, store, None).await
             }
-            _ => {
+            "adapter inbox + SqliteInbox" => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await.unwrap();
                 sqlx::query("CREATE TABLE effects (id TEXT)").execute(store.pool()).await.unwrap();
-                adapter(&conn, &queue, n, store.clone(), Some(store)).await
+                adapter(&conn, &queue, n, store.clone(), Some(Inbox::Sqlite(store))).await
+            }
+            "adapter two-phase + PostgresStore" => {
+                let store = pg_store(&pg, "two_phase").await;
+                let secs = adapter(&conn, &queue, n, store.clone(), None).await;
+                drop_schema(&pg, store.schema()).await;
+                secs
+            }
+            "adapter two-phase + Batched<PostgresStore>" => {
+                let store = pg_store(&pg, "batched").await;
+                let batched = Batched::new(store.clone(), BatchConfig::default());
+                let secs = adapter(&conn, &queue, n, batched, None).await;
+                drop_schema(&pg, store.schema()).await;
+                secs
+            }
+            _ => {
+                let store = pg_store(&pg, "inbox").await;
+                let sql = format!("CREATE TABLE {}.effects (id TEXT)", store.schema());
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pg).await.unwrap();
+                let secs =
+                    adapter(&conn, &queue, n, store.clone(), Some(Inbox::Postgres(store.clone())))
+                        .await;
+                drop_schema(&pg, store.schema()).await;
+                secs
             }
         };
         let rate = n as f64 / secs;
@@ -72,6 +104,22 @@ async fn main() {
         cleanup(&ch, &queue).await;
     }
     conn.close(200, "".into()).await.unwrap();
+}
+
+/// A store in a fresh schema `idem_bench_<tag>_<pid>`.
+async fn pg_store(pool: &PgPool, tag: &str) -> PostgresStore {
+    let schema = format!("idem_bench_{tag}_{}", std::process::id());
+    drop_schema(pool, &schema).await;
+    let store = PostgresStore::new(pool.clone()).with_schema(&schema).unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn drop_schema(pool: &PgPool, schema: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 async fn fill(ch: &Channel, n: u64) -> String {
@@ -136,7 +184,7 @@ async fn adapter<S: DedupStore + Clone + Send + Sync + 'static>(
     queue: &str,
     n: u64,
     store: S,
-    inbox: Option<SqliteStore>,
+    inbox: Option<Inbox>,
 ) -> f64 {
     let settled = Arc::new(AtomicU64::new(0));
     let first = Arc::new(std::sync::Mutex::new(None::<Instant>));
@@ -160,15 +208,44 @@ async fn adapter<S: DedupStore + Clone + Send + Sync + 'static>(
         None => {
             c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, shutdown).await.unwrap()
         }
-        Some(store) => {
+        Some(Inbox::Sqlite(store)) => {
             let inbox = store.inbox(Duration::from_secs(86_400));
             c.run_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
+        }
+        Some(Inbox::Postgres(store)) => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            let effect = pg_effect(format!("{}.effects", store.schema()));
+            c.run_postgres_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
         }
     };
     // The last batch's acks are sent once run returns.
     let secs = first.lock().unwrap().unwrap().elapsed().as_secs_f64();
     assert_eq!(stats.processed, n, "{stats:?}");
     secs
+}
+
+/// The PostgreSQL inbox's effect: one row in `table`.
+fn pg_effect(
+    table: String,
+) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<sqlx::Error>>
+{
+    move |conn: &mut PgConnection, m: AmqpMessage| {
+        let sql = format!("INSERT INTO {table} VALUES ($1)");
+        Box::pin(async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(m.properties().message_id().as_ref().map(|s| s.to_string()))
+                .execute(&mut *conn)
+                .await
+                .map_err(HandlerError::Transient)?;
+            Ok(())
+        }) as PgWrites<'_, (), HandlerError<sqlx::Error>>
+    }
+}
+
+/// The inbox mode's database.
+enum Inbox {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
 }
 
 fn effect(

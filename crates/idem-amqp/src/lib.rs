@@ -9,8 +9,9 @@
 //!   runs, for effects that cannot join a transaction (pass [`Context::downstream_key`] to the
 //!   callee). A crash after the effect but before its completion is recorded reruns the
 //!   handler with the same downstream key.
-//! - **transactional inbox** ([`AmqpConsumer::run_inbox`], feature `sqlite`): the marker commits
-//!   with the handler's writes on the caller's SQLite connection; commit, then ack.
+//! - **transactional inbox** ([`AmqpConsumer::run_inbox`], feature `sqlite`;
+//!   [`AmqpConsumer::run_postgres_inbox`], feature `postgres`): the marker commits with the
+//!   handler's writes on the caller's connection; commit, then ack.
 //!
 //! # Redelivery window
 //! RabbitMQ redelivers an unacked message when its channel closes and after `consumer_timeout`
@@ -35,7 +36,7 @@
 mod builder;
 mod consumer;
 mod error;
-#[cfg(feature = "sqlite")]
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod inbox;
 mod message;
 mod settle;

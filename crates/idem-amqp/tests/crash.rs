@@ -1,5 +1,5 @@
-//! Crash tests on the real RabbitMQ, in transactional-inbox mode and in two-phase mode, on
-//! SQLite.
+//! Crash tests on the real RabbitMQ: transactional-inbox mode and two-phase mode, each on
+//! SQLite and on PostgreSQL.
 //!
 //! Three competing consumers take 5,000 messages: 4,000 unique ids, 999 producer duplicates
 //! (same id, same body) and one id reused with a different body. Consumer A's connection is
@@ -15,27 +15,29 @@
 //! once still holds there (a crash *between* effect and completion reruns the handler with the
 //! same downstream key: that is what the key is for, and what the inbox mode avoids).
 //!
-//! The PostgreSQL store is being written in parallel; this test uses the SQLite store and
-//! inbox until it lands.
-#![cfg(feature = "sqlite")]
+//! On PostgreSQL every run gets a schema of its own (`idem_amqp_crash_<mode>_<pid>`) holding
+//! both the store's table and the ledger; it is dropped afterwards, also when the test fails.
+#![cfg(all(feature = "sqlite", feature = "postgres"))]
 #![allow(clippy::unwrap_used, clippy::too_many_lines)]
 
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{Broker, DEFAULT_URL};
+use common::{Broker, DEFAULT_URL, PG_DEFAULT_URL, PgSchema};
 use idem_amqp::lapin::options::BasicPublishOptions;
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
-use idem_core::Consumer;
-use idem_core::consumer::HandlerError;
-use idem_sqlx::{SqliteStore, Writes};
+use idem_core::consumer::{Context, HandlerError};
+use idem_core::{Consumer, DedupStore};
+use idem_sqlx::postgres::PgWrites;
+use idem_sqlx::{PostgresStore, SqliteStore, Writes};
 use rand::seq::{IndexedRandom, SliceRandom};
+use sqlx::postgres::{PgConnection, PgPoolOptions};
 use sqlx::sqlite::SqliteConnection;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -90,6 +92,37 @@ fn ledger_writes(
     }
 }
 
+/// The same effect on PostgreSQL, in `<schema>.ledger`, inside the inbox's batch transaction.
+fn pg_ledger_writes(
+    schema: String,
+    who: &'static str,
+    cut: Cut,
+) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<String>> {
+    move |conn: &mut PgConnection, m: AmqpMessage| {
+        let cut = cut.clone();
+        let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
+        Box::pin(async move {
+            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(&key)
+                .bind(m.payload())
+                .bind(who)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if let Some((n, tell, go)) = cut
+                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+            {
+                // Mid-handler: the row is written, nothing committed or acked yet (and the
+                // batch's marks hold their row locks, so a redelivery waits for the commit).
+                tell.send(key).unwrap();
+                go.notified().await;
+            }
+            Ok(())
+        }) as PgWrites<'_, (), HandlerError<String>>
+    }
+}
+
 type Cut = Option<(Arc<AtomicUsize>, mpsc::UnboundedSender<String>, Arc<Notify>)>;
 
 /// How the effect is made durable.
@@ -110,58 +143,205 @@ impl Mode {
     }
 }
 
-async fn run_consumer(
-    c: AmqpConsumer<SqliteStore>,
-    mode: Mode,
-    store: SqliteStore,
-    who: &'static str,
-    cut: Cut,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<Stats, idem_amqp::Error> {
-    match mode {
-        Mode::Inbox => {
-            let inbox = store.inbox(Duration::from_secs(86_400));
-            c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
+/// The store under test, which also holds the ledger (a table with no unique constraint).
+#[derive(Debug, Clone)]
+enum Db {
+    Sqlite(SqliteStore),
+    /// The store in its own schema; the ledger is `<schema>.ledger`.
+    Postgres(PostgresStore),
+}
+
+impl Db {
+    /// Opens the same database again, as a separate consumer would (`spec` from
+    /// [`Db::spec`]).
+    async fn open(spec: &str) -> Self {
+        match spec.split_once(':') {
+            Some(("sqlite", path)) => Self::Sqlite(SqliteStore::open(path).await.unwrap()),
+            Some(("postgres", schema)) => {
+                let url = std::env::var("IDEM_TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| PG_DEFAULT_URL.to_owned());
+                let pool = PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
+                Self::Postgres(PostgresStore::new(pool).with_schema(schema).unwrap())
+            }
+            _ => panic!("bad store spec {spec:?}"),
         }
-        Mode::TwoPhase => {
-            let pool = store.pool().clone();
-            let handler = move |_ctx, m: AmqpMessage| {
-                let (pool, cut) = (pool.clone(), cut.clone());
-                async move {
-                    let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
-                    sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
-                        .bind(&key)
-                        .bind(m.payload())
-                        .bind(who)
-                        .execute(&pool)
-                        .await
-                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                    if let Some((n, tell, go)) = cut
-                        && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
-                    {
-                        // Mid-handler: the effect is done, its completion not yet recorded.
-                        tell.send(key).unwrap();
-                        go.notified().await;
-                    }
-                    Ok::<_, HandlerError<String>>(())
-                }
-            };
-            c.run(handler, shutdown).await
+    }
+
+    fn spec(&self, sqlite_path: &Path) -> String {
+        match self {
+            Self::Sqlite(_) => format!("sqlite:{}", sqlite_path.display()),
+            Self::Postgres(s) => format!("postgres:{}", s.schema()),
+        }
+    }
+
+    /// Creates the ledger: deliberately no unique constraint, so a second effect shows up as a
+    /// second row.
+    async fn create_ledger(&self) {
+        match self {
+            Self::Sqlite(s) => {
+                sqlx::query(
+                    "CREATE TABLE ledger (key TEXT NOT NULL, body BLOB NOT NULL, who TEXT NOT NULL)",
+                )
+                .execute(s.pool())
+                .await
+                .unwrap();
+            }
+            Self::Postgres(s) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "CREATE TABLE {}.ledger (key TEXT NOT NULL, body BYTEA NOT NULL, who TEXT NOT NULL)",
+                    s.schema()
+                )))
+                .execute(s.pool())
+                .await
+                .unwrap();
+            }
+        }
+    }
+
+    /// One ledger row, outside any transaction (the two-phase effect).
+    async fn insert(&self, key: &str, body: &[u8], who: &str) -> Result<(), sqlx::Error> {
+        match self {
+            Self::Sqlite(s) => {
+                sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+                    .bind(key)
+                    .bind(body)
+                    .bind(who)
+                    .execute(s.pool())
+                    .await?;
+            }
+            Self::Postgres(s) => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {}.ledger (key, body, who) VALUES ($1, $2, $3)",
+                    s.schema()
+                )))
+                .bind(key)
+                .bind(body)
+                .bind(who)
+                .execute(s.pool())
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Distinct keys in the ledger.
+    async fn distinct_keys(&self) -> i64 {
+        match self {
+            Self::Sqlite(s) => sqlx::query_scalar("SELECT COUNT(DISTINCT key) FROM ledger")
+                .fetch_one(s.pool())
+                .await
+                .unwrap(),
+            Self::Postgres(s) => sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(DISTINCT key) FROM {}.ledger",
+                s.schema()
+            )))
+            .fetch_one(s.pool())
+            .await
+            .unwrap(),
+        }
+    }
+
+    /// Per key: one of its bodies and how many rows it has.
+    async fn rows(&self) -> Vec<(String, Vec<u8>, i64)> {
+        match self {
+            Self::Sqlite(s) => {
+                sqlx::query_as("SELECT key, MIN(body), COUNT(*) FROM ledger GROUP BY key")
+                    .fetch_all(s.pool())
+                    .await
+                    .unwrap()
+            }
+            Self::Postgres(s) => sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT key, (array_agg(body))[1], COUNT(*) FROM {}.ledger GROUP BY key",
+                s.schema()
+            )))
+            .fetch_all(s.pool())
+            .await
+            .unwrap(),
+        }
+    }
+
+    async fn start(
+        &self,
+        conn: &Connection,
+        queue: &str,
+        hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
+    ) -> Started {
+        match self {
+            Self::Sqlite(s) => Started::Sqlite(start(conn, s, queue, hook).await),
+            Self::Postgres(s) => Started::Postgres(start(conn, s, queue, hook).await),
         }
     }
 }
 
-fn engine(store: &SqliteStore) -> Consumer<SqliteStore> {
-    Consumer::builder(store.clone()).scope("crash").build().unwrap()
+/// A connected consumer on one of the stores.
+enum Started {
+    Sqlite(AmqpConsumer<SqliteStore>),
+    Postgres(AmqpConsumer<PostgresStore>),
 }
 
-async fn start(
+/// The two-phase handler: the ledger row is the effect, written under the lease.
+fn two_phase_handler(
+    db: Db,
+    who: &'static str,
+    cut: Cut,
+) -> impl Fn(Context, AmqpMessage) -> BoxedRun + Send + Sync {
+    move |_ctx, m: AmqpMessage| {
+        let (db, cut) = (db.clone(), cut.clone());
+        Box::pin(async move {
+            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+            db.insert(&key, m.payload(), who)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if let Some((n, tell, go)) = cut
+                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+            {
+                // Mid-handler: the effect is done, its completion not yet recorded.
+                tell.send(key).unwrap();
+                go.notified().await;
+            }
+            Ok(())
+        })
+    }
+}
+
+type BoxedRun =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), HandlerError<String>>> + Send>>;
+
+async fn run_consumer(
+    c: Started,
+    mode: Mode,
+    db: Db,
+    who: &'static str,
+    cut: Cut,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<Stats, idem_amqp::Error> {
+    match (c, mode, db) {
+        (Started::Sqlite(c), Mode::Inbox, Db::Sqlite(store)) => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
+        }
+        (Started::Postgres(c), Mode::Inbox, Db::Postgres(store)) => {
+            let inbox = store.inbox(Duration::from_secs(86_400));
+            let writes = pg_ledger_writes(store.schema().to_owned(), who, cut);
+            c.run_postgres_inbox(&inbox, store.pool(), writes, shutdown).await
+        }
+        (Started::Sqlite(c), Mode::TwoPhase, db) => {
+            c.run(two_phase_handler(db, who, cut), shutdown).await
+        }
+        (Started::Postgres(c), Mode::TwoPhase, db) => {
+            c.run(two_phase_handler(db, who, cut), shutdown).await
+        }
+        (_, mode, db) => panic!("no {mode:?} crash test on {db:?}"),
+    }
+}
+
+async fn start<S: DedupStore + Clone>(
     conn: &Connection,
-    store: &SqliteStore,
+    store: &S,
     queue: &str,
     hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
-) -> AmqpConsumer<SqliteStore> {
-    AmqpConsumer::builder(engine(store), queue)
+) -> AmqpConsumer<S> {
+    AmqpConsumer::builder(Consumer::builder(store.clone()).scope("crash").build().unwrap(), queue)
         .prefetch(16)
         .batch(8, Duration::from_millis(2))
         .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
@@ -222,7 +402,7 @@ impl Proxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_once_effects() {
-    scenario(Mode::Inbox).await;
+    scenario(Mode::Inbox, Kind::Sqlite).await;
 }
 
 /// Two-phase: the cut and the abort both fall after the effect is done (the abort after its
@@ -231,20 +411,59 @@ async fn three_consumers_a_cut_connection_and_an_aborted_process_give_exactly_on
 /// delay queue until A's completion is recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_phase_three_consumers_a_cut_connection_and_an_aborted_process() {
-    scenario(Mode::TwoPhase).await;
+    scenario(Mode::TwoPhase, Kind::Sqlite).await;
 }
 
-async fn scenario(mode: Mode) {
-    let Some(b) = Broker::new(&format!("crash-{}", mode.name())).await else { return };
+/// The inbox scenario on `PostgresInbox` (`run_postgres_inbox`), the ledger in the test's
+/// own schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inbox_on_postgres_three_consumers_a_cut_connection_and_an_aborted_process() {
+    scenario(Mode::Inbox, Kind::Postgres).await;
+}
+
+/// The two-phase scenario on `PostgresStore`, the ledger a table in the test's own schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_phase_on_postgres_three_consumers_a_cut_connection_and_an_aborted_process() {
+    scenario(Mode::TwoPhase, Kind::Postgres).await;
+}
+
+/// Which store the scenario runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Sqlite,
+    Postgres,
+}
+
+async fn scenario(mode: Mode, kind: Kind) {
+    let pg_url = match kind {
+        Kind::Sqlite => None,
+        Kind::Postgres => {
+            let Some(url) = idem_testkit::service::require(
+                "PostgreSQL",
+                "IDEM_TEST_POSTGRES_URL",
+                PG_DEFAULT_URL,
+            ) else {
+                return;
+            };
+            Some(url)
+        }
+    };
+    let tag = format!("crash-{}-{kind:?}", mode.name()).to_lowercase();
+    let Some(b) = Broker::new(&tag).await else { return };
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("crash.sqlite");
-    let store_a = SqliteStore::open(&db).await.unwrap();
-    // Deliberately no unique constraint: a second effect must show up as a second row.
-    sqlx::query("CREATE TABLE ledger (key TEXT NOT NULL, body BLOB NOT NULL, who TEXT NOT NULL)")
-        .execute(store_a.pool())
-        .await
-        .unwrap();
-    let store_b = SqliteStore::open(&db).await.unwrap();
+    let sqlite_path = dir.path().join("crash.sqlite");
+    let (schema, store_a) = match &pg_url {
+        None => (None, Db::Sqlite(SqliteStore::open(&sqlite_path).await.unwrap())),
+        Some(url) => {
+            let name =
+                format!("idem_amqp_crash_{}_{}", mode.name(), std::process::id()).replace('-', "_");
+            let (schema, store) = PgSchema::create(url, name).await;
+            (Some(schema), Db::Postgres(store))
+        }
+    };
+    let spec = store_a.spec(&sqlite_path);
+    store_a.create_ledger().await;
+    let store_b = Db::open(&spec).await;
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
 
     // A: through the proxy, cut mid-handler.
@@ -256,7 +475,7 @@ async fn scenario(mode: Mode) {
     )
     .await
     .unwrap();
-    let a = start(&conn_a, &store_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
+    let a = store_a.start(&conn_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
     let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
     let go = Arc::new(Notify::new());
     let cut = Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go)));
@@ -274,7 +493,7 @@ async fn scenario(mode: Mode) {
         .env(CHILD_ENV, "1")
         .env("IDEM_AMQP_CRASH_QUEUE", b.queue())
         .env("IDEM_AMQP_CRASH_MODE", mode.name())
-        .env("IDEM_AMQP_CRASH_DB", &db)
+        .env("IDEM_AMQP_CRASH_STORE", &spec)
         .env("IDEM_TEST_AMQP_URL", &b.url)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -382,10 +601,7 @@ async fn scenario(mode: Mode) {
         }
         // Consumers that died mid-batch committed deliveries they never reported, so the
         // ledger, not the reports, says when every unique id is done.
-        let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(DISTINCT key) FROM ledger")
-            .fetch_one(store_b.pool())
-            .await
-            .unwrap();
+        let rows = store_b.distinct_keys().await;
         let conflicts = seen.iter().filter(|s| s.outcome == "conflict").count();
         if rows >= i64::try_from(UNIQUE).unwrap()
             && conflicts >= 1
@@ -423,11 +639,7 @@ async fn scenario(mode: Mode) {
     assert_eq!(b.count(b.topology.delay_queue()).await, 0, "delay queue empty");
 
     // Every unique id's effect exactly once, with its original body.
-    let rows: Vec<(String, Vec<u8>, i64)> =
-        sqlx::query_as("SELECT key, MIN(body), COUNT(*) FROM ledger GROUP BY key")
-            .fetch_all(store_b.pool())
-            .await
-            .unwrap();
+    let rows = store_b.rows().await;
     let twice: Vec<_> = rows.iter().filter(|r| r.2 != 1).map(|r| (&r.0, r.2)).collect();
     assert!(twice.is_empty(), "effects repeated: {twice:?}");
     assert_eq!(rows.len(), UNIQUE, "every unique id has its row");
@@ -501,22 +713,26 @@ async fn scenario(mode: Mode) {
     }
     assert!(by_who.get("C").copied().unwrap_or(0) >= ABORT_AT, "C competed: {by_who:?}");
     println!(
-        "crash test ({}): {} deliveries settled {by_who:?}, {dup_count} duplicates, {waiting} in progress elsewhere, cut {drop_key}, aborted {abort_key}",
+        "crash test ({}, {kind:?}): {} deliveries settled {by_who:?}, {dup_count} duplicates, {waiting} in progress elsewhere, cut {drop_key}, aborted {abort_key}",
         mode.name(),
         seen.len()
     );
     let _ = conn_b.close(200, "".into()).await;
     b.cleanup().await;
+    drop((store_a, store_b));
+    if let Some(schema) = schema {
+        schema.drop_now().await;
+    }
 }
 
 async fn spawn_b(
     conn: &Connection,
-    store: &SqliteStore,
+    store: &Db,
     queue: &str,
     mode: Mode,
     seen: mpsc::UnboundedSender<Seen>,
 ) -> (oneshot::Sender<()>, JoinHandle<Result<Stats, idem_amqp::Error>>) {
-    let c = start(conn, store, queue, seen_hook("B", seen)).await;
+    let c = store.start(conn, queue, seen_hook("B", seen)).await;
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(run_consumer(c, mode, store.clone(), "B", None, async move {
         let _ = stopped.await;
@@ -531,17 +747,17 @@ async fn spawn_b(
 async fn crash_child() {
     assert!(std::env::var(CHILD_ENV).is_ok(), "run only as the crash test's child process");
     let queue = std::env::var("IDEM_AMQP_CRASH_QUEUE").unwrap();
-    let db = PathBuf::from(std::env::var("IDEM_AMQP_CRASH_DB").unwrap());
+    let spec = std::env::var("IDEM_AMQP_CRASH_STORE").unwrap();
     let url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
     let mode = match std::env::var("IDEM_AMQP_CRASH_MODE").as_deref() {
         Ok("two-phase") => Mode::TwoPhase,
         _ => Mode::Inbox,
     };
-    child_main(&url, &queue, &db, mode).await;
+    child_main(&url, &queue, &spec, mode).await;
 }
 
-async fn child_main(url: &str, queue: &str, db: &Path, mode: Mode) {
-    let store = SqliteStore::open(db).await.unwrap();
+async fn child_main(url: &str, queue: &str, spec: &str, mode: Mode) {
+    let store = Db::open(spec).await;
     let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
     let processed = AtomicUsize::new(0);
     let hook = move |r: &Report<'_>| {
@@ -556,7 +772,7 @@ async fn child_main(url: &str, queue: &str, db: &Path, mode: Mode) {
             std::process::abort();
         }
     };
-    let c = start(&conn, &store, queue, hook).await;
+    let c = store.start(&conn, queue, hook).await;
     eprintln!("READY");
     let _ = run_consumer(c, mode, store, "C", None, std::future::pending()).await;
     unreachable!("the child aborts before its queue runs dry");

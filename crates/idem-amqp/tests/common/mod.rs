@@ -225,3 +225,69 @@ impl Broker {
         Connection::connect(&self.url, ConnectionProperties::default()).await.unwrap()
     }
 }
+
+pub const PG_DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+#[cfg(feature = "postgres")]
+#[allow(unused_imports)] // not every test file uses it
+pub use pg::PgSchema;
+
+#[cfg(feature = "postgres")]
+mod pg {
+    use idem_sqlx::PostgresStore;
+    use sqlx::postgres::{PgPool, PgPoolOptions};
+
+    use super::PG_DEFAULT_URL;
+
+    /// A schema of the test's own on PostgreSQL, dropped on success and, from `Drop`, on failure.
+    pub struct PgSchema {
+        pub pool: PgPool,
+        pub name: String,
+        dropped: bool,
+    }
+
+    impl PgSchema {
+        /// Connects, (re)creates schema `name` and migrates a `PostgresStore` into it.
+        pub async fn create(url: &str, name: String) -> (Self, PostgresStore) {
+            let pool = PgPoolOptions::new().max_connections(4).connect(url).await.unwrap();
+            let this = Self { pool, name, dropped: false };
+            this.exec(&format!("DROP SCHEMA IF EXISTS {} CASCADE", this.name)).await;
+            let store = PostgresStore::new(this.pool.clone()).with_schema(&this.name).unwrap();
+            store.migrate().await.unwrap();
+            (this, store)
+        }
+
+        pub async fn exec(&self, sql: &str) {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned())).execute(&self.pool).await.unwrap();
+        }
+
+        pub async fn drop_now(mut self) {
+            self.exec(&format!("DROP SCHEMA {} CASCADE", self.name)).await;
+            self.dropped = true;
+        }
+    }
+
+    impl Drop for PgSchema {
+        fn drop(&mut self) {
+            if self.dropped {
+                return;
+            }
+            let (url, name) = (
+                std::env::var("IDEM_TEST_POSTGRES_URL")
+                    .unwrap_or_else(|_| PG_DEFAULT_URL.to_owned()),
+                self.name.clone(),
+            );
+            let _ = std::thread::spawn(move || {
+                let rt =
+                    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(async move {
+                    if let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(&url).await {
+                        let sql = format!("DROP SCHEMA IF EXISTS {name} CASCADE");
+                        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
+                    }
+                });
+            })
+            .join();
+        }
+    }
+}

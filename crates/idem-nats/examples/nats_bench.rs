@@ -14,7 +14,7 @@ use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
 use idem_core::consumer::HandlerError;
 use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
-use idem_nats::{InboxConsumer, JetStreamConsumer, Settings};
+use idem_nats::{InboxConsumer, JetStreamConsumer, PgInboxConsumer, Settings};
 use idem_sqlx::{PostgresStore, SqliteStore};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -66,7 +66,11 @@ async fn main() -> Result<()> {
     if pg.is_some() {
         modes.extend(["two-phase PostgresStore", "two-phase Batched<PostgresStore>"]);
     }
-    modes.extend(["inbox SQLite", "ack-only (again)"]);
+    modes.push("inbox SQLite");
+    if pg.is_some() {
+        modes.push("inbox PostgreSQL");
+    }
+    modes.push("ack-only (again)");
     for (i, mode) in modes.into_iter().enumerate() {
         let consumer = new_consumer(&js, &name, &sfx, &format!("bench{i}")).await?;
         let settings = Settings::new(&dlq).batch(batch).idle_wait(Duration::from_millis(200));
@@ -92,6 +96,31 @@ async fn main() -> Result<()> {
                 store.migrate().await?;
                 let store = Batched::new(store, BatchConfig::default());
                 two_phase(&js, consumer, store, settings, n).await?
+            }
+            "inbox PostgreSQL" => {
+                let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
+                let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
+                store.migrate().await?;
+                let c = PgInboxConsumer::new(
+                    js.clone(),
+                    consumer,
+                    &store,
+                    "bench",
+                    Duration::from_secs(86_400),
+                    settings,
+                )
+                .await?;
+                let mut done = 0;
+                while done < n {
+                    let b = c.fetch().await?;
+                    let v = c
+                        .process(&b, |_conn, _d| {
+                            Box::pin(async { Ok::<_, HandlerError<String>>(()) })
+                        })
+                        .await;
+                    done += usize::try_from(c.settle(b, v).await.acked)?;
+                }
+                done
             }
             _ => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
@@ -130,7 +159,7 @@ async fn main() -> Result<()> {
     }
     js.delete_stream(&name).await?;
     if let Some((pool, schema)) = pg {
-        for s in ["a", "b"] {
+        for s in ["a", "b", "c"] {
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                 "DROP SCHEMA IF EXISTS {schema}_{s} CASCADE"
             )))

@@ -38,14 +38,14 @@ use crate::inbox_common::{InboxWrites, MAX_STORED_RESULT};
 /// use std::time::Duration;
 /// use async_nats::jetstream;
 /// use idem_core::consumer::HandlerError;
-/// use idem_nats::{PgPgInboxConsumer, Settings};
+/// use idem_nats::{PgInboxConsumer, Settings};
 /// use idem_sqlx::PostgresStore;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
 /// let pull = js.get_stream("ORDERS").await?.get_consumer("order-writer").await?;
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
-/// let inbox = PgPgInboxConsumer::new(js, pull, &store, "order-writer",
+/// let inbox = PgInboxConsumer::new(js, pull, &store, "order-writer",
 ///     Duration::from_secs(7 * 86_400), Settings::new("orders.dlq")).await?;
 /// let batch = inbox.fetch().await?;
 /// let verdicts = inbox.process(&batch, |conn, msg| Box::pin(async move {

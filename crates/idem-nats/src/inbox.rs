@@ -2,7 +2,6 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use async_nats::jetstream::Context as JetStream;
@@ -18,13 +17,7 @@ use crate::consumer::{Verdicts, settle};
 use crate::source::{Source, Verdict};
 use crate::{Delivery, Error, Report, Settings};
 
-/// The handler's writes in inbox mode: a boxed future borrowing the batch transaction's
-/// connection and the delivery.
-pub type InboxWrites<'c, T, E> =
-    Pin<Box<dyn Future<Output = Result<T, HandlerError<E>>> + Send + 'c>>;
-
-/// Largest handler result stored with a marker.
-const MAX_STORED_RESULT: usize = 64 * 1024;
+use crate::inbox_common::{InboxWrites, MAX_STORED_RESULT};
 
 /// A JetStream pull consumer over the SQLite transactional inbox (R4): for each fetched batch,
 /// one `BEGIN IMMEDIATE` transaction marks every key and runs the handler's writes for the new

@@ -24,6 +24,8 @@
 //!   effects outside the database (pass `ctx.downstream_key()` to the callee).
 //! - [`InboxConsumer`] (feature `sqlite`): transactional inbox; the marker and the handler's
 //!   writes commit in one SQLite transaction per batch, then the batch is acked.
+//! - [`PgInboxConsumer`] (feature `postgres`): the same over the PostgreSQL inbox
+//!   ([`PostgresInbox`](idem_sqlx::PostgresInbox)), one transaction per batch.
 //!
 //! # Redelivery window
 //! JetStream redelivers an unacked message after `ack_wait`, at most `max_deliver` times (each
@@ -42,6 +44,10 @@ mod delivery;
 mod error;
 #[cfg(feature = "sqlite")]
 mod inbox;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod inbox_common;
+#[cfg(feature = "postgres")]
+mod pg_inbox;
 mod report;
 mod settings;
 mod source;
@@ -53,7 +59,11 @@ pub use consumer::{JetStreamConsumer, Verdicts};
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
 #[cfg(feature = "sqlite")]
-pub use inbox::{InboxConsumer, InboxWrites};
+pub use inbox::InboxConsumer;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub use inbox_common::InboxWrites;
+#[cfg(feature = "postgres")]
+pub use pg_inbox::PgInboxConsumer;
 pub use report::Report;
 pub use settings::Settings;
 pub use source::headers;

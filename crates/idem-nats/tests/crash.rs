@@ -10,22 +10,27 @@
 //! downstream key, which the callee deduplicates; that is the two-phase promise), the copies redelivered after the abort end as duplicates, the reused id is on the
 //! dead-letter subject with its reason, and the consumer has nothing pending or unacked.
 //!
-//! The ledger is SQLite (the PostgreSQL store was not merged yet when this was written).
+//! Two-phase mode runs on both stores (`crash_two_phase_mode` on SQLite,
+//! `crash_two_phase_mode_postgres` on PostgreSQL, in a schema of its own dropped afterwards);
+//! inbox mode on SQLite. The ledger stays a SQLite table in every run: the handler's external
+//! effect, outside the dedup store's transactions.
 
 mod common;
 
+use std::future::Future;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use common::{DUP_WINDOW, Env, header, nats_url, wait_for};
-use idem_core::Consumer;
+use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url, wait_for};
 use idem_core::consumer::HandlerError;
 use idem_core::extract::Envelope;
+use idem_core::{Consumer, DedupStore, InspectStore};
 use idem_nats::{Delivery, InboxConsumer, JetStreamConsumer, Report, Settings, Verdicts, headers};
-use idem_sqlx::SqliteStore;
+use idem_sqlx::{PostgresStore, SqliteStore};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use tokio::io::AsyncBufReadExt;
 use tokio::sync::{oneshot, watch};
@@ -73,9 +78,57 @@ impl Hang {
     }
 }
 
-enum Adapter {
+/// Where two-phase mode keeps its dedup records (inbox mode always uses the SQLite file).
+#[derive(Clone, Debug)]
+enum Backend {
+    Sqlite,
+    Postgres { url: String, schema: String },
+}
+
+impl Backend {
+    /// `sqlite` or `postgres,<schema>,<url>`, for the child's command line.
+    fn spec(&self) -> String {
+        match self {
+            Backend::Sqlite => "sqlite".to_owned(),
+            Backend::Postgres { url, schema } => format!("postgres,{schema},{url}"),
+        }
+    }
+    fn parse(s: &str) -> Self {
+        match s.splitn(3, ',').collect::<Vec<_>>()[..] {
+            ["postgres", schema, url] => {
+                Backend::Postgres { url: url.to_owned(), schema: schema.to_owned() }
+            }
+            _ => Backend::Sqlite,
+        }
+    }
+}
+
+/// A dedup store the crash test can open in each of its processes.
+trait TestStore: DedupStore + InspectStore + Sized + 'static {
+    /// Opens the store (creating its table if missing).
+    fn open(db: &str, backend: &Backend) -> impl Future<Output = Self> + Send;
+}
+
+impl TestStore for SqliteStore {
+    async fn open(db: &str, _: &Backend) -> Self {
+        open_store(db).await
+    }
+}
+
+impl TestStore for PostgresStore {
+    async fn open(_: &str, backend: &Backend) -> Self {
+        let Backend::Postgres { url, schema } = backend else { panic!("not PostgreSQL") };
+        let pool =
+            PgPoolOptions::new().max_connections(4).connect(url).await.expect("postgres pool");
+        let store = PostgresStore::new(pool).with_schema(schema).expect("schema name");
+        store.migrate().await.expect("migrate");
+        store
+    }
+}
+
+enum Adapter<S> {
     Inbox(InboxConsumer),
-    TwoPhase(JetStreamConsumer<SqliteStore>, SqlitePool),
+    TwoPhase(JetStreamConsumer<S>, SqlitePool),
 }
 
 async fn ledger_pool(db: &str) -> SqlitePool {
@@ -97,22 +150,22 @@ async fn open_store(db: &str) -> SqliteStore {
     SqliteStore::open_with(opts).await.expect("open store")
 }
 
-impl Adapter {
+impl<S: TestStore> Adapter<S> {
     async fn open(
         mode: Mode,
         js: jetstream::Context,
         pull: PullConsumer,
         db: &str,
         dlq: &str,
+        backend: &Backend,
     ) -> Self {
         let settings = Settings::new(dlq).batch(64).idle_wait(Duration::from_millis(200));
-        let store = open_store(db).await;
         match mode {
             Mode::Inbox => Adapter::Inbox(
                 InboxConsumer::new(
                     js,
                     pull,
-                    &store,
+                    &open_store(db).await,
                     "crash",
                     Duration::from_secs(86_400),
                     settings,
@@ -121,7 +174,7 @@ impl Adapter {
                 .expect("inbox consumer"),
             ),
             Mode::TwoPhase => {
-                let dedup = Consumer::builder(store)
+                let dedup = Consumer::builder(S::open(db, backend).await)
                     .scope("crash")
                     .lease(ACK_WAIT)
                     // Lease heartbeat, and with it JetStream Progress, on the same beat.
@@ -231,7 +284,24 @@ impl Adapter {
 async fn crash_child_process_entry() {
     let Ok(spec) = std::env::var(CHILD_ENV) else { return };
     let parts: Vec<&str> = spec.split('|').collect();
-    let [mode, url, stream, dlq, db] = parts[..] else { panic!("bad child spec {spec}") };
+    let [mode, url, stream, dlq, db, backend] = parts[..] else { panic!("bad child spec {spec}") };
+    let (mode, backend) = (Mode::parse(mode), Backend::parse(backend));
+    match backend {
+        Backend::Sqlite => child::<SqliteStore>(mode, url, stream, dlq, db, &backend).await,
+        Backend::Postgres { .. } => {
+            child::<PostgresStore>(mode, url, stream, dlq, db, &backend).await;
+        }
+    }
+}
+
+async fn child<S: TestStore>(
+    mode: Mode,
+    url: &str,
+    stream: &str,
+    dlq: &str,
+    db: &str,
+    backend: &Backend,
+) {
     let client = async_nats::connect(url).await.expect("child connect");
     let js = jetstream::new(client);
     let pull: PullConsumer = js
@@ -241,7 +311,7 @@ async fn crash_child_process_entry() {
         .get_consumer(CONSUMER)
         .await
         .expect("consumer");
-    let adapter = Adapter::open(Mode::parse(mode), js, pull, db, dlq).await;
+    let adapter = Adapter::<S>::open(mode, js, pull, db, dlq, backend).await;
     println!("READY");
     let mut total = 0;
     loop {
@@ -264,8 +334,8 @@ async fn count(pool: &SqlitePool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.expect("count")
 }
 
-async fn crash(mode: Mode) {
-    let Some(url) = nats_url() else { return };
+async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
+    let url = url.to_owned();
     let _ = tracing_subscriber::fmt().with_env_filter("idem=warn").with_test_writer().try_init();
     let env = Env::new(&url).await;
     env.consumer(CONSUMER, ACK_WAIT, 20).await;
@@ -280,13 +350,22 @@ async fn crash(mode: Mode) {
     .execute(&ledger)
     .await
     .expect("ledger table");
-    open_store(&db).await; // creates the dedup table before three processes race to
+    S::open(&db, &backend).await; // creates the dedup table before three processes race to
 
     // The child process: a real process that aborts between its commit and its acks.
     let exe = std::env::current_exe().expect("current exe");
     let mut child = tokio::process::Command::new(exe)
         .args(["crash_child_process_entry", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{}|{url}|{}|{}|{db}", mode.name(), env.name, env.dlq_subject))
+        .env(
+            CHILD_ENV,
+            format!(
+                "{}|{url}|{}|{}|{db}|{}",
+                mode.name(),
+                env.name,
+                env.dlq_subject,
+                backend.spec()
+            ),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .kill_on_drop(true)
@@ -320,13 +399,13 @@ async fn crash(mode: Mode) {
     let spawn_consumer = |who: &'static str, hang: Option<Arc<Hang>>| {
         let url = url.clone();
         let (name, dlq, db) = (env.name.clone(), env.dlq_subject.clone(), db.clone());
-        let stop = stop.clone();
+        let (stop, backend) = (stop.clone(), backend.clone());
         async move {
             let client = async_nats::connect(&url).await.expect("connect");
             let js = jetstream::new(client.clone());
             let pull =
                 js.get_stream(&name).await.expect("s").get_consumer(CONSUMER).await.expect("c");
-            let adapter = Adapter::open(mode, js, pull, &db, &dlq).await;
+            let adapter = Adapter::<S>::open(mode, js, pull, &db, &dlq, &backend).await;
             let task = tokio::spawn(async move { adapter.run(who, hang, stop).await });
             (client, task)
         }
@@ -464,8 +543,14 @@ async fn crash(mode: Mode) {
     );
     assert_eq!(&dl[0].payload[..], br#"{"order":7,"cents":999999}"#);
     assert_eq!(env.pending(CONSUMER).await, (0, 0));
+    if mode == Mode::TwoPhase {
+        // The records are in the store under test (PostgreSQL or SQLite), one per key.
+        let counts = S::open(&db, &backend).await.count(Some("crash")).await.expect("count");
+        assert_eq!(counts.completed, UNIQUE as u64, "{counts:?}");
+        assert_eq!(counts.total(), UNIQUE as u64, "{counts:?}");
+    }
     eprintln!(
-        "{} crash test: child committed {child_total} ({child_committed} unacked) then aborted; b hung on {hung_key}; {reruns} re-runs after takeover; survivors: {survivors}",
+        "{} crash test on {backend:?}: child committed {child_total} ({child_committed} unacked) then aborted; b hung on {hung_key}; {reruns} re-runs after takeover; survivors: {survivors}",
         mode.name()
     );
     env.cleanup().await;
@@ -473,10 +558,21 @@ async fn crash(mode: Mode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_inbox_mode() {
-    crash(Mode::Inbox).await;
+    let Some(url) = nats_url() else { return };
+    crash::<SqliteStore>(&url, Mode::Inbox, Backend::Sqlite).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn crash_two_phase_mode() {
-    crash(Mode::TwoPhase).await;
+    let Some(url) = nats_url() else { return };
+    crash::<SqliteStore>(&url, Mode::TwoPhase, Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_two_phase_mode_postgres() {
+    let Some(url) = nats_url() else { return };
+    let Some(pg) = pg_url() else { return };
+    let schema = PgSchema::new(&pg, &format!("idem_nats_crash_{}", common::suffix()));
+    let backend = Backend::Postgres { url: pg, schema: schema.name.clone() };
+    crash::<PostgresStore>(&url, Mode::TwoPhase, backend).await;
 }

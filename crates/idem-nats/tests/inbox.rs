@@ -162,3 +162,170 @@ async fn inbox_run_commits_then_acks_until_shutdown() {
     assert_eq!(rows, 20);
     env.cleanup().await;
 }
+
+/// Inbox mode on PostgreSQL: two competing consumers, producer retries after JetStream's window,
+/// a reused id with another body, and a consumer that commits a batch and never acks it (as if
+/// it died between commit and ack). Every key's write exactly once, the unacked batch comes back
+/// as duplicates, the reused id is dead-lettered, nothing pending.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
+    use common::{PgSchema, pg_url};
+    use idem_nats::PgInboxConsumer;
+    use idem_sqlx::PostgresStore;
+    use sqlx::AssertSqlSafe;
+    use sqlx::postgres::PgPoolOptions;
+    use tokio::sync::watch;
+
+    const UNIQUE: usize = 200;
+    const RETRIES: usize = 50;
+    let Some(url) = nats_url() else { return };
+    let Some(pg) = pg_url() else { return };
+    let schema = PgSchema::new(&pg, &format!("idem_nats_inbox_{}", common::suffix()));
+    let pool = PgPoolOptions::new().max_connections(4).connect(&pg).await.expect("pg pool");
+    let store = PostgresStore::new(pool.clone()).with_schema(&schema.name).expect("schema");
+    store.migrate().await.expect("migrate");
+    let ledger = format!("\"{}\".ledger", schema.name);
+    // No unique constraint: a second write for one key would show as a second row.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {ledger} (k TEXT NOT NULL, body TEXT NOT NULL, consumer TEXT NOT NULL)"
+    )))
+    .execute(&pool)
+    .await
+    .expect("ledger");
+
+    let env = Env::new(&url).await;
+    env.consumer("pg", Duration::from_secs(2), 10).await;
+    let open = || async {
+        let pull = env
+            .js
+            .get_stream(&env.name)
+            .await
+            .expect("stream")
+            .get_consumer("pg")
+            .await
+            .expect("consumer");
+        let settings = Settings::new(&env.dlq_subject)
+            .batch(32)
+            .idle_wait(Duration::from_millis(200))
+            .retry_delay(Duration::from_millis(50));
+        PgInboxConsumer::new(
+            env.js.clone(),
+            pull,
+            &store,
+            "pg-inbox",
+            Duration::from_secs(86_400),
+            settings,
+        )
+        .await
+        .expect("pg inbox")
+    };
+    let body = |i: usize| format!(r#"{{"order":{i},"cents":{}}}"#, 100 + i);
+    let mut last = tokio::time::Instant::now();
+    for i in 0..UNIQUE {
+        env.publish(&format!("o-{i}"), body(i).as_bytes()).await;
+        last = tokio::time::Instant::now();
+    }
+    for j in 0..RETRIES {
+        let i = j * (UNIQUE / RETRIES);
+        env.retry(&format!("o-{i}"), body(i).as_bytes(), &mut last).await;
+    }
+    // The dying consumer: commits one batch, never acks it.
+    let dying = open().await;
+    let mut died = Report::default();
+    while died.processed == 0 {
+        let batch = dying.fetch().await.expect("fetch");
+        let v = dying.process(&batch, |conn, d| pg_write(conn, d, &ledger, "dying")).await;
+        died = v.report();
+        drop((v, batch)); // no settle: no ack, redelivered after ack_wait
+    }
+    drop(dying);
+    // The reused id, with another body, from a producer reusing it after JetStream's window.
+    env.retry("o-7", br#"{"order":7,"cents":999999}"#, &mut last).await;
+
+    let (stop_tx, stop) = watch::channel(false);
+    let run = |who: &'static str, c: PgInboxConsumer, mut stop: watch::Receiver<bool>| {
+        let ledger = ledger.clone();
+        async move {
+            let mut total = Report::default();
+            while !*stop.borrow() {
+                let batch = tokio::select! {
+                    b = c.fetch() => b.expect("fetch"),
+                    _ = stop.changed() => break,
+                };
+                if !batch.is_empty() {
+                    let v = c.process(&batch, |conn, d| pg_write(conn, d, &ledger, who)).await;
+                    total += c.settle(batch, v).await;
+                }
+            }
+            total
+        }
+    };
+    let b = tokio::spawn(run("b", open().await, stop.clone()));
+    let c = tokio::spawn(run("c", open().await, stop));
+    let count = |sql: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(&pool).await.expect("count")
+        }
+    };
+    wait_for(
+        "every key written, the dead letter, nothing pending",
+        Duration::from_secs(60),
+        || async {
+            count(format!("SELECT COUNT(DISTINCT k) FROM {ledger}")).await == UNIQUE as i64
+                && !env.dead_letters().await.is_empty()
+                && env.pending("pg").await == (0, 0)
+        },
+    )
+    .await;
+    stop_tx.send(true).expect("stop");
+    let mut survivors = b.await.expect("b");
+    survivors += c.await.expect("c");
+
+    assert_eq!(
+        count(format!("SELECT COUNT(*) FROM {ledger}")).await,
+        UNIQUE as i64,
+        "a key written twice"
+    );
+    assert_eq!(
+        count(format!("SELECT COUNT(*) FROM {ledger} WHERE consumer = 'dying'")).await,
+        i64::try_from(died.processed).expect("n"),
+        "the dying consumer's commit stands"
+    );
+    assert_eq!(survivors.processed + died.processed, UNIQUE as u64, "{survivors}");
+    assert!(
+        survivors.duplicates >= RETRIES as u64 + died.processed,
+        "the unacked batch and the retries must end as duplicates: {survivors}"
+    );
+    assert_eq!(survivors.conflicts, 1, "{survivors}");
+    let dl = env.dead_letters().await;
+    assert_eq!(dl.len(), 1, "exactly one dead letter");
+    assert_eq!(header(&dl[0], headers::ORIGINAL_MSG_ID), Some("o-7"));
+    assert_eq!(header(&dl[0], headers::OUTCOME), Some("conflict"));
+    assert_eq!(&dl[0].payload[..], br#"{"order":7,"cents":999999}"#);
+    assert_eq!(env.pending("pg").await, (0, 0));
+    eprintln!("pg inbox: the dying consumer committed {died}; survivors: {survivors}");
+    env.cleanup().await;
+}
+
+/// The handler's write in the PostgreSQL inbox test: one ledger row, in the batch transaction.
+#[cfg(feature = "postgres")]
+fn pg_write<'c>(
+    conn: &'c mut sqlx::PgConnection,
+    d: &'c idem_nats::Delivery,
+    ledger: &str,
+    who: &'static str,
+) -> idem_nats::InboxWrites<'c, (), String> {
+    let sql = format!("INSERT INTO {ledger} (k, body, consumer) VALUES ($1, $2, $3)");
+    Box::pin(async move {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(d.message_id().unwrap_or_default())
+            .bind(String::from_utf8_lossy(d.payload()).into_owned())
+            .bind(who)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| HandlerError::Transient(e.to_string()))?;
+        Ok(())
+    })
+}

@@ -175,3 +175,48 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The PostgreSQL URL, or `None` (skip) when it is down outside CI.
+pub fn pg_url() -> Option<String> {
+    idem_testkit::service::require(
+        "PostgreSQL",
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+    )
+}
+
+/// A PostgreSQL schema name owned by one test: dropped (with everything in it) when this guard
+/// drops, panics included.
+pub struct PgSchema {
+    pub url: String,
+    pub name: String,
+}
+
+impl PgSchema {
+    pub fn new(url: &str, name: &str) -> Self {
+        Self { url: url.to_owned(), name: name.to_owned() }
+    }
+}
+
+impl Drop for PgSchema {
+    fn drop(&mut self) {
+        let (url, sql) =
+            (self.url.clone(), format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.name));
+        // Its own thread and runtime: the test's runtime may be the one this drop blocks.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                return;
+            };
+            rt.block_on(async move {
+                use sqlx::Connection as _;
+                if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                    let sql = format!("SET lock_timeout = '5s'; {sql}");
+                    if let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut c).await {
+                        eprintln!("could not drop the test schema: {e}");
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}

@@ -438,11 +438,7 @@ impl DedupStore for PostgresStore {
             lease.push(duration_micros(r.lease_for));
             keep.push(duration_micros(r.retain_for.max(r.lease_for)));
         }
-        // Not a cached prepared statement: PostgreSQL plans an unnamed statement with the
-        // actual arrays each time, while a cached generic plan made when the table was small
-        // keeps scanning it whole (measured: 10× slower batches on a fresh table).
         let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many)))
-            .persistent(false)
             .bind(&h)
             .bind(&s)
             .bind(&i)
@@ -518,7 +514,6 @@ impl DedupStore for PostgresStore {
             keep.push(duration_micros(c.retain_for));
         }
         let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete_many)))
-            .persistent(false) // see claim_many
             .bind(&h)
             .bind(&tok)
             .bind(&res)

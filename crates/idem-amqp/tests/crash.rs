@@ -674,8 +674,11 @@ async fn scenario(mode: Mode, kind: Kind) {
             "the {what} message ends as a duplicate: {copies:?}"
         );
         if mode == Mode::Inbox {
+            // The one processing may itself be of a redelivered copy (the message was first
+            // delivered to the consumer whose connection was cut); every other copy is a
+            // duplicate.
             assert!(
-                again.iter().all(|s| s.outcome == "duplicate"),
+                again.iter().filter(|s| s.outcome != "processed").all(|s| s.outcome == "duplicate"),
                 "redelivered copies of the {what} message end as duplicates: {again:?}"
             );
         }

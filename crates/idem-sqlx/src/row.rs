@@ -168,11 +168,13 @@ where
 pub(crate) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
      token, prev_state, created_at, updated_at, lease_until, expires_at";
 
-/// The outcome of `process` for a mark that was not first.
-pub(crate) fn not_first<T: serde::de::DeserializeOwned>(
+/// The outcome of `process` when the mark settles the delivery (`None` for [`Mark::First`]:
+/// run the writes).
+pub(crate) fn settled<T: serde::de::DeserializeOwned>(
     mark: Mark,
-) -> Result<InboxOutcome<T>, StoreError> {
-    Ok(match mark {
+) -> Result<Option<InboxOutcome<T>>, StoreError> {
+    Ok(Some(match mark {
+        Mark::First => return Ok(None),
         Mark::Duplicate(rec) => InboxOutcome::Duplicate(
             rec.result
                 .as_deref()
@@ -182,10 +184,7 @@ pub(crate) fn not_first<T: serde::de::DeserializeOwned>(
         ),
         Mark::Conflict(rec) => InboxOutcome::Conflict(rec),
         Mark::InProgress(rec) => InboxOutcome::InProgress(rec),
-        Mark::First => {
-            return Err(StoreError::Corrupt { what: "a first mark has no stored outcome".into() });
-        }
-    })
+    }))
 }
 
 /// Sums `(state, count, expired)` rows of a count query, on any driver.

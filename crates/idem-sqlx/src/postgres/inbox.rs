@@ -125,9 +125,8 @@ impl PostgresInbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> PgWrites<'c, T, E>,
     {
         let mut tx = pool.begin().await.map_err(|e| backend("process", e))?;
-        match self.mark(&mut tx, key, fingerprint).await? {
-            Mark::First => {}
-            other => return Ok(crate::row::not_first(other)?),
+        if let Some(done) = crate::row::settled(self.mark(&mut tx, key, fingerprint).await?)? {
+            return Ok(done);
         }
         let value = writes(&mut tx).await.map_err(InboxError::Writes)?;
         if let Ok(bytes) = serde_json::to_vec(&value)

@@ -100,6 +100,70 @@ async fn claim_complete<S: DedupStore>(s: &S, run: &str, i: usize) -> anyhow::Re
     Ok(())
 }
 
+/// The store's claim + complete per message at `c` tasks.
+async fn per_message<S>(store: &S, n: usize, c: usize) -> anyhow::Result<Row>
+where
+    S: DedupStore + Clone + 'static,
+{
+    let (s, run) = (store.clone(), format!("cc-{c}"));
+    measure("idem: claim + complete per message", n, c, move |i| {
+        let (s, run) = (s.clone(), run.clone());
+        async move { claim_complete(&s, &run, i).await }
+    })
+    .await
+}
+
+/// Group commit through `Batched` at `--group-tasks` tasks: claim + complete, then claims only.
+async fn group_commit<S>(store: &S, args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>>
+where
+    S: DedupStore + Clone + 'static,
+{
+    let (g, gn) = (args.group_tasks, args.messages * 4);
+    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(args.in_flight));
+    let s = batched.clone();
+    let both = measure("idem: Batched claim + complete (group commit)", gn, g, move |i| {
+        let s = s.clone();
+        async move { claim_complete(&s, "group", i).await }
+    })
+    .await?;
+    let claims = measure("idem: Batched claim only (durable claims/s)", gn, g, move |i| {
+        let s = batched.clone();
+        async move {
+            let Claim::Acquired(_lease) = s.claim(&req("group-claim", i)?).await? else {
+                anyhow::bail!("not acquired");
+            };
+            Ok(())
+        }
+    })
+    .await?;
+    Ok(vec![both, claims])
+}
+
+/// `claim_many` of `b` fresh keys, `batches` times, on one task; ops are counted in keys.
+async fn claim_many<S>(store: &S, b: usize, batches: usize) -> anyhow::Result<Row>
+where
+    S: DedupStore + Clone + 'static,
+{
+    let s = store.clone();
+    let name = format!("idem: claim_many({b}), one statement per batch");
+    let mut row = measure(&name, batches, 1, move |j| {
+        let s = s.clone();
+        async move {
+            let reqs =
+                (j * b..(j + 1) * b).map(|i| req("many", i)).collect::<anyhow::Result<Vec<_>>>()?;
+            let claims = s.claim_many(&reqs).await?;
+            anyhow::ensure!(
+                claims.iter().all(|c| matches!(c, Claim::Acquired(_))),
+                "batch not acquired"
+            );
+            Ok(())
+        }
+    })
+    .await?;
+    row.ops = batches * b;
+    Ok(row)
+}
+
 pub(crate) async fn run(args: BenchSqlArgs) -> anyhow::Result<()> {
     let rows = if args.url.starts_with("postgres") {
         postgres(&args).await?
@@ -175,8 +239,8 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
         Arc::<str>::from(format!("UPDATE {schema}.raw SET state = 1, result = $2 WHERE k = $1"));
     let order = Arc::<str>::from(format!("INSERT INTO {schema}.orders VALUES ($1, 100)"));
     let inbox = store.inbox(Duration::from_secs(86_400));
-    let per_message: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
-    for &c in per_message {
+    let levels: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
+    for &c in levels {
         let (p, ins2, upd2) = (pool.clone(), Arc::clone(&ins), Arc::clone(&upd));
         let run = format!("raw2-{c}");
         rows.push(
@@ -195,14 +259,7 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
             })
             .await?,
         );
-        let (s, run) = (store.clone(), format!("cc-{c}"));
-        rows.push(
-            measure("idem: claim + complete per message", n, c, move |i| {
-                let (s, run) = (s.clone(), run.clone());
-                async move { claim_complete(&s, &run, i).await }
-            })
-            .await?,
-        );
+        rows.push(per_message(&store, n, c).await?);
         let (p, ins2, ord) = (pool.clone(), Arc::clone(&ins), Arc::clone(&order));
         let run = format!("rawm-{c}");
         rows.push(
@@ -236,29 +293,7 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
             .await?,
         );
     }
-    let g = args.group_tasks;
-    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(args.in_flight));
-    let (s, gn) = (batched.clone(), n * 4);
-    rows.push(
-        measure("idem: Batched claim + complete (group commit)", gn, g, move |i| {
-            let s = s.clone();
-            async move { claim_complete(&s, "group", i).await }
-        })
-        .await?,
-    );
-    let s = batched.clone();
-    rows.push(
-        measure("idem: Batched claim only (durable claims/s)", gn, g, move |i| {
-            let s = s.clone();
-            async move {
-                let Claim::Acquired(_lease) = s.claim(&req("group-claim", i)?).await? else {
-                    anyhow::bail!("not acquired");
-                };
-                Ok(())
-            }
-        })
-        .await?,
-    );
+    rows.extend(group_commit(&store, args).await?);
     let (b, batches) = (args.batch.max(1), (n * 4).div_ceil(args.batch.max(1)));
     let unnest = Arc::<str>::from(format!(
         "INSERT INTO {schema}.raw SELECT k, 0, NULL FROM unnest($1::bytea[]) AS k ON CONFLICT DO NOTHING"
@@ -276,26 +311,7 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
         .await?;
     row.ops = batches * b;
     rows.push(row);
-    let s = store.clone();
-    let mut row =
-        measure(&format!("idem: claim_many({b}), one statement per batch"), batches, 1, move |j| {
-            let s = s.clone();
-            async move {
-                let reqs = (j * b..(j + 1) * b)
-                    .map(|i| req("many", i))
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                let claims = s.claim_many(&reqs).await?;
-                anyhow::ensure!(
-                    claims.iter().all(|c| matches!(c, Claim::Acquired(_))),
-                    "batch not acquired"
-                );
-                Ok(())
-            }
-        })
-        .await?;
-    row.ops = batches * b;
-    rows.push(row);
-    drop(batched);
+    rows.push(claim_many(&store, b, batches).await?);
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&pool)
         .await?;
@@ -326,8 +342,8 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     let upd = Arc::<str>::from(format!("UPDATE {t}_raw SET state = 1, result = ? WHERE k = ?"));
     let order = Arc::<str>::from(format!("INSERT INTO {t}_orders VALUES (?, 100)"));
     let inbox = store.inbox(Duration::from_secs(86_400));
-    let per_message: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
-    for &c in per_message {
+    let levels: &[usize] = if args.batches_only { &[] } else { &args.concurrency };
+    for &c in levels {
         let (p, ins2, upd2) = (pool.clone(), Arc::clone(&ins), Arc::clone(&upd));
         let run = format!("raw2-{c}");
         rows.push(
@@ -346,14 +362,7 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
             })
             .await?,
         );
-        let (s, run) = (store.clone(), format!("cc-{c}"));
-        rows.push(
-            measure("idem: claim + complete per message", n, c, move |i| {
-                let (s, run) = (s.clone(), run.clone());
-                async move { claim_complete(&s, &run, i).await }
-            })
-            .await?,
-        );
+        rows.push(per_message(&store, n, c).await?);
         let (p, ins2, ord) = (pool.clone(), Arc::clone(&ins), Arc::clone(&order));
         let run = format!("rawm-{c}");
         rows.push(
@@ -387,16 +396,7 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
             .await?,
         );
     }
-    let g = args.group_tasks;
-    let batched = Batched::new(store.clone(), BatchConfig::default().max_in_flight(args.in_flight));
-    let s = batched.clone();
-    rows.push(
-        measure("idem: Batched claim + complete (group commit)", n * 4, g, move |i| {
-            let s = s.clone();
-            async move { claim_complete(&s, "group", i).await }
-        })
-        .await?,
-    );
+    rows.extend(group_commit(&store, args).await?);
     let b = args.batch.max(1);
     let batches = (n * 4).div_ceil(b);
     let multi = Arc::<str>::from(format!(
@@ -418,26 +418,7 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     .await?;
     row.ops = batches * b;
     rows.push(row);
-    let s = store.clone();
-    let mut row =
-        measure(&format!("idem: claim_many({b}), one statement per batch"), batches, 1, move |j| {
-            let s = s.clone();
-            async move {
-                let reqs = (j * b..(j + 1) * b)
-                    .map(|i| req("many", i))
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                let claims = s.claim_many(&reqs).await?;
-                anyhow::ensure!(
-                    claims.iter().all(|c| matches!(c, Claim::Acquired(_))),
-                    "batch not acquired"
-                );
-                Ok(())
-            }
-        })
-        .await?;
-    row.ops = batches * b;
-    rows.push(row);
-    drop(batched);
+    rows.push(claim_many(&store, b, batches).await?);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {t}, {t}_raw, {t}_orders")))
         .execute(&pool)
         .await?;

@@ -2,7 +2,9 @@
 # Local services for idem's integration tests (see ../shared/SERVICES.md):
 #   .ci/services.sh up      install what is missing (Debian), start each service that does not answer
 #   .ci/services.sh status  print which services answer; exit 1 if any does not
-# Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT.
+# Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT.
+# Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
+# missing one is built with `cargo install` once per machine (≈ 25-40 min cold), then reused.
 set -euo pipefail
 log() { echo "[services] $*"; }
 port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
@@ -13,13 +15,14 @@ wait_port() {
 }
 PG_PORT=${PG_PORT:-5432}; MYSQL_PORT=${MYSQL_PORT:-3306}; REDIS_PORT=${REDIS_PORT:-6379}
 AMQP_PORT=${AMQP_PORT:-5672}; MQTT_PORT=${MQTT_PORT:-1883}; NATS_PORT=${NATS_PORT:-4222}
+KAFKA_PORT=${KAFKA_PORT:-9092}; TANSU_VERSION=0.6.0
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
 
 status() {
   local bad=0 name port
   for pair in "postgres:$PG_PORT" "mariadb:$MYSQL_PORT" "redis:$REDIS_PORT" "rabbitmq:$AMQP_PORT" \
-              "mosquitto:$MQTT_PORT" "nats:$NATS_PORT"; do
+              "mosquitto:$MQTT_PORT" "nats:$NATS_PORT" "kafka:$KAFKA_PORT"; do
     name=${pair%%:*}; port=${pair##*:}
     if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
   done
@@ -75,6 +78,20 @@ up() {
     start-stop-daemon --start --oknodo --background --make-pidfile --pidfile "$STATE/nats.pid" \
       --exec "$(command -v nats-server)" -- -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE/nats" -l "$STATE/nats.log"
     wait_port "$NATS_PORT" 15 nats; }
+  # Kafka protocol: tansu on loopback only, in-memory storage (its default listener is 0.0.0.0).
+  port_open "$KAFKA_PORT" || { local tansu; tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
+    if [[ ! -x $tansu ]]; then
+      log "installing tansu $TANSU_VERSION from crates.io (cold build, 25-40 min; once per machine)"
+      local t0=$SECONDS
+      cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore \
+        --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \
+        || { tail -30 "$STATE/tansu-install.log"; exit 1; }
+      log "tansu installed in $((SECONDS - t0))s"
+    fi
+    nohup setsid "$tansu" broker --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+      --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" --storage-engine memory://tansu/ \
+      >"$STATE/tansu.log" 2>&1 </dev/null &
+    wait_port "$KAFKA_PORT" 30 kafka; }
   log "all services ready"
 }
 

@@ -1,0 +1,193 @@
+//! Messages/s through the Kafka adapter beside the same consumer loop with no dedup.
+//!
+//! `cargo run --release -p idem-kafka --features postgres --example kafka_bench [messages]`
+//! (brokers from `IDEM_TEST_KAFKA_BROKERS`, PostgreSQL from `IDEM_TEST_POSTGRES_URL`).
+//!
+//! One topic of 3 partitions holds `messages` records (default 20,000; 20% are producer
+//! duplicates). Each row is a consumer group of its own reading the whole topic from the start,
+//! timed from the first poll until every record is settled and committed:
+//! - `commit only`: the same poll-a-batch / commit-the-batch loop on rdkafka, no store;
+//! - the adapter in two-phase mode over SQLite, PostgreSQL and `Batched<PostgreSQL>`;
+//! - the adapter in inbox mode over PostgreSQL (one transaction per message).
+#![allow(clippy::unwrap_used, clippy::cast_precision_loss)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use idem_core::consumer::HandlerError;
+use idem_core::{BatchConfig, Batched, Consumer, DedupStore};
+use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_kafka::rdkafka::client::DefaultClientContext;
+use idem_kafka::rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
+use idem_kafka::{Action, KafkaConsumer, PgInboxConsumer, Settings};
+use idem_sqlx::{PostgresStore, SqliteStore};
+
+fn config(brokers: &str, group: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers).set("group.id", group).set("auto.offset.reset", "earliest");
+    c
+}
+
+async fn commit_only(brokers: &str, topic: &str, group: &str, n: usize, batch: usize) -> Duration {
+    let mut cc = config(brokers, group);
+    cc.set("enable.auto.commit", "false").set("enable.auto.offset.store", "false");
+    let c: Arc<StreamConsumer> = Arc::new(cc.create().unwrap());
+    c.subscribe(&[topic]).unwrap();
+    let mut seen = 0;
+    let mut started = None;
+    while seen < n {
+        let mut offs: Vec<(i32, i64)> = Vec::new();
+        let mut wait = Duration::from_secs(10);
+        while offs.len() < batch {
+            match tokio::time::timeout(wait, c.recv()).await {
+                Ok(Ok(m)) => {
+                    started.get_or_insert_with(Instant::now);
+                    offs.push((m.partition(), m.offset()));
+                }
+                _ => break,
+            }
+            wait = Duration::from_millis(5);
+        }
+        seen += offs.len();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..3 {
+            if let Some(o) = offs.iter().filter(|(q, _)| *q == p).map(|(_, o)| *o).max() {
+                tpl.add_partition_offset(topic, p, Offset::Offset(o + 1)).unwrap();
+            }
+        }
+        let c2 = Arc::clone(&c);
+        tokio::task::spawn_blocking(move || c2.commit(&tpl, CommitMode::Sync)).await.unwrap().unwrap();
+    }
+    let took = started.unwrap().elapsed();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tokio::task::spawn_blocking(move || drop(c))).await;
+    took
+}
+
+/// Runs `start` until `n` messages settled (counted by the hook); the time from the first one.
+async fn timed<F, Fut>(n: usize, start: F) -> Duration
+where
+    F: FnOnce(Arc<AtomicUsize>, Arc<std::sync::Mutex<Option<Instant>>>, tokio::sync::oneshot::Receiver<()>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let done = Arc::new(AtomicUsize::new(0));
+    let first = Arc::new(std::sync::Mutex::new(None));
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(start(Arc::clone(&done), Arc::clone(&first), stopped));
+    while done.load(Ordering::SeqCst) < n {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let took = first.lock().unwrap().unwrap().elapsed();
+    let _ = stop.send(());
+    task.await.unwrap();
+    took
+}
+
+fn counting(
+    done: Arc<AtomicUsize>,
+    first: Arc<std::sync::Mutex<Option<Instant>>>,
+) -> impl Fn(&idem_kafka::Settled<'_>) + Send + Sync + 'static {
+    move |s| {
+        first.lock().unwrap().get_or_insert_with(Instant::now);
+        if s.action != Action::Retry {
+            done.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+async fn two_phase<S: DedupStore + Sync + 'static>(brokers: &str, topic: &str, group: &str, n: usize, store: S) -> Duration {
+    let dedup = Consumer::builder(store).scope(group).build().unwrap();
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    let cfg = config(&brokers, group);
+    timed(n, move |done, first, stopped| async move {
+        let c = KafkaConsumer::new(&cfg, &[topic.as_str()], dedup, Settings::new(format!("{topic}-dlq")))
+            .unwrap()
+            .with_hook(counting(done, first));
+        c.run(|_ctx, _d| async { Ok::<_, HandlerError<String>>(()) }, async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+        c.close(Duration::from_secs(10)).await;
+    })
+    .await
+}
+
+#[tokio::main]
+async fn main() {
+    let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
+    let brokers = std::env::var("IDEM_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let pg = std::env::var("IDEM_TEST_POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let sfx = format!("{}_{:06x}", std::process::id(), rand::random::<u32>() & 0xff_ffff);
+    let topic = format!("idem-bench-{sfx}");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", &brokers).create().unwrap();
+    let dlq = format!("{topic}-dlq");
+    for r in admin
+        .create_topics(
+            &[NewTopic::new(&topic, 3, TopicReplication::Fixed(1)), NewTopic::new(&dlq, 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("linger.ms", "5")
+        .create()
+        .unwrap();
+    let unique = n * 4 / 5;
+    let sends = (0..n).map(|i| {
+        let id = format!("m-{}", if i < unique { i } else { (i * 7) % unique });
+        let body = format!(r#"{{"id":"{id}"}}"#);
+        let hs = OwnedHeaders::new().insert(Header { key: "message-id", value: Some(id.as_bytes()) });
+        let (p, topic) = (&producer, &topic);
+        async move {
+            p.send(FutureRecord::to(topic).key(id.as_bytes()).payload(body.as_bytes()).headers(hs), Duration::from_secs(60))
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+    });
+    futures_util::future::join_all(sends).await;
+    println!("{n} messages ({unique} unique) on {topic}, 3 partitions, batches of 100\n");
+
+    let dir = tempfile::tempdir().unwrap();
+    let pg_store = PostgresStore::connect(&pg).await.unwrap().with_schema(&format!("idem_kbench_{sfx}")).unwrap();
+    pg_store.migrate().await.unwrap();
+    let rate = |d: Duration| n as f64 / d.as_secs_f64();
+    let base = rate(commit_only(&brokers, &topic, &format!("g0-{sfx}"), n, 100).await);
+    println!("{:<36} {:>9.0} msg/s  1.00×", "commit only (no dedup)", base);
+    let row = |name: &str, d: Duration| {
+        let r = rate(d);
+        println!("{name:<36} {r:>9.0} msg/s  {:.2}×", r / base);
+    };
+    let sqlite = SqliteStore::open(dir.path().join("b.sqlite")).await.unwrap();
+    row("two-phase, SQLite", two_phase(&brokers, &topic, &format!("g1-{sfx}"), n, sqlite).await);
+    row("two-phase, PostgreSQL", two_phase(&brokers, &topic, &format!("g2-{sfx}"), n, pg_store.clone()).await);
+    let batched = Batched::new(pg_store.clone(), BatchConfig::default());
+    row("two-phase, Batched<PostgreSQL>", two_phase(&brokers, &topic, &format!("g3-{sfx}"), n, batched).await);
+    let (b2, t2, g4, store) = (brokers.clone(), topic.clone(), format!("g4-{sfx}"), pg_store.clone());
+    let d = timed(n, move |done, first, stopped| async move {
+        let c = PgInboxConsumer::new(&config(&b2, &g4), &[t2.as_str()], &store, "bench", Duration::from_secs(86_400), Settings::new(format!("{t2}-dlq")))
+            .unwrap()
+            .with_hook(counting(done, first));
+        c.run(|_tx, _d| Box::pin(async { Ok::<_, HandlerError<String>>(()) }), async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+        c.close(Duration::from_secs(10)).await;
+    })
+    .await;
+    row("inbox, PostgreSQL (tx per message)", d);
+    let _ = admin.delete_topics(&[&topic, &dlq], &AdminOptions::new()).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA idem_kbench_{sfx} CASCADE")))
+        .execute(pg_store.pool())
+        .await
+        .unwrap();
+}

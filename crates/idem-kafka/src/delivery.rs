@@ -1,0 +1,132 @@
+//! One polled Kafka message, owned.
+
+use idem_core::extract::Envelope;
+use rdkafka::Message as _;
+use rdkafka::message::{BorrowedMessage, Headers as _};
+
+/// The header the default key extractor reads (`MessageId`).
+pub const MSG_ID_HEADER: &str = "message-id";
+
+/// A polled Kafka message: where it came from, its key, payload and headers. Implements
+/// [`Envelope`], so any [`KeyExtractor`](idem_core::extract::KeyExtractor) works; the default
+/// one reads the [`MSG_ID_HEADER`] header. The offset is never a key: a producer's retry
+/// writes the same message again at a new offset.
+///
+/// ```
+/// use idem_core::extract::Envelope;
+/// use idem_kafka::Delivery;
+///
+/// let d = Delivery::new("orders", 0, 41, b"{}".to_vec()).with_header("message-id", b"o-1");
+/// assert_eq!(d.message_id(), Some("o-1"));
+/// assert_eq!((d.topic(), d.partition(), d.offset()), ("orders", 0, 41));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    headers: Vec<(String, Vec<u8>)>,
+    pub(crate) attempts: u32,
+}
+
+impl Delivery {
+    /// A message with no key and no headers (for tests and examples).
+    pub fn new(topic: impl Into<String>, partition: i32, offset: i64, payload: Vec<u8>) -> Self {
+        Self {
+            topic: topic.into(),
+            partition,
+            offset,
+            key: None,
+            payload,
+            headers: Vec::new(),
+            attempts: 0,
+        }
+    }
+
+    /// Adds a header.
+    #[must_use]
+    pub fn with_header(mut self, name: impl Into<String>, value: &[u8]) -> Self {
+        self.headers.push((name.into(), value.to_vec()));
+        self
+    }
+
+    pub(crate) fn from_borrowed(m: &BorrowedMessage<'_>) -> Self {
+        let headers = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(<[u8]>::to_vec),
+            payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+            headers,
+            attempts: 0,
+        }
+    }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The partition.
+    pub fn partition(&self) -> i32 {
+        self.partition
+    }
+
+    /// The offset in its partition.
+    pub fn offset(&self) -> i64 {
+        self.offset
+    }
+
+    /// The Kafka record key (the partitioning key, usually an entity id; not a message id).
+    pub fn record_key(&self) -> Option<&[u8]> {
+        self.key.as_deref()
+    }
+
+    /// The payload.
+    pub fn payload_bytes(&self) -> &[u8] {
+        &self.payload
+    }
+
+    /// All headers in record order (a name may repeat).
+    pub fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
+    }
+
+    /// How many times this adapter has retried this message in this process.
+    pub fn retries(&self) -> u32 {
+        self.attempts
+    }
+
+    pub(crate) fn tp(&self) -> (String, i32) {
+        (self.topic.clone(), self.partition)
+    }
+}
+
+impl Envelope for Delivery {
+    fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        self.header(MSG_ID_HEADER)
+    }
+
+    /// The last header of that name whose value is UTF-8 (Kafka headers are bytes).
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .rev()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+}

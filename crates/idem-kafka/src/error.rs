@@ -1,0 +1,49 @@
+//! What can go wrong setting up or running a Kafka consumer.
+
+use rdkafka::error::KafkaError;
+
+/// Errors of the Kafka adapter. Per-message failures are not errors: they end in a commit, a
+/// retry or a dead letter, and are counted in the [`Report`](crate::Report).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A client setting contradicts what the adapter needs.
+    #[error("Kafka setting `{key}` = `{value}` is not allowed: {why}")]
+    Setting {
+        /// The librdkafka property.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// Why idem needs it otherwise.
+        why: &'static str,
+    },
+    /// A required client setting is missing.
+    #[error("Kafka setting `{key}` is required: {why}")]
+    MissingSetting {
+        /// The librdkafka property.
+        key: &'static str,
+        /// What it is for.
+        why: &'static str,
+    },
+    /// No topic to consume, or an empty topic name.
+    #[error("topics: {0}")]
+    Topics(&'static str),
+    /// The inbox scope is not a valid key scope.
+    #[error("inbox scope is invalid")]
+    InvalidScope(#[source] idem_core::KeyError),
+    /// A client call failed (create, subscribe, poll).
+    #[error("Kafka {op} failed")]
+    Kafka {
+        /// What was being done.
+        op: &'static str,
+        /// The client's error.
+        #[source]
+        source: KafkaError,
+    },
+}
+
+impl Error {
+    pub(crate) fn kafka(op: &'static str, source: KafkaError) -> Self {
+        Self::Kafka { op, source }
+    }
+}

@@ -1,0 +1,290 @@
+//! Transactional-inbox mode on PostgreSQL: the marker and the handler's writes commit in one
+//! transaction, then the offset is committed.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::time::Duration;
+
+use idem_core::consumer::{Conflict, Disposition, HandlerError};
+use idem_core::extract::{Envelope, KeyExtractor, MessageId};
+use idem_core::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, StoreError};
+use idem_sqlx::postgres::PgWrites;
+use idem_sqlx::{InboxError, Mark, PostgresInbox, PostgresStore};
+use rdkafka::config::ClientConfig;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::postgres::{PgConnection, PgPool};
+
+use crate::source::{Decide, Decider, Decision, Hook, Settled, Source};
+use crate::{Delivery, Error, Report, Settings};
+
+/// A Kafka consumer whose handler's writes and dedup marker commit in one PostgreSQL
+/// transaction per message ([`PostgresInbox`]); the offset is committed afterwards, only up to
+/// the durable prefix of each partition. A crash between the database commit and the offset
+/// commit redelivers the message, and its marker makes it a duplicate.
+///
+/// Offsets, retries, dead letters and rebalances behave as in
+/// [`KafkaConsumer`](crate::KafkaConsumer). The messages of a batch run concurrently, each in
+/// its own transaction (at most the pool's size at once); two copies of one key in a batch
+/// serialise on the marker's row lock and the second is a duplicate.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_core::consumer::HandlerError;
+/// use idem_kafka::{PgInboxConsumer, Settings, rdkafka::ClientConfig};
+/// use idem_sqlx::PostgresStore;
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+/// store.migrate().await?;
+/// let mut config = ClientConfig::new();
+/// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "order-writer");
+/// let kafka = PgInboxConsumer::new(&config, &["orders"], &store, "order-writer",
+///     Duration::from_secs(7 * 86_400), Settings::new("orders.dlq"))?;
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// # drop(stop);
+/// kafka.run(|tx, msg| Box::pin(async move {
+///     sqlx::query("INSERT INTO orders (body) VALUES ($1)").bind(msg.payload_bytes())
+///         .execute(&mut *tx).await.map_err(|e| HandlerError::Transient(e.to_string()))?;
+///     Ok(())
+/// }), async { let _ = stopped.await; }).await?;
+/// # Ok(()) }
+/// ```
+pub struct PgInboxConsumer {
+    source: Source,
+    inbox: PostgresInbox,
+    pool: PgPool,
+    scope: String,
+    extractor: Box<dyn KeyExtractor>,
+    fingerprint: FingerprintSpec,
+}
+
+impl std::fmt::Debug for PgInboxConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxConsumer").field("scope", &self.scope).finish_non_exhaustive()
+    }
+}
+
+impl PgInboxConsumer {
+    /// Creates the consumer (see [`KafkaConsumer::new`](crate::KafkaConsumer::new) for the
+    /// client settings) over `store`'s inbox, keeping markers for `retain` — which must outlast
+    /// the topic's retention plus the longest consumer lag you allow, or a replayed message is
+    /// no longer recognised. Keys come from the `message-id` header and fingerprints from the
+    /// canonical JSON payload until [`with_key`](Self::with_key) /
+    /// [`with_fingerprint`](Self::with_fingerprint) say otherwise.
+    ///
+    /// # Errors
+    /// As `KafkaConsumer::new`; [`Error::InvalidScope`] for a bad scope.
+    pub fn new(
+        config: &ClientConfig,
+        topics: &[&str],
+        store: &PostgresStore,
+        scope: impl Into<String>,
+        retain: Duration,
+        settings: Settings,
+    ) -> Result<Self, Error> {
+        let scope = scope.into();
+        DedupKey::new(scope.clone(), "x").map_err(Error::InvalidScope)?;
+        Ok(Self {
+            source: Source::open(config, topics, settings)?,
+            inbox: store.inbox(retain),
+            pool: store.pool().clone(),
+            scope,
+            extractor: Box::new(MessageId),
+            fingerprint: FingerprintSpec::default(),
+        })
+    }
+
+    /// Takes keys from `extractor` instead of the `message-id` header.
+    #[must_use]
+    pub fn with_key(mut self, extractor: impl KeyExtractor) -> Self {
+        self.extractor = Box::new(extractor);
+        self
+    }
+
+    /// Fingerprints payloads by `spec`.
+    #[must_use]
+    pub fn with_fingerprint(mut self, spec: FingerprintSpec) -> Self {
+        self.fingerprint = spec;
+        self
+    }
+
+    /// As [`KafkaConsumer::with_hook`](crate::KafkaConsumer::with_hook): called after the
+    /// database commit (or dead letter), before the offset commit.
+    #[must_use]
+    pub fn with_hook(mut self, hook: impl Fn(&Settled<'_>) + Send + Sync + 'static) -> Self {
+        self.source.hook = Some(std::sync::Arc::new(hook) as Hook);
+        self
+    }
+
+    /// Messages polled and not yet settled.
+    pub fn open_messages(&self) -> usize {
+        self.source.open_count()
+    }
+
+    /// As [`KafkaConsumer::fetch`](crate::KafkaConsumer::fetch).
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the poll fails and nothing was polled.
+    pub async fn fetch(&self) -> Result<Vec<Delivery>, Error> {
+        self.source.fetch().await
+    }
+
+    /// Marks, writes and commits each message of the batch, then dead-letters, schedules
+    /// retries and commits the offsets.
+    pub async fn process<T, E, F>(&self, batch: Vec<Delivery>, writes: F) -> Report
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
+    {
+        let decided = self.decide(&batch, &writes).await;
+        self.source.settle(batch, decided).await
+    }
+
+    /// Poll and process until `shutdown` completes; a batch in flight is finished first.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] after 10 polls in a row failed.
+    pub async fn run<T, E, F>(
+        &self,
+        writes: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Report, Error>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>
+            + Sync,
+    {
+        let decider = Inbox { consumer: self, writes: &writes, types: PhantomData };
+        self.source.run(&decider, shutdown).await
+    }
+
+    /// Leaves the group and closes the client on a blocking thread, giving up after `timeout`.
+    pub async fn close(self, timeout: Duration) -> bool {
+        self.source.close(timeout).await
+    }
+
+    async fn decide<T, E, F>(&self, batch: &[Delivery], writes: &F) -> Vec<Decision>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
+    {
+        futures_util::future::join_all(batch.iter().map(|d| self.one(d, writes))).await
+    }
+
+    async fn one<T, E, F>(&self, d: &Delivery, writes: &F) -> Decision
+    where
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
+    {
+        let retry = Disposition::Retry { after: None };
+        let id = match self.extractor.extract(d as &dyn Envelope) {
+            Ok(id) => id,
+            Err(e) => return ("failed_permanent", Disposition::DeadLetter { reason: e.to_string() }),
+        };
+        let key = match DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES) {
+            Ok(k) => k,
+            Err(e) => {
+                let reason = format!("invalid dedup key: {e}");
+                return ("failed_permanent", Disposition::DeadLetter { reason });
+            }
+        };
+        let fp = match self.fingerprint.fingerprint(d.payload()) {
+            Ok(fp) => fp,
+            Err(e) => {
+                let reason = format!("payload is not JSON: {e}");
+                return ("failed_permanent", Disposition::DeadLetter { reason });
+            }
+        };
+        match self.transact(d, &key, fp, writes).await {
+            Ok(None) => ("processed", Disposition::Ack),
+            Ok(Some(Mark::First)) => ("failed_transient", retry),
+            Ok(Some(Mark::Duplicate(_))) => ("duplicate", Disposition::Ack),
+            Ok(Some(Mark::Conflict(rec))) => {
+                let c = Conflict {
+                    key,
+                    stored: rec.fingerprint,
+                    incoming: fp,
+                    stored_state: rec.state,
+                };
+                ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") })
+            }
+            Ok(Some(Mark::InProgress(_))) => ("in_progress_elsewhere", retry),
+            Ok(Some(_)) => ("failed_transient", retry),
+            Err(InboxError::Writes(HandlerError::Permanent(e))) => (
+                "failed_permanent",
+                Disposition::DeadLetter { reason: format!("handler failed: {e}") },
+            ),
+            Err(InboxError::Writes(HandlerError::Transient(e))) => {
+                tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient); retrying");
+                ("failed_transient", retry)
+            }
+            Err(InboxError::Store(e)) => {
+                tracing::warn!(target: "idem", %key, error = %e, "inbox failed; retrying");
+                ("failed_transient", retry)
+            }
+            Err(e) => {
+                tracing::warn!(target: "idem", %key, error = %e, "inbox failed; retrying");
+                ("failed_transient", retry)
+            }
+        }
+    }
+
+    /// One transaction: mark, then (first mark only) the writes and their result, then commit.
+    /// `Ok(None)` when the writes committed, `Ok(Some(mark))` when the mark settled it. Any
+    /// error rolls everything back, marker included (the transaction is dropped).
+    async fn transact<T, E, F>(
+        &self,
+        d: &Delivery,
+        key: &DedupKey,
+        fp: Option<idem_core::Fingerprint>,
+        writes: &F,
+    ) -> Result<Option<Mark>, InboxError<HandlerError<E>>>
+    where
+        T: Serialize,
+        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
+    {
+        let store_err = |op: &'static str, e: sqlx::Error| {
+            InboxError::Store(StoreError::backend(op, true, e.to_string()))
+        };
+        let mut tx = self.pool.begin().await.map_err(|e| store_err("begin", e))?;
+        let mark = self.inbox.mark(&mut tx, key, fp).await?;
+        if mark != Mark::First {
+            return Ok(Some(mark));
+        }
+        let value = writes(&mut tx, d).await.map_err(InboxError::Writes)?;
+        if let Ok(bytes) = serde_json::to_vec(&value)
+            && bytes.len() <= MAX_STORED_RESULT
+        {
+            self.inbox.set_result(&mut tx, key, &bytes).await?;
+        }
+        tx.commit().await.map_err(|e| store_err("commit", e))?;
+        Ok(None)
+    }
+}
+
+struct Inbox<'h, F, T, E> {
+    consumer: &'h PgInboxConsumer,
+    writes: &'h F,
+    types: PhantomData<fn() -> (T, E)>,
+}
+
+impl<F, T, E> Decider for Inbox<'_, F, T, E>
+where
+    T: Serialize + DeserializeOwned + Send,
+    E: Display + Send,
+    F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>> + Sync,
+{
+    fn decide<'a>(&'a self, batch: &'a [Delivery]) -> Decide<'a> {
+        Box::pin(self.consumer.decide(batch, self.writes))
+    }
+}
+
+/// Largest handler result stored with a marker (larger ones are not stored; duplicates then
+/// carry none).
+const MAX_STORED_RESULT: usize = 64 * 1024;

@@ -1,0 +1,313 @@
+//! The acceptance test on a real Kafka-protocol broker (tansu) and PostgreSQL, transactional
+//! inbox mode.
+//!
+//! Consumers in one group over a topic with 3 partitions take 5,000 messages: 4,000 unique
+//! `message-id`s, 999 producer duplicates (same id, same body) and one id reused with a
+//! different body. Consumer C is a child process (this test binary re-run) that calls
+//! `std::process::abort()` after a database commit and before the offset commit; A and B run
+//! throughout; D joins mid-run, causing a rebalance (C's death causes another once its session
+//! times out). Pass: every unique id's row is in the ledger (a table with no unique constraint)
+//! exactly once; the message C aborted on comes back and is a duplicate; the reused id is in the
+//! dead-letter topic with its reason and origin; the group's committed offsets are at the end
+//! of every partition.
+//!
+//! The run gets a PostgreSQL schema of its own (`idem_kafka_crash_<pid>_<rand>`) and topics of
+//! its own; both are dropped afterwards, also when the test fails.
+#![cfg(feature = "postgres")]
+#![allow(clippy::unwrap_used, clippy::too_many_lines)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{PgSchema, Topics};
+use idem_core::consumer::HandlerError;
+use idem_kafka::{Delivery, PgInboxConsumer, Report, Settings};
+use idem_sqlx::PostgresStore;
+use idem_sqlx::postgres::PgWrites;
+use rand::seq::{IndexedRandom, SliceRandom};
+use sqlx::postgres::PgConnection;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const CHILD_ENV: &str = "IDEM_KAFKA_CRASH_CHILD";
+const UNIQUE: usize = 4_000;
+const TOTAL: usize = 5_000;
+const ABORT_AT: usize = 60;
+const REUSED: usize = 7;
+const LIMIT: Duration = Duration::from_secs(180);
+const RETAIN: Duration = Duration::from_secs(7 * 86_400);
+
+fn body(i: usize) -> Vec<u8> {
+    format!(r#"{{"order":"order-{i:04}","cents":{}}}"#, 100 + i).into_bytes()
+}
+
+fn records() -> Vec<(String, Vec<u8>)> {
+    let mut rng = rand::rng();
+    let ids: Vec<usize> = (0..UNIQUE).collect();
+    let mut all: Vec<(String, Vec<u8>)> =
+        ids.iter().map(|&i| (format!("order-{i:04}"), body(i))).collect();
+    for _ in 0..(TOTAL - UNIQUE - 1) {
+        let i = *ids.choose(&mut rng).unwrap();
+        all.push((format!("order-{i:04}"), body(i)));
+    }
+    all.push((format!("order-{REUSED:04}"), br#"{"order":"order-0007","cents":999999}"#.to_vec()));
+    all.shuffle(&mut rng);
+    all
+}
+
+/// Each message's effect: one ledger row, written in the inbox transaction.
+fn ledger(
+    schema: String,
+    who: &'static str,
+) -> impl for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, (), HandlerError<String>>
++ Send
++ Sync
++ 'static {
+    move |tx: &mut PgConnection, d: &Delivery| {
+        let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
+        Box::pin(async move {
+            let key = idem_core::extract::Envelope::message_id(d).unwrap_or_default().to_owned();
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(key)
+                .bind(d.payload_bytes())
+                .bind(who)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            Ok(())
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Seen {
+    who: &'static str,
+    key: String,
+    outcome: &'static str,
+}
+
+struct Env {
+    brokers: String,
+    group: String,
+    topic: String,
+    dlq: String,
+    schema: String,
+}
+
+fn consumer(
+    env: &Env,
+    store: &PostgresStore,
+    who: &'static str,
+    seen: Option<mpsc::UnboundedSender<Seen>>,
+) -> PgInboxConsumer {
+    let settings = Settings::new(&env.dlq).batch(50).retry_delay(Duration::from_millis(200));
+    let c = PgInboxConsumer::new(
+        &common::config(&env.brokers, &env.group),
+        &[env.topic.as_str()],
+        store,
+        "orders",
+        RETAIN,
+        settings,
+    )
+    .unwrap();
+    match seen {
+        None => c,
+        Some(tx) => c.with_hook(move |s| {
+            let key = idem_core::extract::Envelope::message_id(s.delivery).unwrap_or_default();
+            let _ = tx.send(Seen { who, key: key.to_owned(), outcome: s.outcome });
+        }),
+    }
+}
+
+fn start(
+    env: &Env,
+    store: &PostgresStore,
+    who: &'static str,
+    seen: mpsc::UnboundedSender<Seen>,
+) -> (oneshot::Sender<()>, JoinHandle<Report>) {
+    let c = consumer(env, store, who, Some(seen));
+    let writes = ledger(env.schema.clone(), who);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let report = c
+            .run(writes, async move {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+        assert!(c.close(Duration::from_secs(15)).await, "consumer {who} did not close in 15 s");
+        report
+    });
+    (stop, task)
+}
+
+async fn ledger_counts(s: &PgSchema) -> (i64, i64) {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT key) FROM {}.ledger",
+        s.name
+    )))
+    .fetch_one(&s.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_effects() {
+    let (Some(brokers), Some(pg)) = (common::brokers(), common::pg_url()) else { return };
+    let sfx = common::suffix();
+    let env = Env {
+        brokers: brokers.clone(),
+        group: format!("idem-crash-{sfx}"),
+        topic: format!("idem-crash-{sfx}"),
+        dlq: format!("idem-crash-{sfx}-dlq"),
+        schema: format!("idem_kafka_crash_{sfx}"),
+    };
+    let topics = Topics::create(&brokers, &[(&env.topic, 3), (&env.dlq, 1)]).await;
+    let ends = common::produce(&common::producer(&brokers), &env.topic, &records(), None).await;
+    assert_eq!(ends.values().sum::<i64>(), TOTAL as i64, "{ends:?}");
+    let (schema, store) = PgSchema::create(&pg, env.schema.clone()).await;
+
+    // C: a child process that aborts between a database commit and the offset commit.
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["crash_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, "1")
+        .env("IDEM_KAFKA_CRASH_BROKERS", &env.brokers)
+        .env("IDEM_KAFKA_CRASH_GROUP", &env.group)
+        .env("IDEM_KAFKA_CRASH_TOPIC", &env.topic)
+        .env("IDEM_KAFKA_CRASH_DLQ", &env.dlq)
+        .env("IDEM_KAFKA_CRASH_SCHEMA", &env.schema)
+        .env("IDEM_TEST_POSTGRES_URL", &pg)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (abort_tx, abort_rx) = oneshot::channel();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        let (mut ready, mut abort) = (Some(ready_tx), Some(abort_tx));
+        while let Ok(Some(l)) = lines.next_line().await {
+            match l.split('\t').collect::<Vec<_>>()[..] {
+                ["READY"] => drop(ready.take().map(|t| t.send(()))),
+                ["ABORT_KEY", k] => drop(abort.take().map(|t| t.send(k.to_owned()))),
+                _ => eprintln!("child: {l}"),
+            }
+        }
+    });
+    tokio::time::timeout(LIMIT, ready_rx).await.unwrap().expect("child starts");
+
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+    let a = start(&env, &store, "A", seen_tx.clone());
+    let b = start(&env, &store, "B", seen_tx.clone());
+
+    let abort_key = tokio::time::timeout(LIMIT, abort_rx).await.unwrap().expect("child aborts");
+    let status = tokio::time::timeout(LIMIT, child.wait()).await.unwrap().unwrap();
+    assert!(!status.success(), "the child must die by abort, got {status}");
+    let (_, distinct_at_abort) = ledger_counts(&schema).await;
+
+    // D joins mid-run: wait until the survivors have done more, but not everything.
+    let target = (distinct_at_abort + 500).min(UNIQUE as i64 - 1000);
+    common::eventually(LIMIT, "ledger grows after the abort", || async {
+        (ledger_counts(&schema).await.1 >= target).then_some(())
+    })
+    .await;
+    let (_, distinct_at_join) = ledger_counts(&schema).await;
+    let d = start(&env, &store, "D", seen_tx.clone());
+    drop(seen_tx);
+
+    let (t, n) = (env.topic.clone(), ends.len());
+    let offsets = common::eventually(LIMIT, "all processed and committed", || {
+        let (brokers, group, t, ends, schema) = (&brokers, &env.group, &t, &ends, &schema);
+        async move {
+            if ledger_counts(schema).await.1 < UNIQUE as i64 {
+                return None;
+            }
+            let got = common::committed(brokers, group, t, 3).await;
+            (got.len() == n && got.iter().all(|(p, o)| ends.get(p) == Some(o))).then_some(got)
+        }
+    })
+    .await;
+
+    let mut reports = Vec::new();
+    for (stop, task) in [a, b, d] {
+        let _ = stop.send(());
+        reports.push(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
+    }
+    let mut seen = Vec::new();
+    while let Ok(s) = seen_rx.try_recv() {
+        seen.push(s);
+    }
+
+    // Exactly once: one row per unique id, none twice.
+    let (rows, distinct) = ledger_counts(&schema).await;
+    assert_eq!((rows, distinct), (UNIQUE as i64, UNIQUE as i64), "ledger rows / distinct keys");
+    // The aborted message's effect happened once (in C) and its redelivery was a duplicate.
+    let abort_seen: Vec<&Seen> = seen.iter().filter(|s| s.key == abort_key).collect();
+    assert!(
+        abort_seen.iter().any(|s| s.outcome == "duplicate"),
+        "the message C aborted on ({abort_key}) must come back as a duplicate: {abort_seen:?}"
+    );
+    assert!(
+        abort_seen.iter().all(|s| s.outcome != "processed"),
+        "nobody may process {abort_key} again: {abort_seen:?}"
+    );
+    // The reused id is dead-lettered with its reason and origin.
+    let dead = common::read_all(&brokers, &env.dlq, 1).await;
+    assert_eq!(dead.len(), 1, "one dead letter: {dead:?}");
+    let (_, hs) = &dead[0];
+    assert_eq!(hs.get("message-id").map(String::as_str), Some("order-0007"));
+    assert!(hs["idem-reason"].starts_with("conflict: key orders/order-0007 reused"), "{hs:?}");
+    assert_eq!(hs["idem-original-topic"], env.topic);
+    assert!(hs["idem-original-offset"].parse::<i64>().is_ok(), "{hs:?}");
+    let conflicts: u64 = reports.iter().map(|r| r.conflicts).sum();
+    assert_eq!(conflicts, 1, "{reports:?}");
+    let by_who = |w: &str| seen.iter().filter(|s| s.who == w && s.outcome == "processed").count();
+    assert!(by_who("D") > 0, "D joined mid-run and took over partitions: {reports:?}");
+    eprintln!(
+        "kafka crash test: aborted on {abort_key} with {distinct_at_abort} done; D joined at {distinct_at_join}; \
+         processed A {} B {} D {}; offsets {offsets:?}; reports {reports:?}",
+        by_who("A"),
+        by_who("B"),
+        by_who("D")
+    );
+    schema.drop_now().await;
+    drop(topics);
+}
+
+/// Consumer C, run as a child process by the crash test: aborts after its `ABORT_AT`th
+/// processed message, after the database commit and before the offset commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the crash test's child process; run by it, not alone"]
+async fn crash_child() {
+    assert!(std::env::var(CHILD_ENV).is_ok(), "run only as the crash test's child process");
+    let var = |k: &str| std::env::var(k).unwrap();
+    let env = Env {
+        brokers: var("IDEM_KAFKA_CRASH_BROKERS"),
+        group: var("IDEM_KAFKA_CRASH_GROUP"),
+        topic: var("IDEM_KAFKA_CRASH_TOPIC"),
+        dlq: var("IDEM_KAFKA_CRASH_DLQ"),
+        schema: var("IDEM_KAFKA_CRASH_SCHEMA"),
+    };
+    let store = PostgresStore::connect(&var("IDEM_TEST_POSTGRES_URL"))
+        .await
+        .unwrap()
+        .with_schema(&env.schema)
+        .unwrap();
+    let processed = Arc::new(AtomicUsize::new(0));
+    let c = consumer(&env, &store, "C", None).with_hook(move |s| {
+        // The hook runs after the commit and before the offset commit: the crash window.
+        if s.outcome == "processed" && processed.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AT {
+            let key = idem_core::extract::Envelope::message_id(s.delivery).unwrap_or_default();
+            eprintln!("ABORT_KEY\t{key}");
+            std::process::abort();
+        }
+    });
+    eprintln!("READY");
+    let _ = c.run(ledger(env.schema.clone(), "C"), std::future::pending()).await;
+    unreachable!("the child aborts before the topic runs dry");
+}

@@ -1,0 +1,200 @@
+//! Two-phase mode on a real Kafka-protocol broker (tansu), over SQLite and PostgreSQL stores:
+//! the commit never passes a message still in flight, retries pause nothing but their own
+//! partition's commit, conflicts are dead-lettered with their reason, and two consumers in a
+//! group give exactly-once effects.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::Topics;
+use idem_core::consumer::HandlerError;
+use idem_core::extract::Envelope;
+use idem_core::{ClaimRequest, Consumer, DedupKey, DedupStore};
+use idem_kafka::{Action, Delivery, KafkaConsumer, Report, Settings};
+use idem_sqlx::SqliteStore;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+type Ledger = Arc<Mutex<Vec<String>>>;
+
+fn run<S: DedupStore + Sync + 'static>(
+    c: KafkaConsumer<S>,
+    ledger: Ledger,
+) -> (oneshot::Sender<()>, JoinHandle<Report>) {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let report = c
+            .run(
+                |_ctx, d: &Delivery| {
+                    let (ledger, key) = (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
+                    async move {
+                        ledger.lock().unwrap().push(key);
+                        Ok::<_, HandlerError<String>>(())
+                    }
+                },
+                async move {
+                    let _ = stopped.await;
+                },
+            )
+            .await
+            .unwrap();
+        assert!(c.close(Duration::from_secs(15)).await, "consumer did not close in 15 s");
+        report
+    });
+    (stop, task)
+}
+
+fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
+    ids.iter().map(|id| ((*id).to_owned(), format!(r#"{{"id":"{id}"}}"#).into_bytes())).collect()
+}
+
+/// A key held by another consumer's live lease: its partition's commit stops right before it
+/// while the messages after it are processed; once the lease is released the retry runs it and
+/// the commit reaches the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settles() {
+    let Some(brokers) = common::brokers() else { return };
+    let sfx = common::suffix();
+    let (topic, dlq, group) = (format!("idem-hold-{sfx}"), format!("idem-hold-{sfx}-dlq"), format!("g-{sfx}"));
+    let _topics = Topics::create(&brokers, &[(&topic, 1), (&dlq, 1)]).await;
+    let ids = ["m-0", "m-1", "m-2", "m-3", "m-4", "m-5"];
+    let ends = common::produce(&common::producer(&brokers), &topic, &msgs(&ids), Some(0)).await;
+    assert_eq!(ends[&0], 6);
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+    let dedup = Consumer::builder(store.clone()).scope("hold").build().unwrap();
+    // Another consumer holds m-3 (same fingerprint: the same message, in progress elsewhere).
+    let held = Delivery::new(&topic, 0, 3, msgs(&["m-3"])[0].1.clone());
+    let req = ClaimRequest::new(
+        DedupKey::new("hold", "m-3").unwrap(),
+        dedup.fingerprint_of(&held).unwrap(),
+        Duration::from_secs(600),
+        Duration::from_secs(86_400),
+    );
+    let lease = match store.claim(&req).await.unwrap() {
+        idem_core::Claim::Acquired(l) => l,
+        other => panic!("{other:?}"),
+    };
+
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+    let settings = Settings::new(&dlq).retry_delay(Duration::from_millis(200)).batch_wait(Duration::from_millis(200));
+    let c = KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
+        .unwrap()
+        .with_hook(move |s| {
+            let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
+        });
+    let ledger: Ledger = Arc::default();
+    let (stop, task) = run(c, ledger.clone());
+
+    // m-3 is retried at least twice while m-0..m-2 are processed; the commit stops at offset 3.
+    let mut retries = 0;
+    while retries < 2 {
+        let (off, outcome, action) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+        if off == 3 {
+            assert_eq!((outcome, action), ("in_progress_elsewhere", Action::Retry));
+            retries += 1;
+        }
+    }
+    common::eventually(LIMIT, "offset 3 committed", || async {
+        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&3)).then_some(())
+    })
+    .await;
+    assert!(!ledger.lock().unwrap().contains(&"m-3".to_owned()));
+    // Still held back after further retries of m-3.
+    let mut more = 0;
+    while more < 2 {
+        let (off, ..) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+        more += usize::from(off == 3);
+    }
+    assert_eq!(common::committed(&brokers, &group, &topic, 1).await.get(&0), Some(&3));
+
+    store.release(lease).await.unwrap();
+    common::eventually(LIMIT, "all committed after the release", || async {
+        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&6)).then_some(())
+    })
+    .await;
+    let _ = stop.send(());
+    let report = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    let mut got = ledger.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(got, ids, "each effect exactly once");
+    assert!(report.in_progress >= 4 && report.processed == 6, "{report:?}");
+}
+
+/// Two consumers in a group over 3 partitions: 600 unique ids, 150 duplicates and one reused
+/// id. Every effect once, the reused id dead-lettered with its reason, offsets at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id() {
+    let Some(brokers) = common::brokers() else { return };
+    let sfx = common::suffix();
+    let (topic, dlq, group) = (format!("idem-2p-{sfx}"), format!("idem-2p-{sfx}-dlq"), format!("g-{sfx}"));
+    let _topics = Topics::create(&brokers, &[(&topic, 3), (&dlq, 1)]).await;
+    let mut recs: Vec<(String, Vec<u8>)> =
+        (0..600).map(|i| (format!("o-{i}"), format!(r#"{{"i":{i}}}"#).into_bytes())).collect();
+    for i in 0..150 {
+        recs.push(recs[i * 4].clone());
+    }
+    recs.push(("o-5".to_owned(), br#"{"i":"different"}"#.to_vec()));
+    let ends = common::produce(&common::producer(&brokers), &topic, &recs, None).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+    let ledger: Ledger = Arc::default();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
+        let c = KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, Settings::new(&dlq))
+            .unwrap();
+        runs.push(run(c, ledger.clone()));
+    }
+    common::eventually(LIMIT, "all committed", || async {
+        let got = common::committed(&brokers, &group, &topic, 3).await;
+        (got.len() == ends.len() && got.iter().all(|(p, o)| ends.get(p) == Some(o))).then_some(())
+    })
+    .await;
+    let mut reports = Vec::new();
+    for (stop, task) in runs {
+        let _ = stop.send(());
+        reports.push(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for k in ledger.lock().unwrap().iter() {
+        *counts.entry(k.clone()).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 600);
+    assert!(counts.values().all(|&n| n == 1), "a key's effect ran twice");
+    let dead = common::read_all(&brokers, &dlq, 1).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].1["message-id"], "o-5");
+    assert!(dead[0].1["idem-reason"].starts_with("conflict: key orders/o-5 reused"), "{:?}", dead[0].1);
+    assert_eq!(dead[0].1["idem-outcome"], "conflict");
+    let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
+    assert_eq!((sum(|r| r.processed), sum(|r| r.duplicates), sum(|r| r.dead_lettered)), (600, 150, 1), "{reports:?}");
+}
+
+/// Settings that contradict the adapter's offset handling are refused with the key named.
+#[test]
+fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let dedup = || Consumer::builder(idem_core::MemoryStore::new()).scope("s").build().unwrap();
+        let mut cfg = common::config("127.0.0.1:1", "g");
+        cfg.set("enable.auto.commit", "true");
+        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("dlq")).unwrap_err();
+        assert!(e.to_string().contains("`enable.auto.commit` = `true` is not allowed"), "{e}");
+        let mut cfg = idem_kafka::rdkafka::ClientConfig::new();
+        cfg.set("bootstrap.servers", "127.0.0.1:1");
+        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("dlq")).unwrap_err();
+        assert!(e.to_string().contains("`group.id` is required"), "{e}");
+        let cfg = common::config("127.0.0.1:1", "g");
+        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("t")).unwrap_err();
+        assert!(e.to_string().contains("dead-letter topic must not be a consumed topic"), "{e}");
+    });
+}

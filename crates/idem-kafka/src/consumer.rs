@@ -26,8 +26,9 @@ use crate::{Delivery, Error, Report, Settings};
 ///
 /// Rebalances: revocations are reported inside a poll, and the adapter polls only between
 /// batches, so handlers in flight always finish (and their offsets are committed) before a
-/// partition is given up; retries waiting on a revoked partition are dropped (their claims were
-/// released, or never acquired) and the new owner resumes at the committed offset.
+/// partition is given up. Messages of a revoked partition already polled (or waiting for a
+/// retry) are still processed, but their offsets are no longer committed; the new owner resumes
+/// at the committed offset, and the store makes whichever copy comes second a duplicate.
 ///
 /// ```no_run
 /// use idem_core::{Consumer, consumer::HandlerError};
@@ -154,6 +155,7 @@ impl<S: DedupStore> KafkaConsumer<S> {
 struct TwoPhase<'h, S, F, T, E, Fut> {
     dedup: &'h Consumer<S>,
     handler: &'h F,
+    #[allow(clippy::type_complexity)]
     types: PhantomData<fn() -> (T, E, Fut)>,
 }
 
@@ -183,7 +185,7 @@ where
     Fut: Future<Output = Result<T, HandlerError<E>>>,
 {
     dedup
-        .process_batch(batch, |ctx, d| handler(ctx, d))
+        .process_batch(batch, handler)
         .await
         .into_iter()
         .map(|o| (o.label(), o.disposition()))

@@ -29,6 +29,8 @@ pub struct Delivery {
     payload: Vec<u8>,
     headers: Vec<(String, Vec<u8>)>,
     pub(crate) attempts: u32,
+    /// The adapter's revocation count when this was polled.
+    pub(crate) epoch: u64,
 }
 
 impl Delivery {
@@ -42,6 +44,7 @@ impl Delivery {
             payload,
             headers: Vec::new(),
             attempts: 0,
+            epoch: 0,
         }
     }
 
@@ -69,6 +72,7 @@ impl Delivery {
             payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
             headers,
             attempts: 0,
+            epoch: 0,
         }
     }
 

@@ -25,8 +25,14 @@
 //! # Rebalances
 //! librdkafka reports a revocation inside a poll, and the adapter polls only between batches:
 //! handlers in flight finish and their offsets are committed before the partition is given up.
-//! A message waiting for a retry on a revoked partition is dropped (it was never acknowledged;
-//! the new owner starts at the committed offset, which is never past it).
+//! Messages of a revoked partition already polled, or waiting for a retry, are still processed
+//! but their offsets are no longer committed: the new owner starts at the committed offset,
+//! which is never past them, and the store makes the second copy a duplicate.
+//!
+//! # Against tansu
+//! The tests run against tansu 0.6.0, which answers a fetch that starts inside a multi-record
+//! batch with a later batch (records are skipped for every client, not only this one); the
+//! tests' producers write one record per batch. See `docs/notes/kafka.md`.
 //!
 //! # Retention
 //! Kafka redelivers nothing on a timer, but a consumer that restarts from an old offset, or a

@@ -185,7 +185,9 @@ impl PgInboxConsumer {
         let retry = Disposition::Retry { after: None };
         let id = match self.extractor.extract(d as &dyn Envelope) {
             Ok(id) => id,
-            Err(e) => return ("failed_permanent", Disposition::DeadLetter { reason: e.to_string() }),
+            Err(e) => {
+                return ("failed_permanent", Disposition::DeadLetter { reason: e.to_string() });
+            }
         };
         let key = match DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES) {
             Ok(k) => k,

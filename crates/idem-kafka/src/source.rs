@@ -1,7 +1,7 @@
 //! The rdkafka side shared by both modes: poll batches, settle outcomes, commit the durable
 //! prefix, retry with the partition paused, follow rebalances.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -88,6 +88,18 @@ struct State {
     tracker: Tracker,
     retries: Vec<(Instant, Delivery)>,
     paused: HashSet<Tp>,
+    /// Revocations seen so far; each polled message remembers the count at its poll.
+    epoch: u64,
+    /// The epoch at which each partition was last revoked.
+    revoked_at: HashMap<Tp, u64>,
+}
+
+impl State {
+    /// Whether `d` was polled under the current assignment of its partition (so its offset
+    /// counts towards that partition's commit).
+    fn owns(&self, d: &Delivery) -> bool {
+        self.revoked_at.get(&d.tp()).is_none_or(|&at| d.epoch >= at)
+    }
 }
 
 pub(crate) struct Source {
@@ -116,17 +128,17 @@ fn check_config(config: &ClientConfig) -> Result<(), Error> {
         });
     }
     if config.get("bootstrap.servers").is_none_or(str::is_empty) {
-        return Err(Error::MissingSetting { key: "bootstrap.servers", why: "where the brokers are" });
+        return Err(Error::MissingSetting {
+            key: "bootstrap.servers",
+            why: "where the brokers are",
+        });
     }
     for (key, why) in [
         (
             "enable.auto.commit",
             "idem commits each partition's offset itself, only up to the last message whose outcome is durable",
         ),
-        (
-            "enable.auto.offset.store",
-            "idem stores offsets itself, only for settled messages",
-        ),
+        ("enable.auto.offset.store", "idem stores offsets itself, only for settled messages"),
     ] {
         if let Some(v) = config.get(key)
             && v != "false"
@@ -158,8 +170,9 @@ impl Source {
         if cc.get("auto.offset.reset").is_none() {
             cc.set("auto.offset.reset", "earliest");
         }
-        let consumer: StreamConsumer<Ctx> =
-            cc.create_with_context(Ctx::default()).map_err(|e| Error::kafka("create consumer", e))?;
+        let consumer: StreamConsumer<Ctx> = cc
+            .create_with_context(Ctx::default())
+            .map_err(|e| Error::kafka("create consumer", e))?;
         consumer.subscribe(topics).map_err(|e| Error::kafka("subscribe", e))?;
         let mut pc = ClientConfig::new();
         for key in ["bootstrap.servers", "security.protocol", "client.id"] {
@@ -184,10 +197,13 @@ impl Source {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Applies the revocations librdkafka reported: forget the partitions' progress, drop their
-    /// retries and any message of theirs in `batch` (the new owner resumes at the committed
-    /// offset, which is never past them).
-    fn revocations(&self, batch: &mut Vec<Delivery>) {
+    /// Applies the revocations librdkafka reported: forget the partitions' progress so nothing
+    /// more is committed for them (the new owner resumes at the committed offset, which is never
+    /// past a message this consumer has not settled). Messages of theirs already polled — in
+    /// `batch` or waiting for a retry — are still processed: the store makes a second
+    /// processing a duplicate, while dropping them would lose them if the client resumed past
+    /// them (seen against tansu when a partition came back to the same member).
+    fn revocations(&self) {
         let revoked: Vec<Tp> = std::mem::take(
             &mut *self.consumer.context().revoked.lock().unwrap_or_else(PoisonError::into_inner),
         );
@@ -195,18 +211,19 @@ impl Source {
             return;
         }
         let mut st = self.state();
+        st.epoch += 1;
         for tp in &revoked {
             st.tracker.forget(tp);
             st.paused.remove(tp);
+            let e = st.epoch;
+            st.revoked_at.insert(tp.clone(), e);
         }
-        st.retries.retain(|(_, d)| !revoked.contains(&d.tp()));
-        batch.retain(|d| !revoked.contains(&d.tp()));
     }
 
     /// Polls up to `batch` messages: the retries that are due first, then new messages.
     pub(crate) async fn fetch(&self) -> Result<Vec<Delivery>, Error> {
         let mut batch = Vec::new();
-        self.revocations(&mut batch);
+        self.revocations();
         let now = Instant::now();
         let next_retry = {
             let mut st = self.state();
@@ -232,7 +249,7 @@ impl Source {
             let m = match polled {
                 Err(_) => break,
                 Ok(Err(e)) => {
-                    self.revocations(&mut batch);
+                    self.revocations();
                     if batch.is_empty() {
                         return Err(Error::kafka("poll", e));
                     }
@@ -241,15 +258,20 @@ impl Source {
                 }
                 Ok(Ok(m)) => Delivery::from_borrowed(&m),
             };
-            // A rebalance runs inside the poll: drop what this batch holds of revoked partitions.
-            self.revocations(&mut batch);
+            // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
+            self.revocations();
+            let mut m = m;
+            m.epoch = self.state().epoch;
             batch.push(m);
             wait = self.settings.batch_wait;
         }
         let mut st = self.state();
         for d in &batch {
-            // A retry is already tracked; polling it again adds nothing.
-            st.tracker.polled(&d.tp(), d.offset());
+            // A retry is already tracked; polling it again adds nothing. A message of a revoked
+            // partition polled before its revocation is processed but not tracked.
+            if st.owns(d) {
+                st.tracker.polled(&d.tp(), d.offset());
+            }
         }
         Ok(batch)
     }
@@ -261,20 +283,22 @@ impl Source {
         let mut decided = decided.into_iter();
         let mut items = Vec::with_capacity(batch.len());
         for d in batch {
-            let (label, disp) = decided
-                .next()
-                .unwrap_or(("failed_transient", Disposition::Retry { after: None }));
+            let (label, disp) =
+                decided.next().unwrap_or(("failed_transient", Disposition::Retry { after: None }));
             report.count(label);
             metrics::counter!("idem_kafka_outcomes_total", "outcome" => label).increment(1);
             items.push((d, label, disp));
         }
-        let produced = futures_util::future::join_all(items.iter().map(|(d, label, disp)| async move {
-            match disp {
-                Disposition::DeadLetter { reason } => Some(self.dead_letter(d, label, reason).await),
-                _ => None,
-            }
-        }))
-        .await;
+        let produced =
+            futures_util::future::join_all(items.iter().map(|(d, label, disp)| async move {
+                match disp {
+                    Disposition::DeadLetter { reason } => {
+                        Some(self.dead_letter(d, label, reason).await)
+                    }
+                    _ => None,
+                }
+            }))
+            .await;
         let mut to_resume = Vec::new();
         {
             let mut st = self.state();
@@ -304,11 +328,12 @@ impl Source {
                         _ => self.settings.retry_delay,
                     };
                     d.attempts += 1;
+                    let owned = st.owns(&d);
                     st.retries.push((Instant::now() + after, d));
-                    if st.paused.insert(tp.clone()) {
+                    if owned && st.paused.insert(tp.clone()) {
                         self.pause(&tp, true);
                     }
-                } else {
+                } else if st.owns(&d) {
                     st.tracker.settled(&tp, d.offset());
                 }
             }

@@ -32,7 +32,8 @@ fn run<S: DedupStore + Sync + 'static>(
         let report = c
             .run(
                 |_ctx, d: &Delivery| {
-                    let (ledger, key) = (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
+                    let (ledger, key) =
+                        (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
                     async move {
                         ledger.lock().unwrap().push(key);
                         Ok::<_, HandlerError<String>>(())
@@ -61,7 +62,8 @@ fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
 async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settles() {
     let Some(brokers) = common::brokers() else { return };
     let sfx = common::suffix();
-    let (topic, dlq, group) = (format!("idem-hold-{sfx}"), format!("idem-hold-{sfx}-dlq"), format!("g-{sfx}"));
+    let (topic, dlq, group) =
+        (format!("idem-hold-{sfx}"), format!("idem-hold-{sfx}-dlq"), format!("g-{sfx}"));
     let _topics = Topics::create(&brokers, &[(&topic, 1), (&dlq, 1)]).await;
     let ids = ["m-0", "m-1", "m-2", "m-3", "m-4", "m-5"];
     let ends = common::produce(&common::producer(&brokers), &topic, &msgs(&ids), Some(0)).await;
@@ -84,19 +86,23 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
     };
 
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
-    let settings = Settings::new(&dlq).retry_delay(Duration::from_millis(200)).batch_wait(Duration::from_millis(200));
-    let c = KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
-        .unwrap()
-        .with_hook(move |s| {
-            let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
-        });
+    let settings = Settings::new(&dlq)
+        .retry_delay(Duration::from_millis(200))
+        .batch_wait(Duration::from_millis(200));
+    let c =
+        KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
+            .unwrap()
+            .with_hook(move |s| {
+                let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
+            });
     let ledger: Ledger = Arc::default();
     let (stop, task) = run(c, ledger.clone());
 
     // m-3 is retried at least twice while m-0..m-2 are processed; the commit stops at offset 3.
     let mut retries = 0;
     while retries < 2 {
-        let (off, outcome, action) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+        let (off, outcome, action) =
+            tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
         if off == 3 {
             assert_eq!((outcome, action), ("in_progress_elsewhere", Action::Retry));
             retries += 1;
@@ -134,7 +140,8 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
 async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id() {
     let Some(brokers) = common::brokers() else { return };
     let sfx = common::suffix();
-    let (topic, dlq, group) = (format!("idem-2p-{sfx}"), format!("idem-2p-{sfx}-dlq"), format!("g-{sfx}"));
+    let (topic, dlq, group) =
+        (format!("idem-2p-{sfx}"), format!("idem-2p-{sfx}-dlq"), format!("g-{sfx}"));
     let _topics = Topics::create(&brokers, &[(&topic, 3), (&dlq, 1)]).await;
     let mut recs: Vec<(String, Vec<u8>)> =
         (0..600).map(|i| (format!("o-{i}"), format!(r#"{{"i":{i}}}"#).into_bytes())).collect();
@@ -150,8 +157,13 @@ async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id()
     let mut runs = Vec::new();
     for _ in 0..2 {
         let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
-        let c = KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, Settings::new(&dlq))
-            .unwrap();
+        let c = KafkaConsumer::new(
+            &common::config(&brokers, &group),
+            &[topic.as_str()],
+            dedup,
+            Settings::new(&dlq),
+        )
+        .unwrap();
         runs.push(run(c, ledger.clone()));
     }
     common::eventually(LIMIT, "all committed", || async {
@@ -173,10 +185,18 @@ async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id()
     let dead = common::read_all(&brokers, &dlq, 1).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].1["message-id"], "o-5");
-    assert!(dead[0].1["idem-reason"].starts_with("conflict: key orders/o-5 reused"), "{:?}", dead[0].1);
+    assert!(
+        dead[0].1["idem-reason"].starts_with("conflict: key orders/o-5 reused"),
+        "{:?}",
+        dead[0].1
+    );
     assert_eq!(dead[0].1["idem-outcome"], "conflict");
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
-    assert_eq!((sum(|r| r.processed), sum(|r| r.duplicates), sum(|r| r.dead_lettered)), (600, 150, 1), "{reports:?}");
+    assert_eq!(
+        (sum(|r| r.processed), sum(|r| r.duplicates), sum(|r| r.dead_lettered)),
+        (600, 150, 1),
+        "{reports:?}"
+    );
 }
 
 /// Settings that contradict the adapter's offset handling are refused with the key named.

@@ -15,11 +15,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem::consumer::HandlerError;
+use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;
 use idem::kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::{Action, KafkaConsumer, Settings};
 use idem::{Consumer, SqliteStore};
 
@@ -50,13 +50,16 @@ async fn main() -> Result<()> {
 
     let producer: FutureProducer =
         ClientConfig::new().set("bootstrap.servers", &brokers).set("acks", "all").create()?;
-    let order = |i: u32, cents: u32| (format!("order-{i}"), format!(r#"{{"order":"order-{i}","cents":{cents}}}"#));
+    let order = |i: u32, cents: u32| {
+        (format!("order-{i}"), format!(r#"{{"order":"order-{i}","cents":{cents}}}"#))
+    };
     let mut sends: Vec<(String, String)> = (1..=5).map(|i| order(i, i * 1000)).collect();
     sends.push(order(2, 2000)); // producer retries: same id, same body
     sends.push(order(4, 4000));
     sends.push(order(3, 99_999)); // the same id reused for a different order
     for (id, body) in &sends {
-        let hs = OwnedHeaders::new().insert(Header { key: "message-id", value: Some(id.as_bytes()) });
+        let hs =
+            OwnedHeaders::new().insert(Header { key: "message-id", value: Some(id.as_bytes()) });
         let rec = FutureRecord::to(&topic).key(id.as_bytes()).payload(body.as_bytes()).headers(hs);
         let d = producer.send(rec, Duration::from_secs(10)).await.map_err(|(e, _)| e)?;
         println!("produced {id} at partition {} offset {}", d.partition, d.offset);
@@ -105,7 +108,10 @@ async fn main() -> Result<()> {
                     // Charge here, passing ctx.downstream_key() as the payment's idempotency key.
                     let order: serde_json::Value = serde_json::from_slice(&body)
                         .map_err(|e| HandlerError::Permanent(e.to_string()))?;
-                    ledger.lock().map_err(|e| HandlerError::Transient(e.to_string()))?.push(order["order"].to_string());
+                    ledger
+                        .lock()
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?
+                        .push(order["order"].to_string());
                     Ok::<_, HandlerError<String>>(ctx.attempt())
                 }
             },

@@ -42,12 +42,12 @@ pub mod http {
 #[cfg(feature = "amqp")]
 pub use idem_amqp as amqp;
 
-/// The NATS JetStream consumer adapter (feature `nats`).
-#[cfg(feature = "nats")]
-pub use idem_nats as nats;
 /// The Kafka consumer adapter (feature `kafka`).
 #[cfg(feature = "kafka")]
 pub use idem_kafka as kafka;
+/// The NATS JetStream consumer adapter (feature `nats`).
+#[cfg(feature = "nats")]
+pub use idem_nats as nats;
 
 /// The Redis store and the Redis Streams consumer adapter (feature `redis`); `idem::redis::redis`
 /// is the client crate they are built on.

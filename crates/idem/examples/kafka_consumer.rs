@@ -111,7 +111,7 @@ async fn main() -> Result<()> {
                     ledger
                         .lock()
                         .map_err(|e| HandlerError::Transient(e.to_string()))?
-                        .push(order["order"].to_string());
+                        .push(order["order"].as_str().unwrap_or("?").to_owned());
                     Ok::<_, HandlerError<String>>(ctx.attempt())
                 }
             },

@@ -205,7 +205,6 @@ impl PgInboxConsumer {
         };
         match self.transact(d, &key, fp, writes).await {
             Ok(None) => ("processed", Disposition::Ack),
-            Ok(Some(Mark::First)) => ("failed_transient", retry),
             Ok(Some(Mark::Duplicate(_))) => ("duplicate", Disposition::Ack),
             Ok(Some(Mark::Conflict(rec))) => {
                 let c = Conflict {
@@ -217,6 +216,7 @@ impl PgInboxConsumer {
                 ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") })
             }
             Ok(Some(Mark::InProgress(_))) => ("in_progress_elsewhere", retry),
+            // `transact` never returns `First`; `Mark` may grow.
             Ok(Some(_)) => ("failed_transient", retry),
             Err(InboxError::Writes(HandlerError::Permanent(e))) => (
                 "failed_permanent",
@@ -224,10 +224,6 @@ impl PgInboxConsumer {
             ),
             Err(InboxError::Writes(HandlerError::Transient(e))) => {
                 tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient); retrying");
-                ("failed_transient", retry)
-            }
-            Err(InboxError::Store(e)) => {
-                tracing::warn!(target: "idem", %key, error = %e, "inbox failed; retrying");
                 ("failed_transient", retry)
             }
             Err(e) => {
@@ -239,7 +235,9 @@ impl PgInboxConsumer {
 
     /// One transaction: mark, then (first mark only) the writes and their result, then commit.
     /// `Ok(None)` when the writes committed, `Ok(Some(mark))` when the mark settled it. Any
-    /// error rolls everything back, marker included (the transaction is dropped).
+    /// error rolls everything back, marker included (the transaction is dropped). This is
+    /// `PostgresInbox::process` with a `writes` that borrows the delivery, which that method's
+    /// any-lifetime closure bound cannot take.
     async fn transact<T, E, F>(
         &self,
         d: &Delivery,

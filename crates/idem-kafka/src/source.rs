@@ -339,7 +339,8 @@ impl Source {
             }
             let State { retries, paused, .. } = &mut *st;
             paused.retain(|tp| {
-                let waiting = retries.iter().any(|(_, d)| &d.tp() == tp);
+                let waiting =
+                    retries.iter().any(|(_, d)| d.topic() == tp.0 && d.partition() == tp.1);
                 if !waiting {
                     to_resume.push(tp.clone());
                 }

@@ -216,16 +216,11 @@ pub async fn read_all(
 pub async fn eventually<T, Fut: Future<Output = Option<T>>>(
     limit: Duration,
     what: &str,
-    mut check: impl FnMut() -> Fut,
+    check: impl FnMut() -> Fut,
 ) -> T {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "not reached within {limit:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually_or(limit, check)
+        .await
+        .unwrap_or_else(|| panic!("not reached within {limit:?}: {what}"))
 }
 
 /// As [`eventually`], but `None` after `limit` instead of a panic (for diagnostics).

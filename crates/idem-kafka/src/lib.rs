@@ -34,6 +34,9 @@
 //! batch with a later batch (records are skipped for every client, not only this one); the
 //! tests' producers write one record per batch. See `docs/notes/kafka.md`.
 //!
+//! Dead letters are at least once: a dead-lettered message whose offset was not yet committed
+//! when its partition moved (or the consumer died) is dead-lettered again by the next owner.
+//!
 //! # Retention
 //! Kafka redelivers nothing on a timer, but a consumer that restarts from an old offset, or a
 //! producer retry, replays messages for as long as the topic keeps them: records must be

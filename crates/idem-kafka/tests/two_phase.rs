@@ -182,21 +182,19 @@ async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id()
     }
     assert_eq!(counts.len(), 600);
     assert!(counts.values().all(|&n| n == 1), "a key's effect ran twice");
-    let dead = common::read_all(&brokers, &dlq, 1).await;
-    assert_eq!(dead.len(), 1, "{dead:?}");
-    assert_eq!(dead[0].1["message-id"], "o-5");
-    assert!(
-        dead[0].1["idem-reason"].starts_with("conflict: key orders/o-5 reused"),
-        "{:?}",
-        dead[0].1
-    );
-    assert_eq!(dead[0].1["idem-outcome"], "conflict");
+    // Redelivery after the group's first rebalance (messages polled but not yet committed)
+    // makes extra duplicates and extra dead letters possible; first effects stay exactly 600.
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
-    assert_eq!(
-        (sum(|r| r.processed), sum(|r| r.duplicates), sum(|r| r.dead_lettered)),
-        (600, 150, 1),
-        "{reports:?}"
-    );
+    assert_eq!(sum(|r| r.processed), 600, "{reports:?}");
+    assert!(sum(|r| r.duplicates) >= 150 && sum(|r| r.dead_lettered) >= 1, "{reports:?}");
+    let n = usize::try_from(sum(|r| r.dead_lettered)).unwrap();
+    let dead = common::read_all(&brokers, &dlq, n).await;
+    assert_eq!(dead.len(), n, "{dead:?}");
+    for (_, hs) in &dead {
+        assert_eq!(hs["message-id"], "o-5");
+        assert!(hs["idem-reason"].starts_with("conflict: key orders/o-5 reused"), "{hs:?}");
+        assert_eq!(hs["idem-outcome"], "conflict");
+    }
 }
 
 /// Settings that contradict the adapter's offset handling are refused with the key named.

@@ -134,8 +134,21 @@ impl Source {
             .map_err(|e| Error::js("fetch", e))?;
         let mut out = Vec::with_capacity(n);
         while let Some(m) = msgs.next().await {
-            let m = m.map_err(|e| Error::js("fetch", e))?;
-            out.push(Delivery::new(m).map_err(|e| Error::js("fetch", e))?);
+            let m = match m
+                .map_err(|e| Error::js("fetch", e))
+                .and_then(|m| Delivery::new(m).map_err(|e| Error::js("fetch", e)))
+            {
+                Ok(d) => d,
+                // Messages already received are ours until their ack_wait: handle them rather
+                // than leave them to be redelivered.
+                Err(e) if !out.is_empty() => {
+                    tracing::warn!(target: "idem", error = %e, received = out.len(),
+                        "pull ended early; handling what arrived");
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            out.push(m);
         }
         Ok(out)
     }

@@ -40,6 +40,9 @@ const DUPLICATES: usize = 1_000;
 const REUSED: &str = "o-7";
 const CONSUMER: &str = "workers";
 const ACK_WAIT: Duration = Duration::from_secs(2);
+/// Consumer b hangs on its this-many-th new message: early, so that it happens while most of
+/// the work is still queued even when b gets a small share of it.
+const HANG_AFTER: usize = 40;
 const CHILD_ENV: &str = "IDEM_NATS_CRASH_CHILD";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,7 +197,10 @@ impl<S: TestStore> Adapter<S> {
             Adapter::Inbox(c) => c.fetch().await,
             Adapter::TwoPhase(c, _) => c.fetch().await,
         };
-        r.unwrap_or_default()
+        r.unwrap_or_else(|e| {
+            eprintln!("fetch failed (retrying): {e}");
+            Vec::new()
+        })
     }
 
     async fn process(&self, batch: &[Delivery], who: &str, hang: Option<Arc<Hang>>) -> Verdicts {
@@ -412,12 +418,12 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
     };
     let (hit_tx, hit_rx) = oneshot::channel();
     let hang = Arc::new(Hang {
-        after: 150,
+        after: HANG_AFTER,
         seen: AtomicUsize::new(0),
         hit: std::sync::Mutex::new(Some(hit_tx)),
     });
     let (_a_client, a) = spawn_consumer("a", None).await;
-    let (b_client, b) = spawn_consumer("b", Some(hang)).await;
+    let (b_client, b) = spawn_consumer("b", Some(Arc::clone(&hang))).await;
 
     // Producer: originals, then its retries of every fourth one after the duplicate window.
     let mut sent_at = Vec::with_capacity(UNIQUE);
@@ -441,8 +447,23 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
     }
 
     // Consumer b hangs mid-handler: drop its connection without acking, start a replacement.
-    let hung_key =
-        tokio::time::timeout(Duration::from_secs(60), hit_rx).await.expect("b hung").expect("hit");
+    let hung_key = match tokio::time::timeout(Duration::from_secs(120), hit_rx).await {
+        Ok(key) => key.expect("hit"),
+        Err(_) => {
+            let per: Vec<(String, i64)> =
+                sqlx::query_as("SELECT consumer, COUNT(*) FROM ledger GROUP BY consumer")
+                    .fetch_all(&ledger)
+                    .await
+                    .expect("per consumer");
+            panic!(
+                "b did not reach its {HANG_AFTER}th new message in 120 s: it ran {} handlers; \
+                 ledger rows per consumer {per:?}; pending {:?}; b finished: {}",
+                hang.seen.load(Ordering::SeqCst),
+                env.pending(CONSUMER).await,
+                b.is_finished()
+            );
+        }
+    };
     b.abort();
     let _ = b.await;
     b_client.drain().await.expect("drop b's connection");

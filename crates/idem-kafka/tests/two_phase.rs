@@ -197,6 +197,85 @@ async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id()
     }
 }
 
+/// The dead-letter topic is unreachable (it does not exist yet, so every produce times out):
+/// the reused id is retried, never committed past, and the messages before it still commit.
+/// Once the topic exists the retry's produce is acknowledged and the commit reaches the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_acknowledged() {
+    let Some(brokers) = common::brokers() else { return };
+    let sfx = common::suffix();
+    let (topic, dlq, group) =
+        (format!("idem-dlqf-{sfx}"), format!("idem-dlqf-{sfx}-dlq"), format!("g-{sfx}"));
+    let topics = Topics::create(&brokers, &[(&topic, 1)]).await;
+    let mut recs = msgs(&["m-0", "m-1"]);
+    recs.push(("m-1".to_owned(), br#"{"id":"m-1","changed":true}"#.to_vec()));
+    recs.extend(msgs(&["m-3"]));
+    let ends = common::produce(&common::producer(&brokers), &topic, &recs, Some(0)).await;
+    assert_eq!(ends[&0], 4);
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+    let dedup = Consumer::builder(store).scope("dlqf").build().unwrap();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+    let settings = Settings::new(&dlq)
+        .produce_timeout(Duration::from_millis(500))
+        .retry_delay(Duration::from_millis(200))
+        .batch_wait(Duration::from_millis(200));
+    let c =
+        KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
+            .unwrap()
+            .with_hook(move |s| {
+                let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
+            });
+    let ledger: Ledger = Arc::default();
+    let (stop, task) = run(c, ledger.clone());
+
+    // The conflict at offset 2 fails to dead-letter, twice at least, and is kept for a retry.
+    let mut failed = 0;
+    while failed < 2 {
+        let (off, outcome, action) =
+            tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+        if off == 2 {
+            assert_eq!((outcome, action), ("conflict", Action::Retry), "offset 2");
+            failed += 1;
+        }
+    }
+    common::eventually(LIMIT, "offset 2 committed", || async {
+        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&2)).then_some(())
+    })
+    .await;
+    let mut more = 0;
+    while more < 2 {
+        let (off, ..) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
+        more += usize::from(off == 2);
+    }
+    assert_eq!(
+        common::committed(&brokers, &group, &topic, 1).await.get(&0),
+        Some(&2),
+        "the commit went past a conflict whose dead letter was never acknowledged"
+    );
+
+    let _dlq_topic = Topics::create(&brokers, &[(&dlq, 1)]).await;
+    common::eventually(LIMIT, "all committed once the dead letter is acknowledged", || async {
+        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&4)).then_some(())
+    })
+    .await;
+    let _ = stop.send(());
+    let report = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
+    assert!(report.dead_letter_failures >= 4 && report.dead_lettered >= 1, "{report:?}");
+    let n = usize::try_from(report.dead_lettered).unwrap();
+    let dead = common::read_all(&brokers, &dlq, n).await;
+    assert_eq!(dead.len(), n, "{dead:?}");
+    for (body, hs) in &dead {
+        assert_eq!(body.as_slice(), br#"{"id":"m-1","changed":true}"#);
+        assert_eq!((hs["message-id"].as_str(), hs["idem-original-offset"].as_str()), ("m-1", "2"));
+    }
+    let mut got = ledger.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(got, ["m-0", "m-1", "m-3"], "each effect exactly once");
+    drop(topics);
+}
+
 /// Settings that contradict the adapter's offset handling are refused with the key named.
 #[test]
 fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {

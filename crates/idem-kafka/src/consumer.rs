@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::source::{Decide, Decider, Decision, Hook, Settled, Source};
-use crate::{Delivery, Error, Report, Settings};
+use crate::{Delivery, Error, Report, RetentionGap, Settings};
 
 /// A Kafka consumer-group consumer made idempotent by the idem engine (two-phase: claim with a
 /// lease, run the handler, record completion, then commit the offset).
@@ -141,8 +141,29 @@ impl<S: DedupStore> KafkaConsumer<S> {
         Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
         S: Sync,
     {
+        self.source.warn_retention(self.dedup.retain()).await;
         let decider = TwoPhase { dedup: &self.dedup, handler: &handler, types: PhantomData };
         self.source.run(&decider, shutdown).await
+    }
+
+    /// Asks the brokers for each consumed topic's `retention.ms` and returns the topics that
+    /// keep messages longer than the dedup records are retained ([`Consumer::retain`]): a replay
+    /// of their older messages would run effects again. [`run`](Self::run) logs these as
+    /// warnings when it starts.
+    ///
+    /// ```no_run
+    /// # async fn f(kafka: idem_kafka::KafkaConsumer<idem_sqlx::SqliteStore>) -> Result<(), idem_kafka::Error> {
+    /// for gap in kafka.retention_gaps().await? {
+    ///     eprintln!("{gap}"); // topic `orders` keeps messages for 7d (retention.ms) but …
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the brokers cannot be asked (10 s limit), [`Error::Broker`] when a
+    /// topic's configs carry no usable `retention.ms`.
+    pub async fn retention_gaps(&self) -> Result<Vec<RetentionGap>, Error> {
+        self.source.retention_gaps(self.dedup.retain()).await
     }
 
     /// Leaves the group and closes the client on a blocking thread, giving up after `timeout`.

@@ -31,6 +31,9 @@ pub enum Error {
     /// The inbox scope is not a valid key scope.
     #[error("inbox scope is invalid")]
     InvalidScope(#[source] idem_core::KeyError),
+    /// The brokers answered something the adapter cannot use.
+    #[error("Kafka brokers: {0}")]
+    Broker(String),
     /// A client call failed (create, subscribe, poll).
     #[error("Kafka {op} failed")]
     Kafka {

@@ -40,7 +40,9 @@
 //! # Retention
 //! Kafka redelivers nothing on a timer, but a consumer that restarts from an old offset, or a
 //! producer retry, replays messages for as long as the topic keeps them: records must be
-//! retained at least for the topic's `retention.ms` plus the consumer lag you tolerate.
+//! retained at least for the topic's `retention.ms` plus the consumer lag you tolerate. `run`
+//! asks the brokers for each topic's `retention.ms` when it starts and logs a warning for every
+//! topic that outlives the records; `retention_gaps` returns the same check to act on.
 //!
 //! # Closing
 //! Call `close` (it leaves the group on a blocking thread with a timeout): dropping an rdkafka
@@ -52,6 +54,7 @@ mod error;
 #[cfg(feature = "postgres")]
 mod pg_inbox;
 mod report;
+mod retention;
 mod settings;
 mod source;
 mod tracker;
@@ -64,5 +67,6 @@ pub use pg_inbox::PgInboxConsumer;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use rdkafka;
 pub use report::Report;
+pub use retention::RetentionGap;
 pub use settings::Settings;
 pub use source::{Action, Settled, headers};

@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use sqlx::postgres::{PgConnection, PgPool};
 
 use crate::source::{Decide, Decider, Decision, Hook, Settled, Source};
-use crate::{Delivery, Error, Report, Settings};
+use crate::{Delivery, Error, Report, RetentionGap, Settings};
 
 /// A Kafka consumer whose handler's writes and dedup marker commit in one PostgreSQL
 /// transaction per message ([`PostgresInbox`]); the offset is committed afterwards, only up to
@@ -58,6 +58,7 @@ pub struct PgInboxConsumer {
     scope: String,
     extractor: Box<dyn KeyExtractor>,
     fingerprint: FingerprintSpec,
+    retain: Duration,
 }
 
 impl std::fmt::Debug for PgInboxConsumer {
@@ -89,6 +90,7 @@ impl PgInboxConsumer {
         Ok(Self {
             source: Source::open(config, topics, settings)?,
             inbox: store.inbox(retain),
+            retain,
             pool: store.pool().clone(),
             scope,
             extractor: Box::new(MessageId),
@@ -143,7 +145,18 @@ impl PgInboxConsumer {
         self.source.settle(batch, decided).await
     }
 
-    /// Poll and process until `shutdown` completes; a batch in flight is finished first.
+    /// As [`KafkaConsumer::retention_gaps`](crate::KafkaConsumer::retention_gaps), against the
+    /// markers' retention.
+    ///
+    /// # Errors
+    /// As `KafkaConsumer::retention_gaps`.
+    pub async fn retention_gaps(&self) -> Result<Vec<RetentionGap>, Error> {
+        self.source.retention_gaps(self.retain).await
+    }
+
+    /// Poll and process until `shutdown` completes; a batch in flight is finished first. First
+    /// it logs a warning for every topic whose log outlives the markers
+    /// ([`retention_gaps`](Self::retention_gaps)).
     ///
     /// # Errors
     /// [`Error::Kafka`] after 10 polls in a row failed.
@@ -158,6 +171,7 @@ impl PgInboxConsumer {
         F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>
             + Sync,
     {
+        self.source.warn_retention(self.retain).await;
         let decider = Inbox { consumer: self, writes: &writes, types: PhantomData };
         self.source.run(&decider, shutdown).await
     }

@@ -8,15 +8,22 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use idem_core::consumer::Disposition;
+use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
 };
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
+use crate::retention::RetentionGap;
 use crate::tracker::Tracker;
+
+/// How long the retention check waits for the brokers.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 use crate::{Delivery, Error, Report, Settings};
 
 type Tp = (String, i32);
@@ -105,6 +112,9 @@ impl State {
 pub(crate) struct Source {
     consumer: Arc<StreamConsumer<Ctx>>,
     producer: FutureProducer,
+    /// What a producer or admin client needs to reach the same brokers.
+    conn: ClientConfig,
+    topics: Vec<String>,
     pub(crate) settings: Settings,
     state: Mutex<State>,
     pub(crate) hook: Option<Hook>,
@@ -149,7 +159,75 @@ fn check_config(config: &ClientConfig) -> Result<(), Error> {
     Ok(())
 }
 
+/// The settings a producer or admin client needs to reach the same brokers as `config`: the
+/// addresses, the client id and every security, SASL and SSL setting (credentials included).
+fn connection_config(config: &ClientConfig) -> ClientConfig {
+    const EXACT: [&str; 3] = ["bootstrap.servers", "client.id", "broker.address.family"];
+    const PREFIXES: [&str; 3] = ["security.", "sasl.", "ssl."];
+    let mut out = ClientConfig::new();
+    // `config_map` masks secrets in its values, so only its keys are used.
+    for key in config.config_map().into_keys() {
+        if (EXACT.contains(&key) || PREFIXES.iter().any(|p| key.starts_with(p)))
+            && let Some(v) = config.get(key)
+        {
+            out.set(key, v);
+        }
+    }
+    out
+}
+
 impl Source {
+    /// The consumed topics' logs that outlive `retain` (topic patterns `^…` are not checked).
+    pub(crate) async fn retention_gaps(
+        &self,
+        retain: Duration,
+    ) -> Result<Vec<RetentionGap>, Error> {
+        let admin: AdminClient<DefaultClientContext> =
+            self.conn.create().map_err(|e| Error::kafka("create admin client", e))?;
+        let names: Vec<&str> =
+            self.topics.iter().map(String::as_str).filter(|t| !t.starts_with('^')).collect();
+        let specs: Vec<ResourceSpecifier<'_>> =
+            names.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+        let opts = AdminOptions::new().request_timeout(Some(ADMIN_TIMEOUT));
+        let answer = tokio::time::timeout(ADMIN_TIMEOUT, admin.describe_configs(&specs, &opts))
+            .await
+            .unwrap_or(Err(KafkaError::AdminOpCreation("describe configs timed out".into())));
+        // Destroying a client can block: not on the runtime's threads.
+        tokio::task::spawn_blocking(move || drop(admin));
+        let mut logs = Vec::with_capacity(names.len());
+        for (name, r) in
+            names.iter().zip(answer.map_err(|e| Error::kafka("describe topic configs", e))?)
+        {
+            let resource =
+                r.map_err(|e| Error::kafka("describe topic configs", KafkaError::AdminOp(e)))?;
+            let value = resource.get("retention.ms").and_then(|e| e.value.as_deref());
+            let log = match value {
+                Some(v) => crate::retention::parse_ms(name, v).map_err(Error::Broker)?,
+                None => {
+                    return Err(Error::Broker(format!(
+                        "topic `{name}`: no retention.ms in its configs"
+                    )));
+                }
+            };
+            logs.push(((*name).to_owned(), log));
+        }
+        Ok(crate::retention::gaps(logs, retain))
+    }
+
+    /// Logs a warning for every gap [`retention_gaps`](Self::retention_gaps) finds (or that it
+    /// could not check).
+    pub(crate) async fn warn_retention(&self, retain: Duration) {
+        match self.retention_gaps(retain).await {
+            Ok(gaps) => {
+                for g in gaps {
+                    tracing::warn!(target: "idem", topic = %g.topic, "{g}");
+                }
+            }
+            Err(e) => tracing::warn!(target: "idem", error = %e,
+                "could not compare the topics' retention.ms with the dedup retention"),
+        }
+    }
+
     pub(crate) fn open(
         config: &ClientConfig,
         topics: &[&str],
@@ -174,12 +252,8 @@ impl Source {
             .create_with_context(Ctx::default())
             .map_err(|e| Error::kafka("create consumer", e))?;
         consumer.subscribe(topics).map_err(|e| Error::kafka("subscribe", e))?;
-        let mut pc = ClientConfig::new();
-        for key in ["bootstrap.servers", "security.protocol", "client.id"] {
-            if let Some(v) = config.get(key) {
-                pc.set(key, v);
-            }
-        }
+        let conn = connection_config(config);
+        let mut pc = conn.clone();
         pc.set("acks", "all")
             .set("message.timeout.ms", settings.produce_timeout.as_millis().to_string());
         let producer: FutureProducer =
@@ -187,6 +261,8 @@ impl Source {
         Ok(Self {
             consumer: Arc::new(consumer),
             producer,
+            conn,
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
             settings,
             state: Mutex::new(State::default()),
             hook: None,

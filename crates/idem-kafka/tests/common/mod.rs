@@ -48,6 +48,9 @@ pub fn config(brokers: &str, group: &str) -> ClientConfig {
 }
 
 /// Topics of the test's own, deleted when dropped (best effort).
+/// A topic to create: name, partitions, configs.
+pub type TopicSpec<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
+
 pub struct Topics {
     brokers: String,
     pub names: Vec<String>,
@@ -55,17 +58,29 @@ pub struct Topics {
 
 impl Topics {
     pub async fn create(brokers: &str, spec: &[(&str, i32)]) -> Self {
+        let spec: Vec<TopicSpec<'_>> = spec.iter().map(|(n, p)| (*n, *p, &[][..])).collect();
+        Self::create_with(brokers, &spec).await
+    }
+
+    /// As [`create`](Self::create), each topic with its own configs (`retention.ms`, …).
+    pub async fn create_with(brokers: &str, spec: &[TopicSpec<'_>]) -> Self {
         let admin: AdminClient<DefaultClientContext> =
             ClientConfig::new().set("bootstrap.servers", brokers).create().unwrap();
-        let new: Vec<NewTopic<'_>> =
-            spec.iter().map(|(n, p)| NewTopic::new(n, *p, TopicReplication::Fixed(1))).collect();
+        let new: Vec<NewTopic<'_>> = spec
+            .iter()
+            .map(|(n, p, configs)| {
+                configs
+                    .iter()
+                    .fold(NewTopic::new(n, *p, TopicReplication::Fixed(1)), |t, (k, v)| t.set(k, v))
+            })
+            .collect();
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         for r in admin.create_topics(&new, &opts).await.unwrap() {
             r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
         }
         Self {
             brokers: brokers.to_owned(),
-            names: spec.iter().map(|(n, _)| (*n).to_owned()).collect(),
+            names: spec.iter().map(|(n, ..)| (*n).to_owned()).collect(),
         }
     }
 }

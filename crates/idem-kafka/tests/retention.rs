@@ -1,0 +1,56 @@
+//! The startup retention check against a real Kafka-protocol broker (tansu): a topic that
+//! keeps messages longer than idem keeps their dedup records is reported, one that does not
+//! is not.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::Topics;
+use idem_core::Consumer;
+use idem_kafka::{KafkaConsumer, Settings};
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations() {
+    let Some(brokers) = common::brokers() else { return };
+    let sfx = common::suffix();
+    let (week, hour) = (format!("idem-ret-week-{sfx}"), format!("idem-ret-hour-{sfx}"));
+    let _topics = Topics::create_with(
+        &brokers,
+        &[(&week, 1, &[("retention.ms", "604800000")]), (&hour, 1, &[("retention.ms", "3600000")])],
+    )
+    .await;
+    let check = |retain: Duration| {
+        let (brokers, week, hour) = (brokers.clone(), week.clone(), hour.clone());
+        async move {
+            let dedup = Consumer::builder(idem_core::MemoryStore::new())
+                .scope("ret")
+                .retain(retain)
+                .build()
+                .unwrap();
+            let c = KafkaConsumer::new(
+                &common::config(&brokers, &format!("g-{}", common::suffix())),
+                &[week.as_str(), hour.as_str()],
+                dedup,
+                Settings::new(format!("{week}-dlq")),
+            )
+            .unwrap();
+            let gaps = c.retention_gaps().await.unwrap();
+            assert!(c.close(Duration::from_secs(15)).await, "consumer did not close in 15 s");
+            gaps
+        }
+    };
+
+    let gaps = check(DAY).await;
+    assert_eq!(gaps.len(), 1, "{gaps:?}");
+    assert_eq!(gaps[0].topic, week);
+    assert_eq!(gaps[0].log_retention, Some(DAY * 7));
+    assert_eq!(gaps[0].dedup_retention, DAY);
+    let msg = gaps[0].to_string();
+    assert!(msg.contains("for 7d (retention.ms)") && msg.contains("kept for 1d"), "{msg}");
+
+    assert!(check(DAY * 8).await.is_empty(), "records kept 8 days outlive both topics");
+}

@@ -55,6 +55,51 @@ fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
     ids.iter().map(|id| ((*id).to_owned(), format!(r#"{{"id":"{id}"}}"#).into_bytes())).collect()
 }
 
+type Seen = mpsc::UnboundedReceiver<(i64, &'static str, Action)>;
+
+/// One consumer of `topic` (1 partition) whose hook reports every settled message.
+fn run_hooked<S: DedupStore + Sync + 'static>(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    dedup: Consumer<S>,
+    settings: Settings,
+) -> (Ledger, Seen, oneshot::Sender<()>, JoinHandle<Report>) {
+    let (seen_tx, seen_rx) = mpsc::unbounded_channel();
+    let c = KafkaConsumer::new(&common::config(brokers, group), &[topic], dedup, settings)
+        .unwrap()
+        .with_hook(move |s| {
+            let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
+        });
+    let ledger: Ledger = Arc::default();
+    let (stop, task) = run(c, ledger.clone());
+    (ledger, seen_rx, stop, task)
+}
+
+/// Waits until the message at `offset` has settled `n` more times, each (when given) with
+/// `expect` as its outcome and action.
+async fn settles(seen: &mut Seen, offset: i64, n: usize, expect: Option<(&str, Action)>) {
+    let mut got = 0;
+    while got < n {
+        let (off, outcome, action) =
+            tokio::time::timeout(LIMIT, seen.recv()).await.unwrap().unwrap();
+        if off == offset {
+            if let Some(e) = expect {
+                assert_eq!((outcome, action), e, "offset {offset}");
+            }
+            got += 1;
+        }
+    }
+}
+
+/// Waits until the group's committed offset of partition 0 is `offset`.
+async fn committed_at(brokers: &str, group: &str, topic: &str, offset: i64) {
+    common::eventually(LIMIT, &format!("offset {offset} committed"), || async {
+        (common::committed(brokers, group, topic, 1).await.get(&0) == Some(&offset)).then_some(())
+    })
+    .await;
+}
+
 /// A key held by another consumer's live lease: its partition's commit stops right before it
 /// while the messages after it are processed; once the lease is released the retry runs it and
 /// the commit reaches the end.
@@ -85,47 +130,21 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
         other => panic!("{other:?}"),
     };
 
-    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
     let settings = Settings::new(&dlq)
         .retry_delay(Duration::from_millis(200))
         .batch_wait(Duration::from_millis(200));
-    let c =
-        KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
-            .unwrap()
-            .with_hook(move |s| {
-                let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
-            });
-    let ledger: Ledger = Arc::default();
-    let (stop, task) = run(c, ledger.clone());
+    let (ledger, mut seen, stop, task) = run_hooked(&brokers, &group, &topic, dedup, settings);
 
     // m-3 is retried at least twice while m-0..m-2 are processed; the commit stops at offset 3.
-    let mut retries = 0;
-    while retries < 2 {
-        let (off, outcome, action) =
-            tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
-        if off == 3 {
-            assert_eq!((outcome, action), ("in_progress_elsewhere", Action::Retry));
-            retries += 1;
-        }
-    }
-    common::eventually(LIMIT, "offset 3 committed", || async {
-        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&3)).then_some(())
-    })
-    .await;
+    settles(&mut seen, 3, 2, Some(("in_progress_elsewhere", Action::Retry))).await;
+    committed_at(&brokers, &group, &topic, 3).await;
     assert!(!ledger.lock().unwrap().contains(&"m-3".to_owned()));
     // Still held back after further retries of m-3.
-    let mut more = 0;
-    while more < 2 {
-        let (off, ..) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
-        more += usize::from(off == 3);
-    }
+    settles(&mut seen, 3, 2, None).await;
     assert_eq!(common::committed(&brokers, &group, &topic, 1).await.get(&0), Some(&3));
 
     store.release(lease).await.unwrap();
-    common::eventually(LIMIT, "all committed after the release", || async {
-        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&6)).then_some(())
-    })
-    .await;
+    committed_at(&brokers, &group, &topic, 6).await;
     let _ = stop.send(());
     let report = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     let mut got = ledger.lock().unwrap().clone();
@@ -216,39 +235,16 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
     let dedup = Consumer::builder(store).scope("dlqf").build().unwrap();
-    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
     let settings = Settings::new(&dlq)
         .produce_timeout(Duration::from_millis(500))
         .retry_delay(Duration::from_millis(200))
         .batch_wait(Duration::from_millis(200));
-    let c =
-        KafkaConsumer::new(&common::config(&brokers, &group), &[topic.as_str()], dedup, settings)
-            .unwrap()
-            .with_hook(move |s| {
-                let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
-            });
-    let ledger: Ledger = Arc::default();
-    let (stop, task) = run(c, ledger.clone());
+    let (ledger, mut seen, stop, task) = run_hooked(&brokers, &group, &topic, dedup, settings);
 
     // The conflict at offset 2 fails to dead-letter, twice at least, and is kept for a retry.
-    let mut failed = 0;
-    while failed < 2 {
-        let (off, outcome, action) =
-            tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
-        if off == 2 {
-            assert_eq!((outcome, action), ("conflict", Action::Retry), "offset 2");
-            failed += 1;
-        }
-    }
-    common::eventually(LIMIT, "offset 2 committed", || async {
-        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&2)).then_some(())
-    })
-    .await;
-    let mut more = 0;
-    while more < 2 {
-        let (off, ..) = tokio::time::timeout(LIMIT, seen_rx.recv()).await.unwrap().unwrap();
-        more += usize::from(off == 2);
-    }
+    settles(&mut seen, 2, 2, Some(("conflict", Action::Retry))).await;
+    committed_at(&brokers, &group, &topic, 2).await;
+    settles(&mut seen, 2, 2, None).await;
     assert_eq!(
         common::committed(&brokers, &group, &topic, 1).await.get(&0),
         Some(&2),
@@ -256,10 +252,7 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
     );
 
     let _dlq_topic = Topics::create(&brokers, &[(&dlq, 1)]).await;
-    common::eventually(LIMIT, "all committed once the dead letter is acknowledged", || async {
-        (common::committed(&brokers, &group, &topic, 1).await.get(&0) == Some(&4)).then_some(())
-    })
-    .await;
+    committed_at(&brokers, &group, &topic, 4).await;
     let _ = stop.send(());
     let report = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap();
     assert!(report.dead_letter_failures >= 4 && report.dead_lettered >= 1, "{report:?}");

@@ -29,11 +29,15 @@ pub(crate) struct BenchSqlArgs {
     #[arg(long, default_value_t = 32)]
     group_tasks: usize,
     /// Batches in flight at once for the group-commit measurement (`BatchConfig::max_in_flight`).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 2)]
     in_flight: usize,
     /// Only the group-commit and batch measurements.
     #[arg(long)]
     batches_only: bool,
+    /// Whether the pool pings each connection before handing it out (sqlx's default: one more
+    /// round trip per statement outside a transaction). Applies to raw and idem rows alike.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    ping_before_acquire: bool,
 }
 
 struct Row {
@@ -215,6 +219,7 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     let max = args.concurrency.iter().copied().chain([args.group_tasks]).max().unwrap_or(1);
     let pool = PgPoolOptions::new()
         .max_connections(u32::try_from(max).unwrap_or(64).max(4))
+        .test_before_acquire(args.ping_before_acquire)
         .connect(&args.url)
         .await?;
     let schema = format!("idem_bench_{}", std::process::id());
@@ -229,7 +234,10 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     store.migrate().await?;
     let sync: String =
         sqlx::query_scalar("SELECT current_setting('synchronous_commit')").fetch_one(&pool).await?;
-    eprintln!("idem bench-sql: PostgreSQL, synchronous_commit={sync}, schema {schema}");
+    eprintln!(
+        "idem bench-sql: PostgreSQL, synchronous_commit={sync}, schema {schema}, ping before acquire: {}",
+        args.ping_before_acquire
+    );
     let n = args.messages;
     let mut rows = Vec::new();
     let ins = Arc::<str>::from(format!(
@@ -323,6 +331,7 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     let max = args.concurrency.iter().copied().chain([args.group_tasks]).max().unwrap_or(1);
     let pool = MySqlPoolOptions::new()
         .max_connections(u32::try_from(max).unwrap_or(64).max(4))
+        .test_before_acquire(args.ping_before_acquire)
         .connect(&args.url)
         .await?;
     let t = format!("idem_bench_{}", std::process::id());

@@ -8,7 +8,7 @@
 //! timed from the first poll until every record is settled and committed:
 //! - `commit only`: the same poll-a-batch / commit-the-batch loop on rdkafka, no store;
 //! - the adapter in two-phase mode over SQLite, PostgreSQL and `Batched<PostgreSQL>`;
-//! - the adapter in inbox mode over PostgreSQL (one transaction per message).
+//! - the adapter in inbox mode over PostgreSQL (one transaction per polled batch).
 #![allow(clippy::unwrap_used, clippy::cast_precision_loss)]
 
 use std::sync::Arc;
@@ -234,7 +234,7 @@ async fn main() {
         c.close(Duration::from_secs(10)).await;
     })
     .await;
-    row("inbox, PostgreSQL (tx per message)", d);
+    row("inbox, PostgreSQL (tx per batch)", d);
     let _ = admin.delete_topics(&[&topic, &dlq], &AdminOptions::new()).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA idem_kbench_{sfx} CASCADE")))
         .execute(pg_store.pool())

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use idem_core::consumer::{Conflict, Disposition, HandlerError};
 use idem_core::extract::{Envelope, KeyExtractor, MessageId};
-use idem_core::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, StoreError};
+use idem_core::{DEFAULT_MAX_KEY_BYTES, DedupKey, Fingerprint, FingerprintSpec};
 use idem_sqlx::postgres::PgWrites;
-use idem_sqlx::{InboxError, Mark, PostgresInbox, PostgresStore};
+use idem_sqlx::{Mark, PostgresInbox, PostgresStore};
 use rdkafka::config::ClientConfig;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -19,15 +19,19 @@ use sqlx::postgres::{PgConnection, PgPool};
 use crate::source::{Decide, Decider, Decision, Hook, Settled, Source};
 use crate::{Delivery, Error, Report, RetentionGap, Settings};
 
-/// A Kafka consumer whose handler's writes and dedup marker commit in one PostgreSQL
-/// transaction per message ([`PostgresInbox`]); the offset is committed afterwards, only up to
-/// the durable prefix of each partition. A crash between the database commit and the offset
-/// commit redelivers the message, and its marker makes it a duplicate.
+/// A Kafka consumer whose handler's writes and dedup markers commit in one PostgreSQL
+/// transaction per polled batch ([`PostgresInbox`]); the offsets are committed afterwards, only
+/// up to the durable prefix of each partition. A crash between the database commit and the
+/// offset commit redelivers the messages, and their markers make them duplicates.
 ///
 /// Offsets, retries, dead letters and rebalances behave as in
-/// [`KafkaConsumer`](crate::KafkaConsumer). The messages of a batch run concurrently, each in
-/// its own transaction (at most the pool's size at once); two copies of one key in a batch
-/// serialise on the marker's row lock and the second is a duplicate.
+/// [`KafkaConsumer`](crate::KafkaConsumer). The messages of a batch run one after the other in
+/// offset order, each inside its own savepoint: a message whose writes fail rolls back alone
+/// (a permanent failure is dead-lettered and leaves no marker, a transient one is retried), and
+/// a second copy of a key in the same batch is a duplicate. Competing consumers that mark the
+/// same key wait for each other on its row lock; a deadlock between two batches (PostgreSQL
+/// aborts one statement) is a transient failure of that one message. Use the default
+/// `READ COMMITTED` isolation.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -181,104 +185,160 @@ impl PgInboxConsumer {
         self.source.close(timeout).await
     }
 
+    /// The key and fingerprint of `d`, or why it can only be dead-lettered.
+    fn prepare(&self, d: &Delivery) -> Result<(DedupKey, Option<Fingerprint>), String> {
+        let id = self.extractor.extract(d as &dyn Envelope).map_err(|e| e.to_string())?;
+        let key = DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES)
+            .map_err(|e| format!("invalid dedup key: {e}"))?;
+        let fp = self
+            .fingerprint
+            .fingerprint(d.payload())
+            .map_err(|e| format!("payload is not JSON: {e}"))?;
+        Ok((key, fp))
+    }
+
+    /// One transaction for the batch, in offset order: each message is marked (and, the first
+    /// time, written) inside its own savepoint, so a failing message rolls back alone; then one
+    /// commit. If the transaction cannot begin or commit, nothing of the batch was written and
+    /// every message is retried, except those that dead-letter whatever the database says.
     async fn decide<T, E, F>(&self, batch: &[Delivery], writes: &F) -> Vec<Decision>
     where
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
         F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
     {
-        futures_util::future::join_all(batch.iter().map(|d| self.one(d, writes))).await
+        let retry = || ("failed_transient", Disposition::Retry { after: None });
+        let mut decided: Vec<Decision> = Vec::with_capacity(batch.len());
+        let mut tx = match self.pool.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                tracing::warn!(target: "idem", error = %e, "could not begin the inbox transaction");
+                return batch
+                    .iter()
+                    .map(|d| match self.prepare(d) {
+                        Err(reason) => ("failed_permanent", Disposition::DeadLetter { reason }),
+                        Ok(_) => retry(),
+                    })
+                    .collect();
+            }
+        };
+        let (mut broken, mut savepoint) = (false, false);
+        for d in batch {
+            let one = match self.prepare(d) {
+                Err(reason) => Ok(("failed_permanent", Disposition::DeadLetter { reason })),
+                Ok((key, fp)) => {
+                    let one = self.one(&mut tx, savepoint, d, &key, fp, writes).await;
+                    savepoint = true;
+                    one
+                }
+            };
+            match one {
+                Ok(x) => decided.push(x),
+                Err(e) => {
+                    tracing::warn!(target: "idem", error = %e,
+                        "inbox savepoint failed; rolling the whole batch back");
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let committed = !broken
+            && match tx.commit().await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(target: "idem", error = %e,
+                        "inbox commit failed; nothing of the batch is committed");
+                    false
+                }
+            };
+        if !committed {
+            decided.resize_with(batch.len(), retry);
+            for x in &mut decided {
+                // A conflict was read inside the lost transaction: decide it again.
+                if !matches!(x.1, Disposition::DeadLetter { .. }) || x.0 == "conflict" {
+                    *x = retry();
+                }
+            }
+        }
+        decided
     }
 
-    async fn one<T, E, F>(&self, d: &Delivery, writes: &F) -> Decision
+    /// One message inside its savepoint: mark, then (first mark only) the writes and their
+    /// result. Anything but a processed message, a duplicate or a conflict rolls back to the
+    /// savepoint, marker included. `Err` only when the savepoint itself fails (the transaction
+    /// is then not trusted). The previous message's savepoint (`open`) is released in the same
+    /// round trip that sets this one; the commit releases the last.
+    async fn one<T, E, F>(
+        &self,
+        tx: &mut PgConnection,
+        open: bool,
+        d: &Delivery,
+        key: &DedupKey,
+        fp: Option<Fingerprint>,
+        writes: &F,
+    ) -> Result<Decision, sqlx::Error>
     where
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
         F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
     {
+        let set = if open {
+            "RELEASE SAVEPOINT idem_msg; SAVEPOINT idem_msg"
+        } else {
+            "SAVEPOINT idem_msg"
+        };
+        sqlx::raw_sql(set).execute(&mut *tx).await?;
         let retry = Disposition::Retry { after: None };
-        let id = match self.extractor.extract(d as &dyn Envelope) {
-            Ok(id) => id,
+        let (keep, out) = match self.inbox.mark(tx, key, fp).await {
             Err(e) => {
-                return ("failed_permanent", Disposition::DeadLetter { reason: e.to_string() });
+                tracing::warn!(target: "idem", %key, error = %e, "inbox mark failed; retrying");
+                (false, ("failed_transient", retry))
             }
-        };
-        let key = match DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES) {
-            Ok(k) => k,
-            Err(e) => {
-                let reason = format!("invalid dedup key: {e}");
-                return ("failed_permanent", Disposition::DeadLetter { reason });
-            }
-        };
-        let fp = match self.fingerprint.fingerprint(d.payload()) {
-            Ok(fp) => fp,
-            Err(e) => {
-                let reason = format!("payload is not JSON: {e}");
-                return ("failed_permanent", Disposition::DeadLetter { reason });
-            }
-        };
-        match self.transact(d, &key, fp, writes).await {
-            Ok(None) => ("processed", Disposition::Ack),
-            Ok(Some(Mark::Duplicate(_))) => ("duplicate", Disposition::Ack),
-            Ok(Some(Mark::Conflict(rec))) => {
+            Ok(Mark::First) => match writes(tx, d).await {
+                // `null` (a handler returning `()`) is not worth a round trip to store.
+                Ok(v) => match serde_json::to_vec(&v)
+                    .ok()
+                    .filter(|b| b.len() <= MAX_STORED_RESULT && b.as_slice() != b"null")
+                {
+                    Some(b) => match self.inbox.set_result(tx, key, &b).await {
+                        Ok(()) => (true, ("processed", Disposition::Ack)),
+                        Err(e) => {
+                            tracing::warn!(target: "idem", %key, error = %e, "storing the result failed; retrying");
+                            (false, ("failed_transient", retry))
+                        }
+                    },
+                    None => (true, ("processed", Disposition::Ack)),
+                },
+                Err(HandlerError::Transient(e)) => {
+                    tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient); retrying");
+                    (false, ("failed_transient", retry))
+                }
+                Err(HandlerError::Permanent(e)) => (
+                    false,
+                    (
+                        "failed_permanent",
+                        Disposition::DeadLetter { reason: format!("handler failed: {e}") },
+                    ),
+                ),
+            },
+            Ok(Mark::Duplicate(_)) => (true, ("duplicate", Disposition::Ack)),
+            Ok(Mark::Conflict(rec)) => {
                 let c = Conflict {
-                    key,
+                    key: key.clone(),
                     stored: rec.fingerprint,
                     incoming: fp,
                     stored_state: rec.state,
                 };
-                ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") })
+                (true, ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") }))
             }
-            Ok(Some(Mark::InProgress(_))) => ("in_progress_elsewhere", retry),
-            // `transact` never returns `First`; `Mark` may grow.
-            Ok(Some(_)) => ("failed_transient", retry),
-            Err(InboxError::Writes(HandlerError::Permanent(e))) => (
-                "failed_permanent",
-                Disposition::DeadLetter { reason: format!("handler failed: {e}") },
-            ),
-            Err(InboxError::Writes(HandlerError::Transient(e))) => {
-                tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient); retrying");
-                ("failed_transient", retry)
-            }
-            Err(e) => {
-                tracing::warn!(target: "idem", %key, error = %e, "inbox failed; retrying");
-                ("failed_transient", retry)
-            }
-        }
-    }
-
-    /// One transaction: mark, then (first mark only) the writes and their result, then commit.
-    /// `Ok(None)` when the writes committed, `Ok(Some(mark))` when the mark settled it. Any
-    /// error rolls everything back, marker included (the transaction is dropped). This is
-    /// `PostgresInbox::process` with a `writes` that borrows the delivery, which that method's
-    /// any-lifetime closure bound cannot take.
-    async fn transact<T, E, F>(
-        &self,
-        d: &Delivery,
-        key: &DedupKey,
-        fp: Option<idem_core::Fingerprint>,
-        writes: &F,
-    ) -> Result<Option<Mark>, InboxError<HandlerError<E>>>
-    where
-        T: Serialize,
-        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
-    {
-        let store_err = |op: &'static str, e: sqlx::Error| {
-            InboxError::Store(StoreError::backend(op, true, e.to_string()))
+            Ok(Mark::InProgress(_)) => (true, ("in_progress_elsewhere", retry)),
+            // `Mark` may grow.
+            Ok(_) => (false, ("failed_transient", retry)),
         };
-        let mut tx = self.pool.begin().await.map_err(|e| store_err("begin", e))?;
-        let mark = self.inbox.mark(&mut tx, key, fp).await?;
-        if mark != Mark::First {
-            return Ok(Some(mark));
+        if !keep {
+            sqlx::query("ROLLBACK TO SAVEPOINT idem_msg").execute(&mut *tx).await?;
         }
-        let value = writes(&mut tx, d).await.map_err(InboxError::Writes)?;
-        if let Ok(bytes) = serde_json::to_vec(&value)
-            && bytes.len() <= MAX_STORED_RESULT
-        {
-            self.inbox.set_result(&mut tx, key, &bytes).await?;
-        }
-        tx.commit().await.map_err(|e| store_err("commit", e))?;
-        Ok(None)
+        Ok(out)
     }
 }
 

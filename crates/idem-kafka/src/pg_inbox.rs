@@ -6,11 +6,12 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use idem_core::consumer::{Conflict, Disposition, HandlerError};
-use idem_core::extract::{Envelope, KeyExtractor, MessageId};
-use idem_core::{DEFAULT_MAX_KEY_BYTES, DedupKey, Fingerprint, FingerprintSpec};
+use idem_core::consumer::HandlerError;
+use idem_core::extract::{KeyExtractor, MessageId};
+use idem_core::{DedupKey, FingerprintSpec};
+use idem_sqlx::batch::{Prepared, prepare, transact};
 use idem_sqlx::postgres::PgWrites;
-use idem_sqlx::{Mark, PostgresInbox, PostgresStore};
+use idem_sqlx::{PostgresInbox, PostgresStore};
 use rdkafka::config::ClientConfig;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -186,15 +187,8 @@ impl PgInboxConsumer {
     }
 
     /// The key and fingerprint of `d`, or why it can only be dead-lettered.
-    fn prepare(&self, d: &Delivery) -> Result<(DedupKey, Option<Fingerprint>), String> {
-        let id = self.extractor.extract(d as &dyn Envelope).map_err(|e| e.to_string())?;
-        let key = DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES)
-            .map_err(|e| format!("invalid dedup key: {e}"))?;
-        let fp = self
-            .fingerprint
-            .fingerprint(d.payload())
-            .map_err(|e| format!("payload is not JSON: {e}"))?;
-        Ok((key, fp))
+    fn prepare(&self, d: &Delivery) -> Prepared {
+        prepare(self.extractor.as_ref(), &self.scope, &self.fingerprint, d)
     }
 
     /// One transaction for the batch, in offset order: each message is marked (and, the first
@@ -207,138 +201,8 @@ impl PgInboxConsumer {
         E: Display + Send,
         F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
     {
-        let retry = || ("failed_transient", Disposition::Retry { after: None });
-        let mut decided: Vec<Decision> = Vec::with_capacity(batch.len());
-        let mut tx = match self.pool.begin().await {
-            Ok(tx) => tx,
-            Err(e) => {
-                tracing::warn!(target: "idem", error = %e, "could not begin the inbox transaction");
-                return batch
-                    .iter()
-                    .map(|d| match self.prepare(d) {
-                        Err(reason) => ("failed_permanent", Disposition::DeadLetter { reason }),
-                        Ok(_) => retry(),
-                    })
-                    .collect();
-            }
-        };
-        let (mut broken, mut savepoint) = (false, false);
-        for d in batch {
-            let one = match self.prepare(d) {
-                Err(reason) => Ok(("failed_permanent", Disposition::DeadLetter { reason })),
-                Ok((key, fp)) => {
-                    let one = self.one(&mut tx, savepoint, d, &key, fp, writes).await;
-                    savepoint = true;
-                    one
-                }
-            };
-            match one {
-                Ok(x) => decided.push(x),
-                Err(e) => {
-                    tracing::warn!(target: "idem", error = %e,
-                        "inbox savepoint failed; rolling the whole batch back");
-                    broken = true;
-                    break;
-                }
-            }
-        }
-        let committed = !broken
-            && match tx.commit().await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(target: "idem", error = %e,
-                        "inbox commit failed; nothing of the batch is committed");
-                    false
-                }
-            };
-        if !committed {
-            decided.resize_with(batch.len(), retry);
-            for x in &mut decided {
-                // A conflict was read inside the lost transaction: decide it again.
-                if !matches!(x.1, Disposition::DeadLetter { .. }) || x.0 == "conflict" {
-                    *x = retry();
-                }
-            }
-        }
-        decided
-    }
-
-    /// One message inside its savepoint: mark, then (first mark only) the writes and their
-    /// result. Anything but a processed message, a duplicate or a conflict rolls back to the
-    /// savepoint, marker included. `Err` only when the savepoint itself fails (the transaction
-    /// is then not trusted). The previous message's savepoint (`open`) is released in the same
-    /// round trip that sets this one; the commit releases the last.
-    async fn one<T, E, F>(
-        &self,
-        tx: &mut PgConnection,
-        open: bool,
-        d: &Delivery,
-        key: &DedupKey,
-        fp: Option<Fingerprint>,
-        writes: &F,
-    ) -> Result<Decision, sqlx::Error>
-    where
-        T: Serialize + DeserializeOwned + Send,
-        E: Display + Send,
-        F: for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, T, HandlerError<E>>,
-    {
-        let set = if open {
-            "RELEASE SAVEPOINT idem_msg; SAVEPOINT idem_msg"
-        } else {
-            "SAVEPOINT idem_msg"
-        };
-        sqlx::raw_sql(set).execute(&mut *tx).await?;
-        let retry = Disposition::Retry { after: None };
-        let (keep, out) = match self.inbox.mark(tx, key, fp).await {
-            Err(e) => {
-                tracing::warn!(target: "idem", %key, error = %e, "inbox mark failed; retrying");
-                (false, ("failed_transient", retry))
-            }
-            Ok(Mark::First) => match writes(tx, d).await {
-                // `null` (a handler returning `()`) is not worth a round trip to store.
-                Ok(v) => match serde_json::to_vec(&v)
-                    .ok()
-                    .filter(|b| b.len() <= MAX_STORED_RESULT && b.as_slice() != b"null")
-                {
-                    Some(b) => match self.inbox.set_result(tx, key, &b).await {
-                        Ok(()) => (true, ("processed", Disposition::Ack)),
-                        Err(e) => {
-                            tracing::warn!(target: "idem", %key, error = %e, "storing the result failed; retrying");
-                            (false, ("failed_transient", retry))
-                        }
-                    },
-                    None => (true, ("processed", Disposition::Ack)),
-                },
-                Err(HandlerError::Transient(e)) => {
-                    tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient); retrying");
-                    (false, ("failed_transient", retry))
-                }
-                Err(HandlerError::Permanent(e)) => (
-                    false,
-                    (
-                        "failed_permanent",
-                        Disposition::DeadLetter { reason: format!("handler failed: {e}") },
-                    ),
-                ),
-            },
-            Ok(Mark::Duplicate(_)) => (true, ("duplicate", Disposition::Ack)),
-            Ok(Mark::Conflict(rec)) => {
-                let c = Conflict {
-                    key: key.clone(),
-                    stored: rec.fingerprint,
-                    incoming: fp,
-                    stored_state: rec.state,
-                };
-                (true, ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") }))
-            }
-            Ok(Mark::InProgress(_)) => (true, ("in_progress_elsewhere", retry)),
-            // `Mark` may grow.
-            Ok(_) => (false, ("failed_transient", retry)),
-        };
-        if !keep {
-            sqlx::query("ROLLBACK TO SAVEPOINT idem_msg").execute(&mut *tx).await?;
-        }
-        Ok(out)
+        let items: Vec<_> = batch.iter().map(|d| (d, self.prepare(d))).collect();
+        transact(&self.inbox, self.pool.begin(), items, writes).await
     }
 }
 
@@ -358,7 +222,3 @@ where
         Box::pin(self.consumer.decide(batch, self.writes))
     }
 }
-
-/// Largest handler result stored with a marker (larger ones are not stored; duplicates then
-/// carry none).
-const MAX_STORED_RESULT: usize = 64 * 1024;

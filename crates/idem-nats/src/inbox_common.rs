@@ -1,17 +1,8 @@
 //! What both inbox modes share.
 
-use std::future::Future;
-use std::pin::Pin;
-
-use idem_core::consumer::HandlerError;
-
 /// The handler's writes in inbox mode: a boxed future borrowing the batch transaction's
 /// connection and the delivery.
-pub type InboxWrites<'c, T, E> =
-    Pin<Box<dyn Future<Output = Result<T, HandlerError<E>>> + Send + 'c>>;
-
-/// Largest handler result stored with a marker.
-pub(crate) const MAX_STORED_RESULT: usize = 64 * 1024;
+pub type InboxWrites<'c, T, E> = idem_sqlx::batch::BatchWrites<'c, T, E>;
 
 /// The inbox consumer for one database: `$name` over `$inbox` of `$store`, whose transactions
 /// run on `$conn` from `$pool` and begin with `$begin`. Both inbox modes are this one
@@ -159,15 +150,8 @@ impl $name {
         }
     }
 
-    fn prepare(&self, d: &Delivery) -> Result<(DedupKey, Option<Fingerprint>), String> {
-        let id = self.extractor.extract(d as &dyn Envelope).map_err(|e| e.to_string())?;
-        let key = DedupKey::with_limit(self.scope.clone(), id, DEFAULT_MAX_KEY_BYTES)
-            .map_err(|e| format!("invalid dedup key: {e}"))?;
-        let fp = self
-            .fingerprint
-            .fingerprint(d.payload())
-            .map_err(|e| format!("payload is not JSON: {e}"))?;
-        Ok((key, fp))
+    fn prepare(&self, d: &Delivery) -> idem_sqlx::batch::Prepared {
+        idem_sqlx::batch::prepare(self.extractor.as_ref(), &self.scope, &self.fingerprint, d)
     }
 
     async fn transact<T, E, F>(&self, batch: &[Delivery], writes: F) -> Verdicts
@@ -177,50 +161,8 @@ impl $name {
         F: for<'c> Fn(&'c mut $conn, &'c Delivery) -> InboxWrites<'c, T, E>,
     {
         let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
-        let mut decided: Vec<(&'static str, Disposition)> = Vec::with_capacity(batch.len());
-        let retry = Disposition::Retry { after: None };
-        match { let $p = &self.pool; $begin }.await {
-            Err(e) => {
-                tracing::warn!(target: "idem", error = %e, "could not begin the inbox transaction");
-                decided.extend(batch.iter().map(|_| ("failed_transient", retry.clone())));
-            }
-            Ok(mut tx) => {
-                let mut broken = false;
-                for d in batch {
-                    let one = match self.prepare(d) {
-                        Err(reason) => Ok(("failed_permanent", Disposition::DeadLetter { reason })),
-                        Ok((key, fp)) => self.one(&mut tx, d, &key, fp, &writes).await,
-                    };
-                    match one {
-                        Ok(x) => decided.push(x),
-                        Err(e) => {
-                            tracing::warn!(target: "idem", error = %e,
-                                "inbox savepoint failed; rolling the whole batch back");
-                            broken = true;
-                            break;
-                        }
-                    }
-                }
-                let committed = !broken
-                    && match tx.commit().await {
-                        Ok(()) => true,
-                        Err(e) => {
-                            tracing::warn!(target: "idem", error = %e, "inbox commit failed; nothing of the batch is acked");
-                            false
-                        }
-                    };
-                if !committed {
-                    // Nothing was written: every message comes back, except those whose key
-                    // could never be read (they dead-letter whatever the database says).
-                    decided.resize(batch.len(), ("failed_transient", retry.clone()));
-                    for x in &mut decided {
-                        if !matches!(x.1, Disposition::DeadLetter { .. }) || x.0 == "conflict" {
-                            *x = ("failed_transient", retry.clone());
-                        }
-                    }
-                }
-            }
-        }
+        let items: Vec<_> = batch.iter().map(|d| (d, self.prepare(d))).collect();
+        let decided = transact(&self.inbox, { let $p = &self.pool; $begin }, items, &writes).await;
         let verdicts = batch
             .iter()
             .zip(decided)
@@ -234,75 +176,6 @@ impl $name {
             })
             .collect::<Vec<Verdict>>();
         Verdicts { verdicts, report }
-    }
-
-    /// One message inside its savepoint. `Err` only when the savepoint itself fails (the
-    /// transaction is then not trusted).
-    async fn one<T, E, F>(
-        &self,
-        tx: &mut $conn,
-        d: &Delivery,
-        key: &DedupKey,
-        fp: Option<Fingerprint>,
-        writes: &F,
-    ) -> Result<(&'static str, Disposition), sqlx::Error>
-    where
-        T: Serialize,
-        E: Display,
-        F: for<'c> Fn(&'c mut $conn, &'c Delivery) -> InboxWrites<'c, T, E>,
-    {
-        sqlx::query("SAVEPOINT idem_msg").execute(&mut *tx).await?;
-        let retry = Disposition::Retry { after: None };
-        let (keep, out) = match self.inbox.mark(tx, key, fp).await {
-            Err(e) => {
-                tracing::warn!(target: "idem", %key, error = %e, "inbox mark failed");
-                (false, ("failed_transient", retry))
-            }
-            Ok(Mark::First) => match writes(tx, d).await {
-                Ok(v) => {
-                    let stored =
-                        serde_json::to_vec(&v).ok().filter(|b| b.len() <= MAX_STORED_RESULT);
-                    match stored {
-                        Some(b) => match self.inbox.set_result(tx, key, &b).await {
-                            Ok(()) => (true, ("processed", Disposition::Ack)),
-                            Err(e) => {
-                                tracing::warn!(target: "idem", %key, error = %e, "storing the result failed");
-                                (false, ("failed_transient", retry))
-                            }
-                        },
-                        None => (true, ("processed", Disposition::Ack)),
-                    }
-                }
-                Err(HandlerError::Transient(e)) => {
-                    tracing::warn!(target: "idem", %key, error = %e, "handler failed (transient)");
-                    (false, ("failed_transient", retry))
-                }
-                Err(HandlerError::Permanent(e)) => (
-                    false,
-                    (
-                        "failed_permanent",
-                        Disposition::DeadLetter { reason: format!("handler failed: {e}") },
-                    ),
-                ),
-            },
-            Ok(Mark::Duplicate(_)) => (true, ("duplicate", Disposition::Ack)),
-            Ok(Mark::Conflict(rec)) => {
-                let c = Conflict {
-                    key: key.clone(),
-                    stored: rec.fingerprint,
-                    incoming: fp,
-                    stored_state: rec.state,
-                };
-                (true, ("conflict", Disposition::DeadLetter { reason: format!("conflict: {c}") }))
-            }
-            Ok(Mark::InProgress(_)) => (true, ("in_progress_elsewhere", retry)),
-            Ok(_) => (true, ("failed_transient", retry)),
-        };
-        if !keep {
-            sqlx::query("ROLLBACK TO idem_msg").execute(&mut *tx).await?;
-        }
-        sqlx::query("RELEASE idem_msg").execute(&mut *tx).await?;
-        Ok(out)
     }
 }
     };

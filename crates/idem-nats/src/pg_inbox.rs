@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::Context as JetStream;
 use async_nats::jetstream::consumer::PullConsumer;
-use idem_core::consumer::{Conflict, Disposition, HandlerError};
 use idem_core::extract::{Envelope, KeyExtractor, MessageId};
-use idem_core::{DEFAULT_MAX_KEY_BYTES, DedupKey, Fingerprint, FingerprintSpec, RetentionWindow};
-use idem_sqlx::{Mark, PostgresInbox, PostgresStore};
+use idem_core::{DedupKey, FingerprintSpec, RetentionWindow};
+use idem_sqlx::{PostgresInbox, PostgresStore};
 use serde::Serialize;
 use sqlx::postgres::{PgConnection, PgPool};
 
@@ -18,7 +17,8 @@ use crate::consumer::{Verdicts, settle};
 use crate::source::{Source, Verdict};
 use crate::{Delivery, Error, Report, Settings};
 
-use crate::inbox_common::{InboxWrites, MAX_STORED_RESULT};
+use crate::inbox_common::InboxWrites;
+use idem_sqlx::batch::transact;
 
 crate::inbox_common::inbox_consumer! {
     /// A JetStream pull consumer over the PostgreSQL transactional inbox (R4), the twin of

@@ -8,9 +8,13 @@
 //!   [`postgres::EntityTable`] for business tables that are their own marker.
 //! - `mysql`: `MySqlStore` and `MySqlInbox` for MariaDB/MySQL.
 //!
+//! - [`batch`]: one transaction per polled batch over any of the inboxes, a savepoint per
+//!   message, for the broker adapters' inbox modes.
+//!
 //! One table holds lease records and inbox markers alike, keyed by the 32-byte SHA-256 of the
 //! key ([`idem_core::DedupKey::hash`]), with the raw scope and id beside it for display.
 
+pub mod batch;
 mod row;
 
 #[cfg(feature = "sqlite")]

@@ -384,3 +384,65 @@ async fn purge_runs_beside_claims() {
     db.store.complete(live_lease, None, WEEK).await.unwrap();
     assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
 }
+
+/// `batch::mark_batch` on MariaDB (the brokers' batch transaction, savepoint per message): a
+/// permanent failure rolls back its own write and marker only, a repeat in the batch is a
+/// duplicate, a keyless item is dead-lettered without a statement.
+#[tokio::test]
+async fn mark_batch_rolls_back_a_failing_message_alone() {
+    use idem_core::consumer::{Disposition, HandlerError};
+    use idem_sqlx::batch::{BatchWrites, mark_batch};
+    let Some(db) = db(2).await else { return };
+    let inbox = db.store.inbox(WEEK);
+    /// (ledger table, order id)
+    type Item = (String, String);
+    fn writes<'c>(
+        conn: &'c mut sqlx::MySqlConnection,
+        item: &'c Item,
+    ) -> BatchWrites<'c, (), String> {
+        Box::pin(async move {
+            let (table, id) = item;
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO `{table}` (order_id, cents) VALUES (?, 1)"
+            )))
+            .bind(id)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if id == "o-bad" { Err(HandlerError::Permanent("refused".to_owned())) } else { Ok(()) }
+        })
+    }
+    let table = format!("{}_ledger", db.table);
+    let batch: Vec<Item> = ["o-1", "o-bad", "o-1", "o-2", "o-none"]
+        .iter()
+        .map(|id| (table.clone(), (*id).to_owned()))
+        .collect();
+    let items: Vec<(&Item, idem_sqlx::batch::Prepared)> = batch
+        .iter()
+        .map(|it| {
+            let p = if it.1 == "o-none" {
+                Err("no message id".to_owned())
+            } else {
+                Ok((key(&it.1), None))
+            };
+            (it, p)
+        })
+        .collect();
+    let mut tx = db.store.pool().begin().await.unwrap();
+    let steps = mark_batch(&inbox, &mut tx, &items, &writes).await.unwrap();
+    tx.commit().await.unwrap();
+    let labels: Vec<&str> = steps.iter().map(|s| s.label).collect();
+    assert_eq!(
+        labels,
+        ["processed", "failed_permanent", "duplicate", "processed", "failed_permanent"]
+    );
+    assert!(
+        matches!(&steps[1].disposition, Disposition::DeadLetter { reason } if reason == "handler failed: refused")
+    );
+    assert!(
+        matches!(&steps[4].disposition, Disposition::DeadLetter { reason } if reason == "no message id")
+    );
+    assert_eq!(db.ledger_rows().await, 2, "o-bad's row rolled back, o-1 once, o-2 once");
+    assert!(db.store.get(&key("o-bad")).await.unwrap().is_none(), "no marker for o-bad");
+    assert!(db.store.get(&key("o-2")).await.unwrap().is_some());
+}

@@ -81,7 +81,7 @@ up() {
   # Kafka protocol: tansu on loopback only, in-memory storage (its default listener is 0.0.0.0).
   port_open "$KAFKA_PORT" || { local tansu; tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
     if [[ ! -x $tansu ]]; then
-      log "installing tansu $TANSU_VERSION from crates.io (cold build, 25-40 min; once per machine)"
+      log "installing tansu $TANSU_VERSION from crates.io (cold build, 15-30 min; once per machine)"
       local t0=$SECONDS
       cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore \
         --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \

@@ -4,7 +4,7 @@
 #   .ci/services.sh status  print which services answer; exit 1 if any does not
 # Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT.
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
-# missing one is built with `cargo install` once per machine (≈ 25-40 min cold), then reused.
+# missing one is built with `cargo install` once per machine (15-18 min cold, measured), then reused.
 set -euo pipefail
 log() { echo "[services] $*"; }
 port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }

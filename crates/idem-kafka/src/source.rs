@@ -21,10 +21,10 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::retention::RetentionGap;
 use crate::tracker::Tracker;
+use crate::{Delivery, Error, Report, Settings};
 
 /// How long the retention check waits for the brokers.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
-use crate::{Delivery, Error, Report, Settings};
 
 type Tp = (String, i32);
 

@@ -1,7 +1,7 @@
-//! One message of a broker adapter's batch transaction: mark its key, run the handler's writes
-//! the first time, and decide what the broker does with it. The adapters (`idem-nats`,
-//! `idem-kafka`) wrap each call in a savepoint of one transaction per polled batch and roll
-//! back to it when [`Step::keep`] is false.
+//! The broker adapters' inbox mode (`idem-nats`, `idem-kafka`): one transaction per polled
+//! batch ([`transact`]), each message in a savepoint ([`mark_batch`]) that is rolled back when
+//! its step does not keep its writes ([`Step::keep`]): mark its key, run the handler's writes
+//! the first time, and decide what the broker does with it ([`mark_and_write`]).
 
 use std::fmt::Display;
 use std::future::Future;

@@ -47,10 +47,10 @@ pub fn config(brokers: &str, group: &str) -> ClientConfig {
     c
 }
 
-/// Topics of the test's own, deleted when dropped (best effort).
 /// A topic to create: name, partitions, configs.
 pub type TopicSpec<'a> = (&'a str, i32, &'a [(&'a str, &'a str)]);
 
+/// Topics of the test's own, deleted when dropped (best effort).
 pub struct Topics {
     brokers: String,
     pub names: Vec<String>,

@@ -424,6 +424,19 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
     });
     let (_a_client, a) = spawn_consumer("a", None).await;
     let (b_client, b) = spawn_consumer("b", Some(Arc::clone(&hang))).await;
+    // As soon as b hangs mid-handler — inside its inbox transaction, so holding SQLite's write
+    // lock — drop its connection without acking and start a replacement, while the producer
+    // goes on: left hanging, b would block every other writer until the producer is done.
+    let b2_start = spawn_consumer("b2", None);
+    let reaper = tokio::spawn(async move {
+        let Ok(key) = tokio::time::timeout(Duration::from_secs(120), hit_rx).await else {
+            return Err(b.is_finished());
+        };
+        b.abort();
+        let _ = b.await;
+        b_client.drain().await.expect("drop b's connection");
+        Ok((key.expect("hit"), b2_start.await))
+    });
 
     // Producer: originals, then its retries of every fourth one after the duplicate window.
     let mut sent_at = Vec::with_capacity(UNIQUE);
@@ -446,10 +459,9 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
         .await;
     }
 
-    // Consumer b hangs mid-handler: drop its connection without acking, start a replacement.
-    let hung_key = match tokio::time::timeout(Duration::from_secs(120), hit_rx).await {
-        Ok(key) => key.expect("hit"),
-        Err(_) => {
+    let (hung_key, (_b2_client, b2)) = match reaper.await.expect("reaper") {
+        Ok(x) => x,
+        Err(b_finished) => {
             let per: Vec<(String, i64)> =
                 sqlx::query_as("SELECT consumer, COUNT(*) FROM ledger GROUP BY consumer")
                     .fetch_all(&ledger)
@@ -457,17 +469,12 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
                     .expect("per consumer");
             panic!(
                 "b did not reach its {HANG_AFTER}th new message in 120 s: it ran {} handlers; \
-                 ledger rows per consumer {per:?}; pending {:?}; b finished: {}",
+                 ledger rows per consumer {per:?}; pending {:?}; b finished: {b_finished}",
                 hang.seen.load(Ordering::SeqCst),
                 env.pending(CONSUMER).await,
-                b.is_finished()
             );
         }
     };
-    b.abort();
-    let _ = b.await;
-    b_client.drain().await.expect("drop b's connection");
-    let (_b2_client, b2) = spawn_consumer("b2", None).await;
 
     // The reused id, sent once its first body is committed (so the later one is the conflict).
     wait_for("the first o-7 committed", Duration::from_secs(60), || async {

@@ -44,6 +44,10 @@ const ACK_WAIT: Duration = Duration::from_secs(2);
 /// the work is still queued even when b gets a small share of it.
 const HANG_AFTER: usize = 40;
 const CHILD_ENV: &str = "IDEM_NATS_CRASH_CHILD";
+/// The child gathers this many deliveries (or what came within [`CHILD_GATHER`], well inside
+/// `ACK_WAIT`) into one batch, and aborts after the first batch that commits 8 new effects.
+const CHILD_BATCH: usize = 16;
+const CHILD_GATHER: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
@@ -321,13 +325,18 @@ async fn child<S: TestStore>(
     println!("READY");
     let mut total = 0;
     loop {
-        let batch = adapter.fetch().await;
-        if batch.is_empty() {
-            continue;
+        // Gather a batch of CHILD_BATCH, or what came within CHILD_GATHER: when the consumers
+        // keep up with the producer each fetch holds only what is pending (often one or two
+        // messages), and a child waiting for a single fetch of 8 new ones could see none.
+        let mut batch = Vec::new();
+        let started = tokio::time::Instant::now();
+        while batch.len() < CHILD_BATCH && (batch.is_empty() || started.elapsed() < CHILD_GATHER) {
+            batch.extend(adapter.fetch().await);
         }
         let v = adapter.process(&batch, "child", None).await;
         let committed = v.report().processed;
         total += committed;
+        println!("BATCH {} {committed} {total}", batch.len());
         if committed >= 8 {
             println!("COMMITTED {committed} {total}");
             std::process::abort(); // between commit and ack
@@ -360,6 +369,7 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
 
     // The child process: a real process that aborts between its commit and its acks.
     let exe = std::env::current_exe().expect("current exe");
+    let child_err = dir.path().join("child.stderr");
     let mut child = tokio::process::Command::new(exe)
         .args(["crash_child_process_entry", "--exact", "--nocapture", "--test-threads=1"])
         .env(
@@ -373,7 +383,7 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
             ),
         )
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&child_err).expect("child stderr file")))
         .kill_on_drop(true)
         .spawn()
         .expect("spawn child");
@@ -389,9 +399,19 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
     })
     .await
     .expect("child ready");
+    // The child's last lines, for the failure message if it never aborts.
+    let child_tail = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+    let tail = Arc::clone(&child_tail);
     let child_done = tokio::spawn(async move {
         let mut committed = None;
         while let Ok(Some(l)) = lines.next_line().await {
+            {
+                let mut t = tail.lock().expect("tail");
+                if t.len() == 20 {
+                    t.pop_front();
+                }
+                t.push_back(l.clone());
+            }
             if let Some((_, n)) = l.split_once("COMMITTED ")
                 && let Some((last, total)) = n.trim().split_once(' ')
             {
@@ -484,10 +504,15 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
     tokio::time::sleep(DUP_WINDOW * 3).await; // a producer reusing the id after JetStream's window
     env.publish(REUSED, br#"{"order":7,"cents":999999}"#).await;
 
-    let (status, child_committed) = tokio::time::timeout(Duration::from_secs(60), child_done)
-        .await
-        .expect("child ends")
-        .expect("join");
+    let Ok(joined) = tokio::time::timeout(Duration::from_secs(60), child_done).await else {
+        panic!(
+            "the child did not abort within 60 s of the last message: its last lines {:?}, \
+             its stderr {:?}",
+            child_tail.lock().expect("tail"),
+            std::fs::read_to_string(&child_err).unwrap_or_default(),
+        );
+    };
+    let (status, child_committed) = joined.expect("join");
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(6), "the child must die by abort(): {status:?}");
     let (child_committed, child_total) = child_committed.expect("child reported its commit");

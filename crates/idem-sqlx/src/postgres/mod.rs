@@ -35,7 +35,8 @@ pub const MAX_TABLE_NAME: usize = 52;
 ///
 /// A claim is one statement — `INSERT … ON CONFLICT (key_hash) DO UPDATE … WHERE <claimable>
 /// RETURNING` — so the row lock of the primary key arbitrates every race; `claim_many` is one
-/// statement over `unnest` arrays. Leases and expiries are measured by the database clock
+/// statement over `unnest` arrays (and, when some keys were taken, one read of their records).
+/// Leases and expiries are measured by the database clock
 /// (`statement_timestamp()`), never by the consumers'. Records live in their own schema
 /// (`idem` by default).
 ///
@@ -449,6 +450,22 @@ impl DedupStore for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("claim_many", e))?;
+        let mut rows = rows;
+        if rows.len() < h.len() {
+            // Some keys were taken: read their records (a second round trip, only then).
+            let won: std::collections::HashSet<Vec<u8>> =
+                rows.iter().filter_map(|r| r.try_get::<Vec<u8>, _>(1).ok()).collect();
+            let losers: Vec<&Vec<u8>> = h.iter().filter(|k| !won.contains(*k)).collect();
+            rows.extend(
+                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
+                    .bind(&losers)
+                    .bind(self.skew())
+                    .persistent(false)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(|e| backend("claim_many", e))?,
+            );
+        }
         let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
         for row in &rows {
             let get = |e| backend("claim_many", e);
@@ -476,7 +493,7 @@ impl DedupStore for PostgresStore {
             };
             match answer {
                 Some(claim) => out.push(claim),
-                // Changed since the statement's snapshot (or purged): decide it on its own.
+                // Claimable again by the time its record was read, or purged: decide it alone.
                 None => out.push(self.claim(req).await?),
             }
         }
@@ -519,6 +536,10 @@ impl DedupStore for PostgresStore {
             .bind(&res)
             .bind(&keep)
             .bind(self.skew())
+            // Planned with its arrays on every run: a cached generic plan chosen while the
+            // table was tiny (sequential scan, hash join) would read the whole table per batch
+            // once it has grown (test: complete_many_stays_an_index_lookup_as_the_table_grows).
+            .persistent(false)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("complete_many", e))?;

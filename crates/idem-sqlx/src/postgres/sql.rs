@@ -23,6 +23,7 @@ pub(super) struct Sql {
     pub claim: Arc<str>,
     pub mark: Arc<str>,
     pub claim_many: Arc<str>,
+    pub claim_many_losers: Arc<str>,
     pub complete_many: Arc<str>,
     pub select: Arc<str>,
     pub finish: Arc<str>,
@@ -98,10 +99,8 @@ impl Sql {
             claim: s(upsert(0)),
             // An inbox marker is a claim completed at once (bound with a NULL lease).
             mark: s(upsert(1)),
-            // Keys are unique within the arrays (the caller folds repeats). Winners come back
-            // from the upsert; losers as they were before this statement (its snapshot). When
-            // every key won (the common case: fresh keys) the losers' lookup is skipped whole,
-            // a one-time filter on the count, rather than probing the index once per key.
+            // Keys are unique within the arrays (the caller folds repeats). Only the winners
+            // come back; the losers are read by `claim_many_losers` when there are any.
             claim_many: s(format!(
                 "WITH n AS (SELECT {now} AS now), \
                  ins AS (\
@@ -110,12 +109,14 @@ impl Sql {
                    FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[], $7::bigint[]) \
                         AS q(h, s, i, fp, lease, keep), n \
                    {on_conflict} RETURNING {COLUMNS}) \
-                 SELECT true, {prefixed}, (SELECT now FROM n) FROM ins \
-                 UNION ALL \
-                 SELECT false, {COLUMNS}, (SELECT now FROM n) FROM {t} \
-                 WHERE (SELECT count(*) FROM ins) < cardinality($1::bytea[]) \
-                   AND key_hash = ANY($1::bytea[]) AND key_hash NOT IN (SELECT key_hash FROM ins)",
+                 SELECT true, {prefixed}, (SELECT now FROM n) FROM ins",
                 now = now(5)
+            )),
+            // Run unprepared, so it is planned with its array every time: as a cached generic
+            // plan made while the table was tiny it scanned the whole table once grown.
+            claim_many_losers: s(format!(
+                "SELECT false, {COLUMNS}, {now} FROM {t} WHERE key_hash = ANY($1::bytea[])",
+                now = now(2)
             )),
             complete_many: s(format!(
                 "UPDATE {t} AS r SET state = 1, result = u.res, updated_at = n.now, lease_until = NULL, \

@@ -29,6 +29,13 @@ crate::inbox_common::inbox_consumer! {
     /// Outcomes map as in [`JetStreamConsumer`](crate::JetStreamConsumer). A permanent failure is
     /// dead-lettered and leaves no marker (a resubmitted copy runs again).
     ///
+    /// SQLite has one writer: the batch transaction holds the database's write lock from its
+    /// first mark to its commit, so a handler that stalls inside it stalls every other writer of
+    /// that file (other consumers, other processes) until it returns or their `busy_timeout`
+    /// runs out. Keep slow calls (HTTP, brokers) out of inbox handlers, bound them with a
+    /// timeout, or use `PgInboxConsumer` (feature `postgres`), whose transactions lock
+    /// rows, not the database.
+    ///
     /// ```no_run
     /// use std::time::Duration;
     /// use async_nats::jetstream;

@@ -29,6 +29,10 @@
 //! but their offsets are no longer committed: the new owner starts at the committed offset,
 //! which is never past them, and the store makes the second copy a duplicate.
 //!
+//! Both protocols work: the eager default, and `partition.assignment.strategy =
+//! cooperative-sticky`, under which a join revokes only the partitions that move (the
+//! adapter leaves assign and incremental assign to librdkafka; tested on tansu).
+//!
 //! # Against tansu
 //! The tests run against tansu 0.6.0, which answers a fetch that starts inside a multi-record
 //! batch with a later batch (records are skipped for every client, not only this one); the

@@ -608,6 +608,8 @@ impl DedupStore for PostgresStore {
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
             .bind(self.skew())
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            // Planned each time, as `complete_many` (a plan cached on a tiny table scans it all).
+            .persistent(false)
             .execute(&self.pool)
             .await
             .map_err(|e| backend("purge", e))?;

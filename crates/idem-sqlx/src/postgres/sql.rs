@@ -149,10 +149,12 @@ impl Sql {
                 now = now(3)
             )),
             // SKIP LOCKED: rows a claim is taking over right now are left for the next purge.
+            // Oldest first, which also walks the expires_at index from its start and stops at
+            // the limit, even when the planner has no statistics (a young table).
             purge: s(format!(
                 "DELETE FROM {t} WHERE key_hash IN (SELECT key_hash FROM {t} \
                  WHERE expires_at <= {now} AND NOT (state = 0 AND lease_until > {now}) \
-                 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+                 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
                 now = now(1)
             )),
             force_release: s(format!(

@@ -153,61 +153,103 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
     assert!(report.in_progress >= 4 && report.processed == 6, "{report:?}");
 }
 
-/// Two consumers in a group over 3 partitions: 600 unique ids, 150 duplicates and one reused
-/// id. Every effect once, the reused id dead-lettered with its reason, offsets at the end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id() {
-    let Some(brokers) = common::brokers() else { return };
-    let sfx = common::suffix();
-    let (topic, dlq, group) =
-        (format!("idem-2p-{sfx}"), format!("idem-2p-{sfx}-dlq"), format!("g-{sfx}"));
-    let _topics = Topics::create(&brokers, &[(&topic, 3), (&dlq, 1)]).await;
-    let mut recs: Vec<(String, Vec<u8>)> =
-        (0..600).map(|i| (format!("o-{i}"), format!(r#"{{"i":{i}}}"#).into_bytes())).collect();
-    for i in 0..150 {
-        recs.push(recs[i * 4].clone());
-    }
-    recs.push(("o-5".to_owned(), br#"{"i":"different"}"#.to_vec()));
-    let ends = common::produce(&common::producer(&brokers), &topic, &recs, None).await;
+/// A topic of 3 partitions (and its dead-letter topic) holding 600 ids `o-0` … `o-599`, then
+/// 150 producer duplicates (every fourth id again), then `extra`; and a group to consume it.
+struct OrdersTopic {
+    topic: String,
+    dlq: String,
+    group: String,
+    /// Each partition's end offset after the produce.
+    ends: HashMap<i32, i64>,
+    _topics: Topics,
+}
 
-    let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
-    let ledger: Ledger = Arc::default();
-    let mut runs = Vec::new();
-    for _ in 0..2 {
-        let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
-        let c = KafkaConsumer::new(
-            &common::config(&brokers, &group),
-            &[topic.as_str()],
-            dedup,
-            Settings::new(&dlq),
-        )
-        .unwrap();
-        runs.push(run(c, ledger.clone()));
+impl OrdersTopic {
+    async fn create(brokers: &str, prefix: &str, extra: &[(String, Vec<u8>)]) -> Self {
+        let sfx = common::suffix();
+        let (topic, dlq, group) =
+            (format!("{prefix}-{sfx}"), format!("{prefix}-{sfx}-dlq"), format!("g-{sfx}"));
+        let topics = Topics::create(brokers, &[(&topic, 3), (&dlq, 1)]).await;
+        let mut recs: Vec<(String, Vec<u8>)> =
+            (0..600).map(|i| (format!("o-{i}"), format!(r#"{{"i":{i}}}"#).into_bytes())).collect();
+        for i in 0..150 {
+            recs.push(recs[i * 4].clone());
+        }
+        recs.extend_from_slice(extra);
+        let ends = common::produce(&common::producer(brokers), &topic, &recs, None).await;
+        Self { topic, dlq, group, ends, _topics: topics }
     }
-    common::eventually(LIMIT, "all committed", || async {
-        let got = common::committed(&brokers, &group, &topic, 3).await;
-        (got.len() == ends.len() && got.iter().all(|(p, o)| ends.get(p) == Some(o))).then_some(())
-    })
-    .await;
+
+    /// A consumer of the group over `store` (scope `orders`), with `extra` client settings.
+    fn consumer(
+        &self,
+        brokers: &str,
+        store: &SqliteStore,
+        settings: Settings,
+        extra: &[(&str, &str)],
+    ) -> KafkaConsumer<SqliteStore> {
+        let mut cfg = common::config(brokers, &self.group);
+        for (k, v) in extra {
+            cfg.set(*k, *v);
+        }
+        let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
+        KafkaConsumer::new(&cfg, &[self.topic.as_str()], dedup, settings).unwrap()
+    }
+
+    /// Waits until the group's commits reach the end of every partition.
+    async fn all_committed(&self, brokers: &str) {
+        common::eventually(LIMIT, "all committed", || async {
+            let got = common::committed(brokers, &self.group, &self.topic, 3).await;
+            (got.len() == self.ends.len() && got.iter().all(|(p, o)| self.ends.get(p) == Some(o)))
+                .then_some(())
+        })
+        .await;
+    }
+}
+
+/// Stops every run and collects its report.
+async fn stop_all(runs: Vec<(oneshot::Sender<()>, JoinHandle<Report>)>) -> Vec<Report> {
     let mut reports = Vec::new();
     for (stop, task) in runs {
         let _ = stop.send(());
         reports.push(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
     }
+    reports
+}
+
+/// Every one of `n` keys ran its effect exactly once.
+fn each_once(ledger: &Ledger, n: usize) {
     let mut counts: HashMap<String, usize> = HashMap::new();
     for k in ledger.lock().unwrap().iter() {
         *counts.entry(k.clone()).or_default() += 1;
     }
-    assert_eq!(counts.len(), 600);
-    assert!(counts.values().all(|&n| n == 1), "a key's effect ran twice");
+    assert_eq!(counts.len(), n);
+    assert!(counts.values().all(|&c| c == 1), "a key's effect ran twice");
+}
+
+/// Two consumers in a group over 3 partitions: 600 unique ids, 150 duplicates and one reused
+/// id. Every effect once, the reused id dead-lettered with its reason, offsets at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id() {
+    let Some(brokers) = common::brokers() else { return };
+    let reused = [("o-5".to_owned(), br#"{"i":"different"}"#.to_vec())];
+    let t = OrdersTopic::create(&brokers, "idem-2p", &reused).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+    let ledger: Ledger = Arc::default();
+    let runs: Vec<_> = (0..2)
+        .map(|_| run(t.consumer(&brokers, &store, Settings::new(&t.dlq), &[]), ledger.clone()))
+        .collect();
+    t.all_committed(&brokers).await;
+    let reports = stop_all(runs).await;
+    each_once(&ledger, 600);
     // Redelivery after the group's first rebalance (messages polled but not yet committed)
     // makes extra duplicates and extra dead letters possible; first effects stay exactly 600.
     let sum = |f: fn(&Report) -> u64| reports.iter().map(f).sum::<u64>();
     assert_eq!(sum(|r| r.processed), 600, "{reports:?}");
     assert!(sum(|r| r.duplicates) >= 150 && sum(|r| r.dead_lettered) >= 1, "{reports:?}");
     let n = usize::try_from(sum(|r| r.dead_lettered)).unwrap();
-    let dead = common::read_all(&brokers, &dlq, n).await;
+    let dead = common::read_all(&brokers, &t.dlq, n).await;
     assert_eq!(dead.len(), n, "{dead:?}");
     for (_, hs) in &dead {
         assert_eq!(hs["message-id"], "o-5");
@@ -297,49 +339,22 @@ fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
     let Some(brokers) = common::brokers() else { return };
-    let sfx = common::suffix();
-    let (topic, dlq, group) =
-        (format!("idem-coop-{sfx}"), format!("idem-coop-{sfx}-dlq"), format!("g-{sfx}"));
-    let _topics = Topics::create(&brokers, &[(&topic, 3), (&dlq, 1)]).await;
-    let mut recs: Vec<(String, Vec<u8>)> =
-        (0..600).map(|i| (format!("o-{i}"), format!(r#"{{"i":{i}}}"#).into_bytes())).collect();
-    for i in 0..150 {
-        recs.push(recs[i * 4].clone());
-    }
-    let ends = common::produce(&common::producer(&brokers), &topic, &recs, None).await;
-
+    let t = OrdersTopic::create(&brokers, "idem-coop", &[]).await;
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
     let ledger: Ledger = Arc::default();
-    let consumer = || {
-        let mut cfg = common::config(&brokers, &group);
-        cfg.set("partition.assignment.strategy", "cooperative-sticky");
-        let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
-        // Small batches, so the first consumer is still at work when the second joins.
-        KafkaConsumer::new(&cfg, &[topic.as_str()], dedup, Settings::new(&dlq).batch(4)).unwrap()
-    };
+    // Small batches, so the first consumer is still at work when the second joins.
+    let coop = [("partition.assignment.strategy", "cooperative-sticky")];
+    let consumer = || t.consumer(&brokers, &store, Settings::new(&t.dlq).batch(4), &coop);
     let first = run(consumer(), ledger.clone());
     common::eventually(LIMIT, "the first consumer under way", || async {
         (ledger.lock().unwrap().len() >= 20).then_some(())
     })
     .await;
     let second = run(consumer(), ledger.clone());
-    common::eventually(LIMIT, "all committed", || async {
-        let got = common::committed(&brokers, &group, &topic, 3).await;
-        (got.len() == ends.len() && got.iter().all(|(p, o)| ends.get(p) == Some(o))).then_some(())
-    })
-    .await;
-    let mut reports = Vec::new();
-    for (stop, task) in [first, second] {
-        let _ = stop.send(());
-        reports.push(tokio::time::timeout(LIMIT, task).await.unwrap().unwrap());
-    }
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    for k in ledger.lock().unwrap().iter() {
-        *counts.entry(k.clone()).or_default() += 1;
-    }
-    assert_eq!(counts.len(), 600);
-    assert!(counts.values().all(|&n| n == 1), "a key's effect ran twice");
+    t.all_committed(&brokers).await;
+    let reports = stop_all(vec![first, second]).await;
+    each_once(&ledger, 600);
     assert_eq!(reports.iter().map(|r| r.processed).sum::<u64>(), 600, "{reports:?}");
     assert!(reports.iter().map(|r| r.duplicates).sum::<u64>() >= 150, "{reports:?}");
     assert!(reports.iter().all(|r| r.fetched > 0), "both consumers took part: {reports:?}");

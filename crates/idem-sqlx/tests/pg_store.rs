@@ -336,8 +336,8 @@ async fn purge_runs_beside_claims() {
     assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
 }
 
-/// `complete_many`, `purge` and `claim_many`'s read of the losers must stay index lookups as the
-/// table grows. As a prepared
+/// `complete_many`, `purge` and `claim_many`'s read of the losers (and the per-message claim,
+/// complete and get, which never scanned) must stay index lookups as the table grows. As a prepared
 /// statement its plan was cached once generic (after five runs) while the table was tiny: a
 /// sequential scan joined by hash, which then read the whole table on every batch (seen in
 /// `idem bench-sql`: 5,152 sequential scans reading 98 million rows for 40,000 completions).
@@ -361,9 +361,15 @@ async fn batch_statements_stay_index_lookups_as_the_table_grows() {
         }
     };
     // While the table is tiny: enough runs for the server to settle on a generic plan.
+    let one = async |id: String| {
+        let Claim::Acquired(l) = db.store.claim(&req(id.clone())).await.unwrap() else { panic!() };
+        db.store.complete(l, None, WEEK).await.unwrap();
+        assert!(db.store.get(&key(&id)).await.unwrap().is_some());
+    };
     for i in 0..10 {
         complete_all((0..2).map(|j| req(format!("tiny-{i}-{j}"))).collect()).await;
         db.store.purge(50).await.unwrap();
+        one(format!("tiny1-{i}")).await;
     }
     // Grow it (claims only), then complete small batches on the grown table.
     for i in 0..40 {
@@ -373,6 +379,7 @@ async fn batch_statements_stay_index_lookups_as_the_table_grows() {
     const LATE: i64 = 40;
     for i in 0..LATE {
         complete_all((0..2).map(|j| req(format!("late-{i}-{j}"))).collect()).await;
+        one(format!("late1-{i}")).await;
     }
     // Purges that find nothing due (every record is kept a week) must not read every row.
     for _ in 0..LATE {
@@ -394,7 +401,7 @@ async fn batch_statements_stay_index_lookups_as_the_table_grows() {
          WHERE schemaname = '{}' AND relname = 'idem_records'",
         db.schema
     );
-    let updates = 2 * (10 + LATE);
+    let updates = 3 * (10 + LATE);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let seq_scans = loop {
         let _ = sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&pool).await;

@@ -538,7 +538,7 @@ impl DedupStore for PostgresStore {
             .bind(self.skew())
             // Planned with its arrays on every run: a cached generic plan chosen while the
             // table was tiny (sequential scan, hash join) would read the whole table per batch
-            // once it has grown (test: complete_many_stays_an_index_lookup_as_the_table_grows).
+            // once it has grown (test: batch_statements_stay_index_lookups_as_the_table_grows).
             .persistent(false)
             .fetch_all(&self.pool)
             .await

@@ -4,7 +4,7 @@
 #   .ci/services.sh status  print which services answer; exit 1 if any does not
 # Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT.
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
-# missing one is built with `cargo install` once per machine (15-21 min cold, measured), then reused.
+# missing one is built with `cargo install` once per machine (11-21 min cold, measured), then reused.
 set -euo pipefail
 log() { echo "[services] $*"; }
 port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
@@ -81,7 +81,7 @@ up() {
   # Kafka protocol: tansu on loopback only, in-memory storage (its default listener is 0.0.0.0).
   port_open "$KAFKA_PORT" || { local tansu; tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
     if [[ ! -x $tansu ]]; then
-      log "installing tansu $TANSU_VERSION from crates.io (cold build, 15-21 min measured; once per machine)"
+      log "installing tansu $TANSU_VERSION from crates.io (cold build, 11-21 min measured; once per machine)"
       local t0=$SECONDS
       cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore \
         --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \

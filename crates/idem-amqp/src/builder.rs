@@ -49,6 +49,7 @@ pub struct AmqpConsumerBuilder<S> {
     pub(crate) window: Option<RabbitWindow>,
     pub(crate) tag: Option<String>,
     pub(crate) hook: Option<Hook>,
+    pub(crate) broker_timeout: Duration,
 }
 
 impl<S: DedupStore> AmqpConsumerBuilder<S> {
@@ -64,6 +65,7 @@ impl<S: DedupStore> AmqpConsumerBuilder<S> {
             window: None,
             tag: None,
             hook: None,
+            broker_timeout: Duration::from_secs(30),
         }
     }
 
@@ -104,6 +106,16 @@ impl<S: DedupStore> AmqpConsumerBuilder<S> {
     /// The consumer tag.
     pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
         self.tag = Some(tag.into());
+        self
+    }
+
+    /// How long an ack or nack, or a dead-letter or delay copy with its publisher confirm, may
+    /// take before the consumer takes its connection for lost and stops with
+    /// [`Error::BrokerTimeout`] (default 30 s; at least 1 ms). lapin was seen to leave an ack
+    /// pending forever once its connection had failed. Unacked messages are redelivered, and the
+    /// store makes the copies duplicates.
+    pub fn broker_timeout(mut self, d: Duration) -> Self {
+        self.broker_timeout = d.max(Duration::from_millis(1));
         self
     }
 
@@ -162,6 +174,7 @@ impl<S: DedupStore> AmqpConsumerBuilder<S> {
             max_delay: self.max_delay,
             tag,
             hook: self.hook,
+            broker_timeout: self.broker_timeout,
         })
     }
 }

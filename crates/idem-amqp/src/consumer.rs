@@ -62,6 +62,7 @@ pub struct AmqpConsumer<S> {
     pub(crate) max_delay: Duration,
     pub(crate) tag: String,
     pub(crate) hook: Option<Hook>,
+    pub(crate) broker_timeout: Duration,
 }
 
 impl<S> std::fmt::Debug for AmqpConsumer<S> {
@@ -151,6 +152,9 @@ impl<S: DedupStore> AmqpConsumer<S> {
             biased;
             () = shutdown.as_mut() => return Ok(None),
             d = stream.next() => d,
+            () = self.lost() => {
+                return Err(Error::BrokerTimeout { what: "the delivery stream", timeout: self.broker_timeout });
+            }
         };
         let mut batch = vec![AmqpMessage::new(next_delivery(first)?)];
         let deadline = tokio::time::Instant::now() + self.batch_wait;
@@ -164,19 +168,43 @@ impl<S: DedupStore> AmqpConsumer<S> {
         Ok(Some(batch))
     }
 
+    /// Resolves once the consuming channel has not been connected for `broker_timeout`: a
+    /// stream that lapin leaves silent after its connection failed must not hold the consumer.
+    async fn lost(&self) {
+        let every =
+            (self.broker_timeout / 10).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        let mut since = None;
+        loop {
+            tokio::time::sleep(every).await;
+            if self.channel.status().connected() {
+                since = None;
+            } else if since.get_or_insert_with(tokio::time::Instant::now).elapsed()
+                >= self.broker_timeout
+            {
+                return;
+            }
+        }
+    }
+
     /// Cancels the consumer, requeues what the broker pushed meanwhile, closes the channels.
     pub(crate) async fn close(&self, mut stream: lapin::Consumer, stats: &mut Stats) {
-        if let Err(e) =
-            self.channel.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default()).await
-        {
-            tracing::warn!(target: "idem", error = %e, "basic.cancel failed");
+        let bound = self.broker_timeout;
+        let cancel =
+            self.channel.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default());
+        match tokio::time::timeout(bound, cancel).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(target: "idem", error = %e, "basic.cancel failed"),
+            Err(_) => {
+                tracing::warn!(target: "idem", timeout = ?bound, "basic.cancel unanswered; closing");
+            }
         }
         // After cancel-ok the stream ends; the bound only guards against a silent broker.
         while let Ok(Some(Ok(d))) =
             tokio::time::timeout(Duration::from_secs(5), stream.next()).await
         {
-            match d.nack(BasicNackOptions { multiple: false, requeue: true }).await {
-                Ok(true) => {
+            let nack = d.nack(BasicNackOptions { multiple: false, requeue: true });
+            match tokio::time::timeout(bound, nack).await {
+                Ok(Ok(true)) => {
                     stats.requeued += 1;
                     stats.returned_at_shutdown += 1;
                 }
@@ -184,8 +212,13 @@ impl<S: DedupStore> AmqpConsumer<S> {
             }
         }
         for ch in [&self.channel, &self.publisher] {
-            if let Err(e) = ch.close(200, "idem consumer shutdown".into()).await {
-                tracing::debug!(target: "idem", error = %e, "channel close");
+            match tokio::time::timeout(bound, ch.close(200, "idem consumer shutdown".into())).await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(target: "idem", error = %e, "channel close"),
+                Err(_) => {
+                    tracing::debug!(target: "idem", timeout = ?bound, "channel close unanswered")
+                }
             }
         }
     }

@@ -51,6 +51,17 @@ pub enum Error {
         #[source]
         source: Option<lapin::Error>,
     },
+    /// A broker verb (ack, nack, a dead-letter or delay publish and its confirm) did not finish
+    /// within the consumer's `broker_timeout`, or the channel stopped being connected while
+    /// the consumer waited for deliveries: the connection is taken for lost, and every
+    /// message not acked is redelivered by the broker.
+    #[error("the broker connection looks lost: {what} did not finish within {timeout:?}")]
+    BrokerTimeout {
+        /// What was waited for.
+        what: &'static str,
+        /// The limit (`AmqpConsumerBuilder::broker_timeout`).
+        timeout: std::time::Duration,
+    },
     /// The broker cancelled the consumer (queue deleted, node down).
     #[error("the broker cancelled the consumer")]
     Cancelled,

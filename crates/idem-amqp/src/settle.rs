@@ -90,6 +90,8 @@ enum PublishError {
     Nacked,
     #[error("the copy was unroutable (returned)")]
     Unroutable,
+    #[error("no publisher confirm for the copy within {0:?}")]
+    NoConfirm(std::time::Duration),
 }
 
 impl<S: DedupStore> AmqpConsumer<S> {
@@ -167,7 +169,7 @@ impl<S: DedupStore> AmqpConsumer<S> {
 
     async fn ack(&self, m: &AmqpMessage, stats: &mut Stats) -> Result<(), Error> {
         let d = m.delivery();
-        match d.ack(BasicAckOptions::default()).await {
+        match self.bounded("an ack", d.ack(BasicAckOptions::default())).await? {
             Ok(true) => {
                 stats.acked += 1;
                 Ok(())
@@ -180,7 +182,7 @@ impl<S: DedupStore> AmqpConsumer<S> {
     pub(crate) async fn requeue(&self, m: &AmqpMessage, stats: &mut Stats) -> Result<(), Error> {
         let d = m.delivery();
         let opts = BasicNackOptions { multiple: false, requeue: true };
-        match d.nack(opts).await {
+        match self.bounded("a nack", d.nack(opts)).await? {
             Ok(true) => {
                 stats.requeued += 1;
                 Ok(())
@@ -188,6 +190,17 @@ impl<S: DedupStore> AmqpConsumer<S> {
             Ok(false) => Err(Error::Settle { verb: "nack", tag: d.delivery_tag, source: None }),
             Err(e) => Err(Error::Settle { verb: "nack", tag: d.delivery_tag, source: Some(e) }),
         }
+    }
+
+    /// `fut`, or [`Error::BrokerTimeout`] once `broker_timeout` has passed.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = T>,
+    ) -> Result<T, Error> {
+        tokio::time::timeout(self.broker_timeout, fut)
+            .await
+            .map_err(|_| Error::BrokerTimeout { what, timeout: self.broker_timeout })
     }
 
     /// Republishes `m` (persistent, mandatory) and waits for the broker's confirm.
@@ -238,17 +251,21 @@ impl<S: DedupStore> AmqpConsumer<S> {
         if let Some(ms) = expiration_ms {
             props = props.with_expiration(ms.to_string().into());
         }
-        let confirm = self
-            .publisher
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions { mandatory: true, immediate: false },
-                m.payload(),
-                props,
-            )
-            .await?
-            .await?;
+        let publish = async {
+            self.publisher
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions { mandatory: true, immediate: false },
+                    m.payload(),
+                    props,
+                )
+                .await?
+                .await
+        };
+        let confirm = tokio::time::timeout(self.broker_timeout, publish)
+            .await
+            .map_err(|_| PublishError::NoConfirm(self.broker_timeout))??;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable),

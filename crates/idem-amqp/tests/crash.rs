@@ -345,6 +345,9 @@ async fn start<S: DedupStore + Clone>(
         .prefetch(16)
         .batch(8, Duration::from_millis(2))
         .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
+        // A verb pending on a lost connection ends the run after 5 s (lapin once left an ack
+        // pending forever after the cut: A never stopped).
+        .broker_timeout(Duration::from_secs(5))
         .on_settle(hook)
         .connect(conn)
         .await
@@ -602,6 +605,10 @@ async fn scenario(mode: Mode, kind: Kind) {
     };
     let a_result = a_result.unwrap();
     assert!(a_result.is_err(), "A's run must fail once its connection is gone: {a_result:?}");
+    eprintln!(
+        "A stopped: {}",
+        a_result.as_ref().err().map(ToString::to_string).unwrap_or_default()
+    );
 
     let abort_key = tokio::time::timeout(LIMIT, abort_rx).await.unwrap().expect("child aborts");
     let status = tokio::time::timeout(LIMIT, child.wait()).await.unwrap().unwrap();

@@ -27,6 +27,10 @@
 //!   never followed by an ack: the original is requeued instead.
 //! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
 //!   again: the dead-letter queue is at least once.
+//! - No broker verb waits forever: an ack, nack or copy that has not finished within
+//!   [`AmqpConsumerBuilder::broker_timeout`] (30 s), or a delivery stream whose channel has
+//!   been disconnected that long, ends the run with [`Error::BrokerTimeout`] (lapin was seen
+//!   to leave an ack pending forever after its connection failed).
 //! - Any broker error ends [`AmqpConsumer::run`] with an [`Error`]; reconnect and build a new
 //!   consumer. Unacked messages are redelivered by the broker; the store turns them into
 //!   duplicates.

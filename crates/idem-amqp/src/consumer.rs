@@ -168,6 +168,17 @@ impl<S: DedupStore> AmqpConsumer<S> {
         Ok(Some(batch))
     }
 
+    /// `fut`, or [`Error::BrokerTimeout`] once `broker_timeout` has passed.
+    pub(crate) async fn bounded<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = T>,
+    ) -> Result<T, Error> {
+        tokio::time::timeout(self.broker_timeout, fut)
+            .await
+            .map_err(|_| Error::BrokerTimeout { what, timeout: self.broker_timeout })
+    }
+
     /// Resolves once the consuming channel has not been connected for `broker_timeout`: a
     /// stream that lapin leaves silent after its connection failed must not hold the consumer.
     async fn lost(&self) {
@@ -188,14 +199,13 @@ impl<S: DedupStore> AmqpConsumer<S> {
 
     /// Cancels the consumer, requeues what the broker pushed meanwhile, closes the channels.
     pub(crate) async fn close(&self, mut stream: lapin::Consumer, stats: &mut Stats) {
-        let bound = self.broker_timeout;
         let cancel =
             self.channel.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default());
-        match tokio::time::timeout(bound, cancel).await {
+        match self.bounded("basic.cancel", cancel).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(target: "idem", error = %e, "basic.cancel failed"),
-            Err(_) => {
-                tracing::warn!(target: "idem", timeout = ?bound, "basic.cancel unanswered; closing");
+            Err(e) => {
+                tracing::warn!(target: "idem", error = %e, "basic.cancel unanswered; closing")
             }
         }
         // After cancel-ok the stream ends; the bound only guards against a silent broker.
@@ -203,7 +213,7 @@ impl<S: DedupStore> AmqpConsumer<S> {
             tokio::time::timeout(Duration::from_secs(5), stream.next()).await
         {
             let nack = d.nack(BasicNackOptions { multiple: false, requeue: true });
-            match tokio::time::timeout(bound, nack).await {
+            match self.bounded("a nack", nack).await {
                 Ok(Ok(true)) => {
                     stats.requeued += 1;
                     stats.returned_at_shutdown += 1;
@@ -212,13 +222,11 @@ impl<S: DedupStore> AmqpConsumer<S> {
             }
         }
         for ch in [&self.channel, &self.publisher] {
-            match tokio::time::timeout(bound, ch.close(200, "idem consumer shutdown".into())).await
-            {
+            let close = ch.close(200, "idem consumer shutdown".into());
+            match self.bounded("channel.close", close).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::debug!(target: "idem", error = %e, "channel close"),
-                Err(_) => {
-                    tracing::debug!(target: "idem", timeout = ?bound, "channel close unanswered")
-                }
+                Err(e) => tracing::debug!(target: "idem", error = %e, "channel close unanswered"),
             }
         }
     }

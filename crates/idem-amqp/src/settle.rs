@@ -192,17 +192,6 @@ impl<S: DedupStore> AmqpConsumer<S> {
         }
     }
 
-    /// `fut`, or [`Error::BrokerTimeout`] once `broker_timeout` has passed.
-    async fn bounded<T>(
-        &self,
-        what: &'static str,
-        fut: impl Future<Output = T>,
-    ) -> Result<T, Error> {
-        tokio::time::timeout(self.broker_timeout, fut)
-            .await
-            .map_err(|_| Error::BrokerTimeout { what, timeout: self.broker_timeout })
-    }
-
     /// Republishes `m` (persistent, mandatory) and waits for the broker's confirm.
     async fn publish_copy(
         &self,

@@ -450,29 +450,20 @@ impl DedupStore for PostgresStore {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("claim_many", e))?;
-        let mut rows = rows;
-        if rows.len() < h.len() {
-            // Some keys were taken: read their records (a second round trip, only then).
-            let won: std::collections::HashSet<Vec<u8>> =
-                rows.iter().filter_map(|r| r.try_get::<Vec<u8>, _>(1).ok()).collect();
-            let losers: Vec<&Vec<u8>> = h.iter().filter(|k| !won.contains(*k)).collect();
-            rows.extend(
-                sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
-                    .bind(&losers)
-                    .bind(self.skew())
-                    .persistent(false)
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err(|e| backend("claim_many", e))?,
-            );
-        }
         let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
-        for row in &rows {
-            let get = |e| backend("claim_many", e);
-            let won: bool = row.try_get(0).map_err(get)?;
-            let raw = decode_offset(row)?;
-            let now: i64 = row.try_get(14).map_err(get)?;
-            found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
+        decode_claimed(&rows, &mut found)?;
+        if found.len() < first.len() {
+            // Some keys were taken: read their records (a second round trip, only then).
+            let losers: Vec<Vec<u8>> =
+                first.keys().filter(|k| !found.contains_key(*k)).map(|k| k.to_vec()).collect();
+            let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
+                .bind(&losers)
+                .bind(self.skew())
+                .persistent(false)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| backend("claim_many", e))?;
+            decode_claimed(&rows, &mut found)?;
         }
         let mut out = Vec::with_capacity(reqs.len());
         for (n, req) in reqs.iter().enumerate() {
@@ -615,6 +606,21 @@ impl DedupStore for PostgresStore {
             .map_err(|e| backend("purge", e))?;
         Ok(done.rows_affected())
     }
+}
+
+/// Adds `claim_many`'s rows (winners or losers) to `found`, by key hash.
+fn decode_claimed(
+    rows: &[PgRow],
+    found: &mut HashMap<[u8; 32], (bool, Record, Timestamp)>,
+) -> Result<(), StoreError> {
+    for row in rows {
+        let get = |e| backend("claim_many", e);
+        let won: bool = row.try_get(0).map_err(get)?;
+        let raw = decode_offset(row)?;
+        let now: i64 = row.try_get(14).map_err(get)?;
+        found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
+    }
+    Ok(())
 }
 
 /// Decodes the record columns that follow the leading `won` flag of a `claim_many` row.

@@ -13,6 +13,7 @@
 pub mod batched;
 pub mod claim;
 pub mod consumer;
+pub mod driver;
 pub mod extract;
 pub mod fingerprint;
 pub mod ident;
@@ -27,7 +28,8 @@ pub mod version;
 
 pub use batched::{BatchConfig, Batched};
 pub use claim::{Claim, ClaimRequest, FailKind, Lease};
-pub use consumer::{Consumer, Outcome};
+pub use consumer::{Backend, Consumer, Outcome, OutcomeKind};
+pub use driver::Driver;
 pub use fingerprint::{Fingerprint, FingerprintSpec};
 pub use ident::{Identifier, IdentifierError};
 pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};

@@ -353,7 +353,7 @@ async fn batch_claims_in_one_round_trip_and_runs_repeats_once() {
             async move { Ok(format!("{}:{body}", ctx.attempt())) }
         })
         .await;
-    let labels: Vec<&str> = outs.iter().map(Outcome::label).collect();
+    let labels: Vec<&str> = outs.iter().map(|o| o.kind().as_str()).collect();
     assert_eq!(labels, ["processed", "processed", "duplicate", "conflict", "failed_permanent"]);
     assert!(matches!(&outs[2], Outcome::Duplicate(Some(r)) if r.starts_with("1:")));
     assert_eq!(runs.load(Ordering::SeqCst), 2);

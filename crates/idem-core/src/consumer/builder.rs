@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::Consumer;
 use crate::extract::{KeyExtractor, MessageId};
 use crate::retention::{RetentionTooShort, RetentionWindow};
-use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, DedupStore, FingerprintSpec, KeyError};
+use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, KeyError};
 
 /// What to do with a message that carries no key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,7 +88,7 @@ pub struct ConsumerBuilder<S> {
     max_result_bytes: usize,
 }
 
-impl<S: DedupStore> ConsumerBuilder<S> {
+impl<S> ConsumerBuilder<S> {
     pub(crate) fn new(store: S) -> Self {
         Self {
             store,
@@ -119,13 +119,15 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
-    /// How long completed records are kept. Must outlast the broker's redelivery window.
+    /// How long completed records are kept. Must outlast the broker's redelivery window. (An
+    /// inbox keeps its markers for the retention it was made with; this does not apply.)
     pub fn retain(mut self, retain: Duration) -> Self {
         self.retain = retain;
         self
     }
 
-    /// Checks at build time that the retention covers this redelivery window.
+    /// Checks at build time that the retention (the store's, or the inbox's own) covers this
+    /// redelivery window.
     pub fn retention_window(mut self, window: RetentionWindow) -> Self {
         self.window = Some(window);
         self
@@ -174,7 +176,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.max_result_bytes = limit;
         self
     }
+}
 
+impl<S: super::Backend> ConsumerBuilder<S> {
     /// Validates the configuration.
     ///
     /// # Errors
@@ -189,10 +193,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         if self.retain.is_zero() {
             return Err(ConfigError::ZeroDuration { field: "retain" });
         }
-        if let Some(w) = self.window {
-            w.check(self.retain)?;
-        }
-        Ok(Consumer {
+        let window = self.window;
+        let consumer = Consumer {
             store: self.store,
             cfg: Arc::new(Config {
                 scope,
@@ -206,6 +208,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 max_key_bytes: self.max_key_bytes,
                 max_result_bytes: self.max_result_bytes,
             }),
-        })
+        };
+        if let Some(w) = window {
+            w.check(S::retention(&consumer))?;
+        }
+        Ok(consumer)
     }
 }

@@ -13,6 +13,11 @@ pub struct Context {
 }
 
 impl Context {
+    /// The context of a message without a key, processed without dedup.
+    pub(crate) fn unkeyed() -> Self {
+        Self { key: None, downstream_key: None, attempt: 1, token: 0, took_over: false }
+    }
+
     /// The dedup key; `None` when the message had none and the policy processes it anyway.
     pub fn key(&self) -> Option<&DedupKey> {
         self.key.as_ref()

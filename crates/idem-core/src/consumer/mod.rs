@@ -1,5 +1,6 @@
 //! The consumer engine: claim, run the handler, record the outcome.
 
+mod backend;
 mod builder;
 mod context;
 mod outcome;
@@ -7,26 +8,36 @@ mod outcome;
 use std::fmt::Display;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
+pub use backend::Backend;
 pub use builder::{ConfigError, ConsumerBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
 pub use context::Context;
-pub use outcome::{Cause, Conflict, Disposition, Failure, FailureKind, HandlerError, Outcome};
+pub use outcome::{
+    Cause, Conflict, Disposition, Failure, FailureKind, HandlerError, Outcome, OutcomeKind,
+};
 
 use crate::extract::{Envelope, ExtractError};
-use crate::{Claim, ClaimRequest, DedupKey, DedupStore, FailKind, KeyError, Lease, RecordState};
+use crate::store::Completion;
+use crate::{
+    Claim, ClaimRequest, DedupKey, DedupStore, FailKind, KeyError, Lease, RecordState, StoreError,
+};
 use builder::Config;
 
-/// Makes a handler idempotent over a [`DedupStore`].
+/// Makes a handler idempotent over a [`DedupStore`] (two-phase) or a transactional inbox.
 ///
 /// For each delivery: extract the key, fingerprint the payload, claim `(scope, key)` in the
 /// store, then run the handler only if the claim was acquired, and record its completion before
 /// returning. The returned [`Outcome`] says what to tell the broker
 /// ([`Outcome::disposition`]); ack only after `process` returns.
+///
+/// Over a transactional inbox (`Consumer::builder(store.inbox(retain))`) the engine marks keys
+/// inside one database transaction with the handler's own writes; broker adapters drive it
+/// through [`Consumer::decide_batch`].
 ///
 /// ```
 /// use idem_core::{Consumer, MemoryStore, Outcome, extract::Message, consumer::HandlerError};
@@ -47,18 +58,18 @@ use builder::Config;
 /// }
 /// # Ok(()) }
 /// ```
-pub struct Consumer<S> {
-    store: S,
+pub struct Consumer<B> {
+    store: B,
     cfg: Arc<Config>,
 }
 
-impl<S: Clone> Clone for Consumer<S> {
+impl<B: Clone> Clone for Consumer<B> {
     fn clone(&self) -> Self {
         Self { store: self.store.clone(), cfg: Arc::clone(&self.cfg) }
     }
 }
 
-impl<S> std::fmt::Debug for Consumer<S> {
+impl<B> std::fmt::Debug for Consumer<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
             .field("scope", &self.cfg.scope)
@@ -68,20 +79,39 @@ impl<S> std::fmt::Debug for Consumer<S> {
     }
 }
 
-enum Prepared<T, E> {
+/// A delivery made ready for its claim: the request, or an outcome decided without the store.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Prepared<T, E> {
+    /// Claim (or mark) this key with this fingerprint.
     Claim(ClaimRequest),
+    /// The message has no key and the policy processes such messages without dedup.
     Unkeyed,
+    /// Decided already: no usable key, or a payload the fingerprint cannot read.
     Done(Outcome<T, E>),
 }
 
-impl<S: DedupStore> Consumer<S> {
-    /// Starts a builder over `store`.
-    pub fn builder(store: S) -> ConsumerBuilder<S> {
+/// What became of an acquired claim's handler: its outcome, or a completion still to record.
+enum Ran<T, E> {
+    Done(Outcome<T, E>),
+    Complete { lease: Lease, value: T, stored: Option<Vec<u8>> },
+}
+
+/// One delivery being decided: its span (closed with the outcome) and what it knows so far.
+struct Decision<T, E> {
+    span: tracing::Span,
+    attempt: u32,
+    ran: Ran<T, E>,
+}
+
+impl<B> Consumer<B> {
+    /// Starts a builder over `store`: a [`DedupStore`] (two-phase) or a transactional inbox.
+    pub fn builder(store: B) -> ConsumerBuilder<B> {
         ConsumerBuilder::new(store)
     }
 
-    /// The store.
-    pub fn store(&self) -> &S {
+    /// The store (or inbox).
+    pub fn store(&self) -> &B {
         &self.store
     }
 
@@ -91,18 +121,23 @@ impl<S: DedupStore> Consumer<S> {
     }
 
     /// How long a claim holds a key.
-    pub fn lease(&self) -> std::time::Duration {
+    pub fn lease(&self) -> Duration {
         self.cfg.lease
     }
 
     /// How long completed records are kept (adapters check it against their broker's
-    /// redelivery window at startup).
-    pub fn retain(&self) -> std::time::Duration {
+    /// redelivery window at startup). An inbox keeps its markers for its own retention.
+    pub fn retain(&self) -> Duration {
         self.cfg.retain
     }
 
-    /// The fingerprint this consumer would record for `msg` (adapters whose writes go through
-    /// a transactional inbox instead of [`Consumer::process`] need it).
+    /// The lease heartbeat interval, if one is set. Broker adapters extend the broker's own ack
+    /// deadline on the same beat.
+    pub fn heartbeat(&self) -> Option<Duration> {
+        self.cfg.heartbeat
+    }
+
+    /// The fingerprint this consumer would record for `msg`.
     ///
     /// # Errors
     /// The parse error when the fingerprint spec needs JSON and the payload is not JSON.
@@ -111,12 +146,6 @@ impl<S: DedupStore> Consumer<S> {
         msg: &M,
     ) -> Result<Option<crate::Fingerprint>, serde_json::Error> {
         self.cfg.fingerprint.fingerprint(msg.payload())
-    }
-
-    /// The lease heartbeat interval, if one is set. Broker adapters extend the broker's own ack
-    /// deadline on the same beat.
-    pub fn heartbeat(&self) -> Option<std::time::Duration> {
-        self.cfg.heartbeat
     }
 
     /// The key this consumer would use for `msg`.
@@ -131,6 +160,121 @@ impl<S: DedupStore> Consumer<S> {
             .map_err(KeyFailure::Invalid)
     }
 
+    /// The key and fingerprint of `msg` as a claim request, or the outcome that needs no store
+    /// (a missing key under [`MissingKeyPolicy::Reject`], an invalid key, a payload that is not
+    /// JSON when the fingerprint needs JSON). For backends and adapters; [`Consumer::process`]
+    /// calls it itself.
+    pub fn prepare<M: Envelope, T, E>(&self, msg: &M) -> Prepared<T, E> {
+        let key = match self.key_of(msg) {
+            Ok(k) => k,
+            Err(KeyFailure::Missing(_))
+                if self.cfg.missing_key == MissingKeyPolicy::ProcessWithoutDedup =>
+            {
+                return Prepared::Unkeyed;
+            }
+            Err(e) => return Prepared::Done(Outcome::failed(FailureKind::Permanent, e.into())),
+        };
+        match self.cfg.fingerprint.fingerprint(msg.payload()) {
+            Ok(fp) => Prepared::Claim(ClaimRequest::new(key, fp, self.cfg.lease, self.cfg.retain)),
+            Err(e) => Prepared::Done(Outcome::failed(FailureKind::Permanent, Cause::Payload(e))),
+        }
+    }
+
+    /// The handler result as it is stored for duplicates: its JSON, or `None` (with a warning)
+    /// when it does not serialize or is larger than the consumer's `max_result_bytes`, the one
+    /// result limit of both modes.
+    pub fn encode_result<T: Serialize>(&self, key: &DedupKey, value: &T) -> Option<Vec<u8>> {
+        match serde_json::to_vec(value) {
+            Ok(b) if b.len() <= self.cfg.max_result_bytes => Some(b),
+            Ok(b) => {
+                tracing::warn!(target: "idem", %key, len = b.len(),
+                    limit = self.cfg.max_result_bytes,
+                    "handler result larger than max_result_bytes; duplicates will carry no result");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(target: "idem", %key, error = %e,
+                    "handler result does not serialize; duplicates will carry no result");
+                None
+            }
+        }
+    }
+
+    /// Records how long a claim (or a batch of marks) took, in `idem_claim_duration_seconds`.
+    pub fn observe_claim(&self, started: Instant) {
+        metrics::histogram!("idem_claim_duration_seconds", "scope" => self.cfg.scope.clone())
+            .record(started.elapsed().as_secs_f64());
+    }
+
+    /// Emits a finished delivery's `tracing` event and its `idem_outcomes_total` count: what
+    /// every path of the engine does once an outcome is decided (backends call it too).
+    pub fn observe<T, E: Display>(
+        &self,
+        key: Option<&DedupKey>,
+        correlation: Option<&str>,
+        outcome: &Outcome<T, E>,
+        attempt: u32,
+    ) {
+        let label = outcome.kind().as_str();
+        metrics::counter!("idem_outcomes_total", "scope" => self.cfg.scope.clone(), "outcome" => label)
+            .increment(1);
+        let scope = self.cfg.scope.as_str();
+        let key = key.map_or("", DedupKey::id);
+        let correlation_id = correlation.unwrap_or("");
+        match outcome {
+            Outcome::Conflict(c) => tracing::warn!(target: "idem", scope, key, correlation_id,
+                outcome = label, attempt, detail = %c, "delivery finished"),
+            Outcome::Failed(f) => tracing::warn!(target: "idem", scope, key, correlation_id,
+                outcome = label, attempt, detail = %f.cause, "delivery finished"),
+            _ => tracing::debug!(target: "idem", scope, key, correlation_id, outcome = label,
+                attempt, "delivery finished"),
+        }
+    }
+
+    /// Runs a handler for a message without a key (the missing-key policy processes such
+    /// messages without dedup) and counts it in `idem_missing_key_total`.
+    pub async fn run_unkeyed<C, T, E, F, Fut>(
+        &self,
+        ctx: C,
+        handler: F,
+        correlation: Option<&str>,
+    ) -> Outcome<T, E>
+    where
+        E: Display,
+        F: FnOnce(C) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        metrics::counter!("idem_missing_key_total", "scope" => self.cfg.scope.clone()).increment(1);
+        let outcome = match handler(ctx).await {
+            Ok(v) => Outcome::Processed(v),
+            Err(e) => Outcome::from_handler_error(e),
+        };
+        self.observe(None, correlation, &outcome, 1);
+        outcome
+    }
+}
+
+impl<B: Backend> Consumer<B> {
+    /// Decides a batch of owned messages with whatever this consumer's store is: claims, runs
+    /// and records in two-phase mode, one transaction in inbox mode. What broker adapters call;
+    /// outcomes are in message order, and every effect they acknowledge is durable.
+    pub async fn decide_batch<M, H, Fut, T, E>(
+        &self,
+        batch: &[M],
+        handler: &H,
+    ) -> Vec<Outcome<T, E>>
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Fn(B::Ctx, M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        B::decide(self, batch, handler).await
+    }
+}
+
+impl<S: DedupStore> Consumer<S> {
     /// Processes one delivery. Every call ends in exactly one [`Outcome`]; store failures are
     /// [`Outcome::Failed`] with [`Cause::Store`], never a panic or a silent ack.
     ///
@@ -143,24 +287,35 @@ impl<S: DedupStore> Consumer<S> {
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        let correlation = msg.correlation_id().map(str::to_owned);
+        let correlation = msg.correlation_id();
         let req = match self.prepare(msg) {
             Prepared::Claim(req) => req,
-            Prepared::Unkeyed => return self.run_unkeyed(handler, correlation.as_deref()).await,
+            Prepared::Unkeyed => {
+                return self.run_unkeyed(Context::unkeyed(), handler, correlation).await;
+            }
             Prepared::Done(outcome) => {
-                self.observe(None, correlation.as_deref(), &outcome, 0);
+                self.observe(None, correlation, &outcome, 0);
                 return outcome;
             }
         };
         let started = Instant::now();
         let claim = self.store.claim(&req).await;
         self.observe_claim(started);
-        self.settle(claim, &req, handler, correlation.as_deref()).await
+        let Decision { span, attempt, ran } = self.decide(claim, &req, handler, correlation).await;
+        let outcome = match ran {
+            Ran::Done(o) => o,
+            Ran::Complete { lease, value, stored } => {
+                let done = self.store.complete(lease, stored.as_deref(), self.cfg.retain).await;
+                completed(value, done)
+            }
+        };
+        self.finish(span, attempt, outcome, &req.key, correlation)
     }
 
-    /// Processes deliveries fetched together: one `claim_many` round trip for the batch, then the
-    /// acquired handlers run concurrently. A key repeated inside the batch runs once; its later
-    /// copies become duplicates once the first completes. Outcomes are in message order.
+    /// Processes deliveries fetched together: one `claim_many` round trip for the batch, the
+    /// acquired handlers concurrently, then one `complete_many` for their completions (one
+    /// commit on the SQL stores: group commit). A key repeated inside the batch runs once; its
+    /// later copies become duplicates once the first completes. Outcomes are in message order.
     pub async fn process_batch<'m, M, T, E, F, Fut>(
         &self,
         msgs: &'m [M],
@@ -189,58 +344,30 @@ impl<S: DedupStore> Consumer<S> {
         let handler = &handler;
         let unkeyed_runs = unkeyed.iter().map(|&i| {
             let m = &msgs[i];
-            async move { (i, self.run_unkeyed(|ctx| handler(ctx, m), m.correlation_id()).await) }
+            async move {
+                let o =
+                    self.run_unkeyed(Context::unkeyed(), |ctx| handler(ctx, m), m.correlation_id());
+                (i, o.await)
+            }
         });
         for (i, o) in futures_util::future::join_all(unkeyed_runs).await {
             outcomes[i] = Some(o);
         }
 
         while !pending.is_empty() {
-            let reqs: Vec<ClaimRequest> = pending.iter().map(|(_, r)| r.clone()).collect();
-            let started = Instant::now();
-            let claims = match self.store.claim_many(&reqs).await {
-                Ok(c) if c.len() == reqs.len() => Some(c),
-                Ok(c) => {
-                    tracing::error!(target: "idem", asked = reqs.len(), got = c.len(),
-                        "store answered a batch with the wrong number of claims; claiming one by one");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
-                    None
-                }
-            };
-            self.observe_claim(started);
-            let Some(claims) = claims else {
-                // One claim per message gives each its own answer (or its own error).
-                let runs = pending.drain(..).map(|(i, req)| {
-                    let m = &msgs[i];
-                    async move {
-                        let claim = self.store.claim(&req).await;
-                        (
-                            i,
-                            self.settle(claim, &req, |ctx| handler(ctx, m), m.correlation_id())
-                                .await,
-                        )
-                    }
-                });
-                for (i, o) in futures_util::future::join_all(runs).await {
-                    outcomes[i] = Some(o);
-                }
-                break;
-            };
+            let claims = self.claim_all(&pending).await;
             let mut acquired_here = std::collections::HashSet::new();
             let mut deferred = Vec::new();
             let mut runs = Vec::new();
             for ((i, req), claim) in pending.drain(..).zip(claims) {
                 let hash = req.key.hash();
                 match claim {
-                    Claim::Acquired(_) => {
+                    Ok(Claim::Acquired(_)) => {
                         acquired_here.insert(hash);
                     }
-                    Claim::InProgress { .. } if acquired_here.contains(&hash) => {
+                    Ok(Claim::InProgress { .. }) if acquired_here.contains(&hash) => {
                         // The same key earlier in this batch holds the lease: decide this copy
-                        // after that one finishes.
+                        // after that one's completion is recorded.
                         deferred.push((i, req));
                         continue;
                     }
@@ -248,11 +375,13 @@ impl<S: DedupStore> Consumer<S> {
                 }
                 let m = &msgs[i];
                 runs.push(async move {
-                    let o = self.settle(Ok(claim), &req, |ctx| handler(ctx, m), m.correlation_id());
-                    (i, o.await)
+                    let d =
+                        self.decide(claim, &req, |ctx| handler(ctx, m), m.correlation_id()).await;
+                    (i, req, d)
                 });
             }
-            for (i, o) in futures_util::future::join_all(runs).await {
+            let decided = futures_util::future::join_all(runs).await;
+            for (i, _, o) in self.complete_all(decided, msgs).await {
                 outcomes[i] = Some(o);
             }
             pending = deferred;
@@ -264,29 +393,86 @@ impl<S: DedupStore> Consumer<S> {
             .collect()
     }
 
-    fn prepare<M: Envelope, T, E>(&self, msg: &M) -> Prepared<T, E> {
-        let key = match self.key_of(msg) {
-            Ok(k) => k,
-            Err(KeyFailure::Missing(_))
-                if self.cfg.missing_key == MissingKeyPolicy::ProcessWithoutDedup =>
-            {
-                return Prepared::Unkeyed;
+    /// The claims of a batch: one `claim_many`, or one claim each when the batch call fails
+    /// (each message then gets its own answer, or its own error).
+    async fn claim_all(&self, pending: &[(usize, ClaimRequest)]) -> Vec<Result<Claim, StoreError>> {
+        let reqs: Vec<ClaimRequest> = pending.iter().map(|(_, r)| r.clone()).collect();
+        let started = Instant::now();
+        let batch = self.store.claim_many(&reqs).await;
+        self.observe_claim(started);
+        match batch {
+            Ok(c) if c.len() == reqs.len() => return c.into_iter().map(Ok).collect(),
+            Ok(c) => {
+                tracing::error!(target: "idem", asked = reqs.len(), got = c.len(),
+                    "store answered a batch with the wrong number of claims; claiming one by one");
             }
-            Err(e) => return Prepared::Done(Outcome::failed(FailureKind::Permanent, e.into())),
-        };
-        match self.cfg.fingerprint.fingerprint(msg.payload()) {
-            Ok(fp) => Prepared::Claim(ClaimRequest::new(key, fp, self.cfg.lease, self.cfg.retain)),
-            Err(e) => Prepared::Done(Outcome::failed(FailureKind::Permanent, Cause::Payload(e))),
+            Err(e) => {
+                tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
+            }
         }
+        futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await
     }
 
-    async fn settle<T, E, F, Fut>(
+    /// Records the completions of a batch's decisions in one `complete_many` (group commit),
+    /// then closes each decision with its outcome.
+    async fn complete_all<M: Envelope, T, E: Display>(
         &self,
-        claim: Result<Claim, crate::StoreError>,
+        decided: Vec<(usize, ClaimRequest, Decision<T, E>)>,
+        msgs: &[M],
+    ) -> Vec<(usize, DedupKey, Outcome<T, E>)> {
+        let mut completions = Vec::new();
+        let mut waiting = Vec::with_capacity(decided.len());
+        for (i, req, Decision { span, attempt, ran }) in decided {
+            let state = match ran {
+                Ran::Complete { lease, value, stored } => {
+                    completions.push(Completion {
+                        lease,
+                        result: stored,
+                        retain_for: self.cfg.retain,
+                    });
+                    Err(value)
+                }
+                Ran::Done(o) => Ok(o),
+            };
+            waiting.push((i, req, span, attempt, state));
+        }
+        let n = completions.len();
+        let mut answers = match n {
+            0 => Vec::new().into_iter(),
+            _ => match self.store.complete_many(completions).await {
+                Ok(r) if r.len() == n => r.into_iter(),
+                Ok(r) => {
+                    tracing::error!(target: "idem", asked = n, got = r.len(),
+                        "store answered complete_many with the wrong number of results");
+                    shared_failure(n, StoreError::backend("complete_many", true, WrongCount))
+                }
+                Err(e) => shared_failure(n, e),
+            },
+        };
+        waiting
+            .into_iter()
+            .map(|(i, req, span, attempt, state)| {
+                let outcome = state.unwrap_or_else(|value| {
+                    let done = answers.next().unwrap_or_else(|| {
+                        Err(StoreError::backend("complete_many", true, WrongCount))
+                    });
+                    completed(value, done)
+                });
+                let o = self.finish(span, attempt, outcome, &req.key, msgs[i].correlation_id());
+                (i, req.key, o)
+            })
+            .collect()
+    }
+
+    /// Turns a claim into a decision: the outcome of a claim that was not acquired, or the
+    /// handler's run under an acquired lease (its completion still to record).
+    async fn decide<T, E, F, Fut>(
+        &self,
+        claim: Result<Claim, StoreError>,
         req: &ClaimRequest,
         handler: F,
         correlation: Option<&str>,
-    ) -> Outcome<T, E>
+    ) -> Decision<T, E>
     where
         T: Serialize + DeserializeOwned,
         E: Display,
@@ -303,36 +489,36 @@ impl<S: DedupStore> Consumer<S> {
             attempt = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let (outcome, attempt) = async {
+        let (ran, attempt) = async {
+            let done = |o| Ran::Done(o);
             match claim {
-                Err(e) => (Outcome::failed(FailureKind::Transient, Cause::Store(e)), 0),
+                Err(e) => (done(Outcome::failed(FailureKind::Transient, Cause::Store(e))), 0),
                 Ok(Claim::Completed(rec)) if rec.state == RecordState::InDoubt => (
-                    Outcome::failed(
+                    done(Outcome::failed(
                         FailureKind::Permanent,
                         Cause::InDoubt { attempt: rec.attempt },
-                    ),
+                    )),
                     rec.attempt,
                 ),
                 Ok(Claim::Completed(rec)) => {
                     let decoded = rec.result.as_deref().map(serde_json::from_slice).transpose();
-                    match decoded {
-                        Ok(r) => (Outcome::Duplicate(r), rec.attempt),
-                        Err(e) => {
-                            (Outcome::failed(FailureKind::Permanent, Cause::Decode(e)), rec.attempt)
-                        }
-                    }
+                    let o = match decoded {
+                        Ok(r) => Outcome::Duplicate(r),
+                        Err(e) => Outcome::failed(FailureKind::Permanent, Cause::Decode(e)),
+                    };
+                    (done(o), rec.attempt)
                 }
                 Ok(Claim::Conflict(rec)) => (
-                    Outcome::Conflict(Box::new(Conflict {
+                    done(Outcome::Conflict(Box::new(Conflict {
                         key: key.clone(),
                         stored: rec.fingerprint,
                         incoming: req.fingerprint,
                         stored_state: rec.state,
-                    })),
+                    }))),
                     rec.attempt,
                 ),
                 Ok(Claim::InProgress { retry_after, attempt }) => {
-                    (Outcome::InProgressElsewhere { retry_after }, attempt)
+                    (done(Outcome::InProgressElsewhere { retry_after }), attempt)
                 }
                 Ok(Claim::Acquired(lease)) => {
                     let attempt = lease.attempt();
@@ -342,13 +528,25 @@ impl<S: DedupStore> Consumer<S> {
         }
         .instrument(span.clone())
         .await;
+        Decision { span, attempt, ran }
+    }
+
+    /// Closes a decided delivery: its span's fields, its event and metrics.
+    fn finish<T, E: Display>(
+        &self,
+        span: tracing::Span,
+        attempt: u32,
+        outcome: Outcome<T, E>,
+        key: &DedupKey,
+        correlation: Option<&str>,
+    ) -> Outcome<T, E> {
         span.record("attempt", attempt);
-        span.record("outcome", outcome.label());
+        span.record("outcome", outcome.kind().as_str());
         self.observe(Some(key), correlation, &outcome, attempt);
         outcome
     }
 
-    async fn run<T, E, F, Fut>(&self, mut lease: Lease, handler: F) -> Outcome<T, E>
+    async fn run<T, E, F, Fut>(&self, mut lease: Lease, handler: F) -> Ran<T, E>
     where
         T: Serialize + DeserializeOwned,
         E: Display,
@@ -360,9 +558,9 @@ impl<S: DedupStore> Consumer<S> {
         if lease.took_over_expired() && cfg.expired_lease == ExpiredLeasePolicy::Park {
             let reason = Cause::<String>::InDoubt { attempt }.to_string();
             if let Err(e) = self.store.fail(lease, FailKind::InDoubt, &reason, cfg.retain).await {
-                return Outcome::failed(FailureKind::Transient, Cause::Store(e));
+                return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
             }
-            return Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt });
+            return Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt }));
         }
         let ctx = Context {
             downstream_key: Some(lease.key().downstream_key()),
@@ -374,24 +572,8 @@ impl<S: DedupStore> Consumer<S> {
         let result = self.drive(&mut lease, handler(ctx)).await;
         match result {
             Ok(value) => {
-                let stored = match serde_json::to_vec(&value) {
-                    Ok(b) if b.len() <= cfg.max_result_bytes => Some(b),
-                    Ok(b) => {
-                        tracing::warn!(target: "idem", key = %lease.key(), len = b.len(),
-                            limit = cfg.max_result_bytes,
-                            "handler result larger than max_result_bytes; duplicates will carry no result");
-                        None
-                    }
-                    Err(e) => {
-                        tracing::warn!(target: "idem", key = %lease.key(), error = %e,
-                            "handler result does not serialize; duplicates will carry no result");
-                        None
-                    }
-                };
-                match self.store.complete(lease, stored.as_deref(), cfg.retain).await {
-                    Ok(()) => Outcome::Processed(value),
-                    Err(e) => Outcome::failed(FailureKind::Transient, Cause::Store(e)),
-                }
+                let stored = self.encode_result(lease.key(), &value);
+                Ran::Complete { lease, value, stored }
             }
             Err(HandlerError::Transient(e)) => {
                 let key = lease.key().to_string();
@@ -399,7 +581,7 @@ impl<S: DedupStore> Consumer<S> {
                     tracing::warn!(target: "idem", %key, error = %re,
                         "could not release the claim after a transient failure; it frees itself when the lease ends");
                 }
-                Outcome::failed(FailureKind::Transient, Cause::Handler(e))
+                Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Handler(e)))
             }
             Err(HandlerError::Permanent(e)) => {
                 let key = lease.key().to_string();
@@ -411,7 +593,7 @@ impl<S: DedupStore> Consumer<S> {
                     tracing::warn!(target: "idem", %key, error = %fe,
                         "could not record the permanent failure; the key frees itself when the lease ends");
                 }
-                Outcome::failed(FailureKind::Permanent, Cause::Handler(e))
+                Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::Handler(e)))
             }
         }
     }
@@ -438,61 +620,30 @@ impl<S: DedupStore> Consumer<S> {
             _ = beat => unreachable!("the heartbeat loop never ends"),
         }
     }
+}
 
-    async fn run_unkeyed<T, E, F, Fut>(
-        &self,
-        handler: F,
-        correlation: Option<&str>,
-    ) -> Outcome<T, E>
-    where
-        E: Display,
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
-    {
-        metrics::counter!("idem_missing_key_total", "scope" => self.cfg.scope.clone()).increment(1);
-        let ctx =
-            Context { key: None, downstream_key: None, attempt: 1, token: 0, took_over: false };
-        let outcome = match handler(ctx).await {
-            Ok(v) => Outcome::Processed(v),
-            Err(HandlerError::Transient(e)) => {
-                Outcome::failed(FailureKind::Transient, Cause::Handler(e))
-            }
-            Err(HandlerError::Permanent(e)) => {
-                Outcome::failed(FailureKind::Permanent, Cause::Handler(e))
-            }
-        };
-        self.observe(None, correlation, &outcome, 1);
-        outcome
-    }
-
-    fn observe_claim(&self, started: Instant) {
-        metrics::histogram!("idem_claim_duration_seconds", "scope" => self.cfg.scope.clone())
-            .record(started.elapsed().as_secs_f64());
-    }
-
-    fn observe<T, E: Display>(
-        &self,
-        key: Option<&DedupKey>,
-        correlation: Option<&str>,
-        outcome: &Outcome<T, E>,
-        attempt: u32,
-    ) {
-        let label = outcome.label();
-        metrics::counter!("idem_outcomes_total", "scope" => self.cfg.scope.clone(), "outcome" => label)
-            .increment(1);
-        let scope = self.cfg.scope.as_str();
-        let key = key.map_or("", DedupKey::id);
-        let correlation_id = correlation.unwrap_or("");
-        match outcome {
-            Outcome::Conflict(c) => tracing::warn!(target: "idem", scope, key, correlation_id,
-                outcome = label, attempt, detail = %c, "delivery finished"),
-            Outcome::Failed(f) => tracing::warn!(target: "idem", scope, key, correlation_id,
-                outcome = label, attempt, detail = %f.cause, "delivery finished"),
-            _ => tracing::debug!(target: "idem", scope, key, correlation_id, outcome = label,
-                attempt, "delivery finished"),
-        }
+/// The outcome of a handler whose completion was (or was not) recorded.
+fn completed<T, E>(value: T, done: Result<(), StoreError>) -> Outcome<T, E> {
+    match done {
+        Ok(()) => Outcome::Processed(value),
+        Err(e) => Outcome::failed(FailureKind::Transient, Cause::Store(e)),
     }
 }
+
+/// `n` copies of one batch failure, each with its own error: the first the failure itself,
+/// the others pointing at it.
+fn shared_failure(n: usize, e: StoreError) -> std::vec::IntoIter<Result<(), StoreError>> {
+    let retryable = e.is_retryable();
+    let shared = Arc::new(e);
+    (0..n)
+        .map(|_| Err(StoreError::backend("complete_many", retryable, Arc::clone(&shared))))
+        .collect::<Vec<_>>()
+        .into_iter()
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the store answered complete_many with the wrong number of results")]
+struct WrongCount;
 
 /// Why a message yields no usable key.
 #[derive(Debug, thiserror::Error)]

@@ -28,6 +28,68 @@ pub enum Outcome<T, E> {
     Failed(Failure<E>),
 }
 
+/// Which outcome a delivery had, without its data: what logs, metrics, reports and dead-letter
+/// headers name.
+///
+/// ```
+/// use idem_core::consumer::OutcomeKind;
+///
+/// assert_eq!(OutcomeKind::InProgressElsewhere.as_str(), "in_progress_elsewhere");
+/// assert_eq!(OutcomeKind::ALL.len(), 6);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum OutcomeKind {
+    /// The handler ran and its effect is committed.
+    Processed,
+    /// Already done.
+    Duplicate,
+    /// Same key, different payload.
+    Conflict,
+    /// Another consumer holds the key's lease.
+    InProgressElsewhere,
+    /// Failed; a retry may help.
+    FailedTransient,
+    /// Failed; a retry will not help.
+    FailedPermanent,
+}
+
+impl OutcomeKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [Self; 6] = [
+        Self::Processed,
+        Self::Duplicate,
+        Self::Conflict,
+        Self::InProgressElsewhere,
+        Self::FailedTransient,
+        Self::FailedPermanent,
+    ];
+
+    /// The label: `processed`, `duplicate`, `conflict`, `in_progress_elsewhere`,
+    /// `failed_transient`, `failed_permanent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Conflict => "conflict",
+            Self::InProgressElsewhere => "in_progress_elsewhere",
+            Self::FailedTransient => "failed_transient",
+            Self::FailedPermanent => "failed_permanent",
+        }
+    }
+
+    /// Whether the broker is told to redeliver (in progress elsewhere, transient failure).
+    pub fn is_retry(self) -> bool {
+        matches!(self, Self::InProgressElsewhere | Self::FailedTransient)
+    }
+}
+
+impl fmt::Display for OutcomeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Details of a conflicting reuse of a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Conflict {
@@ -166,20 +228,33 @@ impl<T, E: fmt::Display> Outcome<T, E> {
 }
 
 impl<T, E> Outcome<T, E> {
-    /// A short label for logs and metrics.
-    pub fn label(&self) -> &'static str {
+    /// Which of the six outcomes this is: the label of logs, metrics and reports.
+    pub fn kind(&self) -> OutcomeKind {
         match self {
-            Self::Processed(_) => "processed",
-            Self::Duplicate(_) => "duplicate",
-            Self::Conflict(_) => "conflict",
-            Self::InProgressElsewhere { .. } => "in_progress_elsewhere",
-            Self::Failed(Failure { kind: FailureKind::Transient, .. }) => "failed_transient",
-            Self::Failed(Failure { kind: FailureKind::Permanent, .. }) => "failed_permanent",
+            Self::Processed(_) => OutcomeKind::Processed,
+            Self::Duplicate(_) => OutcomeKind::Duplicate,
+            Self::Conflict(_) => OutcomeKind::Conflict,
+            Self::InProgressElsewhere { .. } => OutcomeKind::InProgressElsewhere,
+            Self::Failed(Failure { kind: FailureKind::Transient, .. }) => {
+                OutcomeKind::FailedTransient
+            }
+            Self::Failed(Failure { kind: FailureKind::Permanent, .. }) => {
+                OutcomeKind::FailedPermanent
+            }
         }
     }
 
-    pub(crate) fn failed(kind: FailureKind, cause: Cause<E>) -> Self {
+    /// A failure of `kind` with `cause`.
+    pub fn failed(kind: FailureKind, cause: Cause<E>) -> Self {
         Self::Failed(Failure { kind, cause })
+    }
+
+    /// The failure a handler's error calls for: transient (retry) or permanent (dead-letter).
+    pub fn from_handler_error(e: HandlerError<E>) -> Self {
+        match e {
+            HandlerError::Transient(e) => Self::failed(FailureKind::Transient, Cause::Handler(e)),
+            HandlerError::Permanent(e) => Self::failed(FailureKind::Permanent, Cause::Handler(e)),
+        }
     }
 }
 

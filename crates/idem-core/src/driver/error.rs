@@ -1,0 +1,44 @@
+//! What stops a driver.
+
+use std::time::Duration;
+
+use crate::consumer::ConfigError;
+
+/// Why a consumer could not be built or had to stop. Per-message failures are never errors:
+/// they are outcomes, mapped to broker verbs and counted in the [`Report`](super::Report).
+/// After an error every message not acknowledged is redelivered by the broker, and the store
+/// makes the copies duplicates.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error<E: std::error::Error + 'static> {
+    /// The dedup engine's configuration is invalid.
+    #[error("invalid consumer configuration")]
+    Config(#[from] ConfigError),
+    /// The builder was given neither a store, an inbox nor an engine, or two scopes.
+    #[error("consumer builder: {0}")]
+    Builder(&'static str),
+    /// Opening the broker source failed (connection, broker configuration checks).
+    #[error("opening the broker source failed")]
+    Open(#[source] E),
+    /// Fetching failed and the fetch-failure policy gave up (or the error was fatal).
+    #[error("fetching from the broker failed ({attempts} in a row)")]
+    Fetch {
+        /// Failed fetches in a row, this one included.
+        attempts: u32,
+        /// The last error.
+        #[source]
+        source: E,
+    },
+    /// The broker could no longer be told what became of a batch.
+    #[error("settling a batch with the broker failed; unacknowledged messages will be redelivered")]
+    Settle(#[source] E),
+    /// A broker call did not finish within the consumer's broker timeout: the connection is
+    /// taken for lost.
+    #[error("the broker connection looks lost: {what} did not finish within {timeout:?}")]
+    BrokerTimeout {
+        /// What was waited for.
+        what: &'static str,
+        /// The limit.
+        timeout: Duration,
+    },
+}

@@ -1,0 +1,389 @@
+//! The consumer loop, written once for every broker.
+//!
+//! A broker adapter supplies a [`Source`]: how to fetch a batch, how to copy a message to the
+//! dead-letter destination, how to send the final verbs. The [`Driver`] owns everything else:
+//!
+//! 1. **fetch** a batch (up to [`Builder::batch`] messages, waiting up to
+//!    [`Builder::idle_wait`] for a first one; failures follow [`FetchFailures`]);
+//! 2. **decide** it with the [`Consumer`] engine over its [`Backend`] — one `claim_many`, the
+//!    handlers, one `complete_many` in two-phase mode; one transaction in inbox mode — while
+//!    the source keeps the batch alive at the broker ([`Source::keep_alive`]);
+//! 3. **dead-letter** the conflicts and permanent failures (and retries past the broker's
+//!    delivery limit), waiting for the broker to confirm each copy; a copy that fails turns
+//!    into a retry, never into an ack;
+//! 4. **settle**: one verb per message, always last, after the effect is durable.
+//!
+//! | outcome | verb ([`Action`]) |
+//! | --- | --- |
+//! | processed, duplicate | `Ack` |
+//! | in progress elsewhere | `Retry` after the other lease's remaining time |
+//! | transient failure | `Retry` (the claim was released) |
+//! | conflict, permanent failure, missing key | dead-letter copy with [`headers`], then `DeadLettered` (the original is removed) |
+//! | fetched while shutting down | `Release` |
+//!
+//! Every broker call is bounded by [`Builder::broker_timeout`]. Shutdown is checked between
+//! batches: the batch in flight is finished and settled, a fetch in progress is awaited (never
+//! dropped) and its messages released, then the source is closed.
+
+mod builder;
+mod error;
+pub mod headers;
+mod memory;
+mod report;
+mod source;
+
+use std::fmt::Display;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+pub use builder::{Builder, FetchFailures};
+pub use error::Error;
+pub use memory::{MemoryQueue, QueueMessage};
+pub use report::Report;
+pub use source::{Action, DeadLetter, Opening, Settlement, Source, SourceConfig};
+
+use crate::Consumer;
+use crate::consumer::{Backend, Disposition, HandlerError, Outcome};
+use builder::Settings;
+
+type Hook<M> = Arc<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
+
+/// A broker consumer made idempotent: a [`Source`] driven through a [`Consumer`] engine.
+///
+/// Broker adapters name it for their source (`AmqpConsumer<B>`, `JetStreamConsumer<B>`,
+/// `KafkaConsumer<B>`, `StreamConsumer<B>`); `B` is the store (two-phase) or the inbox.
+///
+/// ```
+/// use idem_core::{Driver, MemoryStore, consumer::HandlerError, driver::MemoryQueue};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let queue = MemoryQueue::new();
+/// queue.push("o-1", r#"{"cents":1200}"#);
+/// queue.push("o-1", r#"{"cents":1200}"#); // the producer retried
+/// let consumer = Driver::builder(queue.clone()).store(MemoryStore::new()).scope("billing").build().await?;
+///
+/// let report = consumer
+///     .run(|ctx, msg| async move {
+///         // charge the customer, passing ctx.downstream_key() as the payment's idempotency key
+///         Ok::<_, HandlerError<String>>(msg.payload().len())
+///     }, queue.drained())
+///     .await?;
+/// assert_eq!((report.processed, report.duplicates, report.acked), (1, 1, 2));
+/// # Ok(()) }
+/// ```
+pub struct Driver<S: Source, B> {
+    source: S,
+    consumer: Consumer<B>,
+    settings: Settings,
+    hook: Option<Hook<S::Message>>,
+}
+
+impl<S: Source, B> std::fmt::Debug for Driver<S, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("consumer", &self.consumer)
+            .field("batch", &self.settings.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Source> Driver<S, ()> {
+    /// Starts a builder over a broker source's settings.
+    pub fn builder<C: SourceConfig<Source = S>>(config: C) -> Builder<C> {
+        Builder::new(config)
+    }
+}
+
+impl<S: Source, B> Driver<S, B> {
+    /// The broker source (for its broker-specific accessors).
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// The dedup engine.
+    pub fn consumer(&self) -> &Consumer<B> {
+        &self.consumer
+    }
+}
+
+impl<S: Source, B: Backend> Driver<S, B> {
+    /// Fetches, decides and settles batches until `shutdown` completes, then closes the source.
+    /// In two-phase mode the handler gets a [`Context`](crate::consumer::Context); in inbox
+    /// mode, the batch's transaction. It gets its own copy of the message, so its future may
+    /// own what it reads.
+    ///
+    /// # Errors
+    /// [`Error::Fetch`] when the fetch-failure policy gives up, [`Error::Settle`] when the
+    /// broker can no longer be told, [`Error::BrokerTimeout`] when a broker call hangs. The
+    /// source is closed in every case; unacknowledged messages are redelivered.
+    pub async fn run<H, Fut, T, E>(
+        &self,
+        handler: H,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<Report, Error<S::Error>>
+    where
+        H: Fn(B::Ctx, S::Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        let mut report = Report::default();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let ended = self.drive(&handler, shutdown.as_mut(), &mut report).await;
+        match self.bounded("closing the source", self.source.close()).await {
+            Ok(Ok(n)) => report.released += n,
+            Ok(Err(e)) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
+            Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source timed out"),
+        }
+        ended.map(|()| report)
+    }
+
+    /// One round without closing anything: fetch a batch (waiting up to the idle wait), decide
+    /// it, settle it. For tests, and for callers that drive their own loop.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run), except that a failed fetch is returned at once.
+    pub async fn poll<H, Fut, T, E>(&self, handler: H) -> Result<Report, Error<S::Error>>
+    where
+        H: Fn(B::Ctx, S::Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        let batch = self.fetch().await.map_err(|e| match e {
+            Ok(source) => Error::Fetch { attempts: 1, source },
+            Err(e) => e,
+        })?;
+        self.handle(batch, &handler).await
+    }
+
+    async fn drive<H, Fut, T, E>(
+        &self,
+        handler: &H,
+        mut shutdown: Pin<&mut (impl Future<Output = ()> + Send)>,
+        report: &mut Report,
+    ) -> Result<(), Error<S::Error>>
+    where
+        H: Fn(B::Ctx, S::Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        let mut failures = 0u32;
+        loop {
+            if is_ready(shutdown.as_mut()).await {
+                return Ok(());
+            }
+            // A fetch in progress is never dropped (sources need not be cancel safe): on
+            // shutdown it is awaited, and what it brought is released.
+            let mut stopping = false;
+            let fetched = {
+                let mut fetch = std::pin::pin!(self.fetch());
+                loop {
+                    tokio::select! {
+                        biased;
+                        b = &mut fetch => break b,
+                        () = shutdown.as_mut(), if !stopping => stopping = true,
+                    }
+                }
+            };
+            let batch = match fetched {
+                Ok(batch) => batch,
+                Err(Err(e)) => return Err(e),
+                Err(Ok(_)) if stopping => return Ok(()),
+                Err(Ok(e)) => {
+                    failures += 1;
+                    let policy = self.settings.fetch_failures;
+                    if self.source.is_fatal(&e) || failures >= policy.max_in_a_row {
+                        return Err(Error::Fetch { attempts: failures, source: e });
+                    }
+                    report.fetch_failures += 1;
+                    metrics::counter!("idem_fetch_failures_total", "scope" => self.consumer.scope().to_owned())
+                        .increment(1);
+                    tracing::warn!(target: "idem", error = %e, failures, "fetch failed; retrying");
+                    tokio::select! {
+                        () = shutdown.as_mut() => return Ok(()),
+                        () = tokio::time::sleep(policy.backoff) => continue,
+                    }
+                }
+            };
+            failures = 0;
+            if stopping {
+                *report += self.release(batch).await?;
+                return Ok(());
+            }
+            if !batch.is_empty() {
+                *report += self.handle(batch, handler).await?;
+            }
+        }
+    }
+
+    /// A fetch bounded by the idle wait plus the broker timeout. `Err(Ok(e))` is the source's
+    /// error (retryable by policy); `Err(Err(e))` ends the run.
+    async fn fetch(&self) -> Result<Vec<S::Message>, Result<S::Error, Error<S::Error>>> {
+        let s = &self.settings;
+        let limit = s.idle_wait + s.broker_timeout;
+        match tokio::time::timeout(limit, self.source.fetch(s.batch, s.idle_wait)).await {
+            Ok(Ok(batch)) => Ok(batch),
+            Ok(Err(e)) => Err(Ok(e)),
+            Err(_) => Err(Err(Error::BrokerTimeout { what: "a fetch", timeout: limit })),
+        }
+    }
+
+    /// Decides a batch, dead-letters what must be, tells the hook, then settles.
+    async fn handle<H, Fut, T, E>(
+        &self,
+        batch: Vec<S::Message>,
+        handler: &H,
+    ) -> Result<Report, Error<S::Error>>
+    where
+        H: Fn(B::Ctx, S::Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
+        let outcomes = {
+            let decide = std::pin::pin!(self.consumer.decide_batch(&batch, handler));
+            let beat = std::pin::pin!(self.source.keep_alive(&batch));
+            match futures_util::future::select(decide, beat).await {
+                futures_util::future::Either::Left((outcomes, _)) => outcomes,
+                // A keep-alive that ends has nothing more to say; the handlers go on.
+                futures_util::future::Either::Right(((), decide)) => decide.await,
+            }
+        };
+        let mut actions = Vec::with_capacity(batch.len());
+        let mut dead = Vec::new();
+        for (i, (m, o)) in batch.iter().zip(&outcomes).enumerate() {
+            report.count_outcome(o.kind());
+            let action = match o.disposition() {
+                Disposition::Ack => Action::Ack,
+                Disposition::DeadLetter { reason } => {
+                    dead.push((i, self.dead_letter_of(o, reason)));
+                    Action::Release
+                }
+                Disposition::Retry { after } => match self.source.give_up(m) {
+                    Some(why) => {
+                        let reason = format!("{why}; last outcome {}: {}", o.kind(), describe(o));
+                        dead.push((i, self.dead_letter_of(o, reason)));
+                        Action::Release
+                    }
+                    None => Action::Retry { after },
+                },
+            };
+            actions.push(action);
+        }
+        if !dead.is_empty() {
+            let items: Vec<(&S::Message, _)> =
+                dead.iter().map(|(i, dl)| (&batch[*i], dl.clone())).collect();
+            let copied =
+                self.bounded("the dead-letter copies", self.source.dead_letter(&items)).await?;
+            let mut copied = copied.into_iter();
+            for (i, dl) in dead {
+                actions[i] = match copied.next() {
+                    Some(Ok(())) => {
+                        metrics::counter!("idem_dead_letters_total", "scope" => dl.scope.clone(),
+                            "outcome" => dl.outcome.as_str())
+                        .increment(1);
+                        Action::DeadLettered { reason: dl.reason }
+                    }
+                    failed => {
+                        report.dead_letter_failures += 1;
+                        let error = failed.and_then(Result::err).map(|e| e.to_string());
+                        // Never remove what is not safely elsewhere: let it come back instead.
+                        tracing::error!(target: "idem", error = error.as_deref().unwrap_or("no answer"),
+                            reason = %dl.reason, "dead-letter copy failed; retrying the message instead");
+                        Action::Retry { after: None }
+                    }
+                };
+            }
+        }
+        if let Some(hook) = &self.hook {
+            for ((m, o), action) in batch.iter().zip(&outcomes).zip(&actions) {
+                let key = self.consumer.key_of(m).ok();
+                hook(&Settlement { message: m, key: key.as_ref(), outcome: o.kind(), action });
+            }
+        }
+        for a in &actions {
+            report.count_action(a);
+        }
+        let items = batch.into_iter().zip(actions).collect();
+        report.settle_failures += self.settle(items).await?;
+        Ok(report)
+    }
+
+    /// Gives a batch back untouched (fetched while shutting down).
+    async fn release(&self, batch: Vec<S::Message>) -> Result<Report, Error<S::Error>> {
+        let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
+        report.released = batch.len() as u64;
+        let items = batch.into_iter().map(|m| (m, Action::Release)).collect();
+        report.settle_failures += self.settle(items).await?;
+        Ok(report)
+    }
+
+    async fn settle(&self, items: Vec<(S::Message, Action)>) -> Result<u64, Error<S::Error>> {
+        if items.is_empty() {
+            return Ok(0);
+        }
+        self.bounded("the batch's verbs", self.source.settle(items)).await?.map_err(Error::Settle)
+    }
+
+    fn dead_letter_of<T, E>(&self, o: &Outcome<T, E>, reason: String) -> DeadLetter {
+        DeadLetter::new(o.kind(), reason, self.consumer.scope())
+    }
+
+    /// `fut`, or [`Error::BrokerTimeout`] once the broker timeout has passed.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = T>,
+    ) -> Result<T, Error<S::Error>> {
+        let timeout = self.settings.broker_timeout;
+        tokio::time::timeout(timeout, fut).await.map_err(|_| Error::BrokerTimeout { what, timeout })
+    }
+}
+
+/// Whether `fut` is ready now (it is polled once; a ready future must not be polled again).
+async fn is_ready(fut: Pin<&mut impl Future<Output = ()>>) -> bool {
+    let mut fut = Some(fut);
+    std::future::poll_fn(|cx| {
+        let ready = fut.take().is_some_and(|f| f.poll(cx).is_ready());
+        std::task::Poll::Ready(ready)
+    })
+    .await
+}
+
+/// An outcome's cause in words, for a dead letter made of a retry.
+fn describe<T, E: Display>(o: &Outcome<T, E>) -> String {
+    match o {
+        Outcome::Failed(f) => f.cause.to_string(),
+        Outcome::InProgressElsewhere { retry_after } => {
+            format!("another consumer holds the key for {retry_after:?} more")
+        }
+        other => other.kind().to_string(),
+    }
+}
+
+/// The delay to use for a retry: the suggestion clamped to `[min, max]`, or `default`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::driver::retry_delay;
+///
+/// let s = Duration::from_secs;
+/// assert_eq!(retry_delay(Some(s(900)), s(1), s(1), s(300)), s(300));
+/// assert_eq!(retry_delay(None, s(5), s(1), s(300)), s(5));
+/// ```
+pub fn retry_delay(
+    after: Option<Duration>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
+) -> Duration {
+    after.map_or(default, |d| d.clamp(min, max.max(min)))
+}

@@ -8,20 +8,21 @@
 //!   [`postgres::EntityTable`] for business tables that are their own marker.
 //! - `mysql`: `MySqlStore` and `MySqlInbox` for MariaDB/MySQL.
 //!
-//! - [`batch`]: one transaction per polled batch over any of the inboxes, a savepoint per
-//!   message, for the broker adapters' inbox modes.
+//! - [`inbox`]: every inbox is a consumer backend: `Driver::builder(source).inbox(store.inbox(retain))`
+//!   runs a broker's batches through one database transaction each, on any of the three
+//!   databases; the handler gets the transaction ([`Tx`]).
 //!
 //! One table holds lease records and inbox markers alike, keyed by the 32-byte SHA-256 of the
 //! key ([`idem_core::DedupKey::hash`]), with the raw scope and id beside it for display.
 
-pub mod batch;
+pub mod inbox;
 mod row;
 
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteInbox, SqliteStore, Writes};
+pub use sqlite::{SqliteInbox, SqliteStore};
 
 #[cfg(feature = "postgres")]
 pub mod postgres;
@@ -35,6 +36,7 @@ pub mod mysql;
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlInbox, MySqlStore};
 
+pub use inbox::{Tx, TxInbox};
 pub use row::{InboxError, InboxOutcome, Mark};
 
 /// Default table name.

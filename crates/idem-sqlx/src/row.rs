@@ -130,6 +130,20 @@ pub(crate) fn classify_loser(
     }
 }
 
+/// The mark a lost write found: duplicate, conflict or in progress; `None` when the record is
+/// claimable again (mark again).
+pub(crate) fn mark_of(
+    rec: Record,
+    fingerprint: Option<idem_core::Fingerprint>,
+    now: Timestamp,
+) -> Option<Mark> {
+    Some(match classify_loser(rec, fingerprint, now)? {
+        Loser::Done(r) => Mark::Duplicate(r),
+        Loser::Conflict(r) => Mark::Conflict(r),
+        Loser::Leased(r) => Mark::InProgress(r),
+    })
+}
+
 pub(crate) fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
     if rows == 1 { Ok(()) } else { Err(StoreError::LeaseLost { key: lease.key().to_string() }) }
 }

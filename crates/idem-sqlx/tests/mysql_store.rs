@@ -1,11 +1,10 @@
-//! MariaDB inbox, entity-as-marker pattern, names, startup checks, deadlocks and purge on the
+//! MariaDB entity-as-marker pattern, names, startup checks, deadlocks and purge on the
 //! real server.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 #![cfg(feature = "mysql")]
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::time::ClockSkew;
@@ -13,7 +12,7 @@ use idem_core::{
     Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
 };
 use idem_sqlx::mysql::is_duplicate_key;
-use idem_sqlx::{InboxOutcome, Mark, MySqlStore};
+use idem_sqlx::{Mark, MySqlStore};
 use sqlx::mysql::MySqlPoolOptions;
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
@@ -33,85 +32,13 @@ async fn db(conns: u32) -> Option<Db> {
     let store =
         MySqlStore::new(pool).with_table_name(&table).unwrap().with_clock_skew(skew.clone());
     store.migrate().await.unwrap();
-    // No unique constraint: only the inbox keeps it exact.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE `{table}_ledger` (order_id VARCHAR(64) NOT NULL, cents BIGINT NOT NULL)"
-    )))
-    .execute(store.pool())
-    .await
-    .unwrap();
-    let drop = common::DropSql {
-        url,
-        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`, `{table}_orders`"),
-    };
+    let drop =
+        common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_orders`") };
     Some(Db { store, table, skew, _drop: drop })
-}
-
-impl Db {
-    async fn ledger_rows(&self) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM `{}_ledger`",
-            self.table
-        )))
-        .fetch_one(self.store.pool())
-        .await
-        .unwrap()
-    }
-
-    fn insert_ledger(&self) -> String {
-        format!("INSERT INTO `{}_ledger` VALUES (?, ?)", self.table)
-    }
 }
 
 fn key(id: &str) -> DedupKey {
     DedupKey::new("ledger-writer", id).unwrap()
-}
-
-#[tokio::test]
-async fn rollback_leaves_no_marker_and_duplicates_keep_the_transaction() {
-    let Some(db) = db(2).await else { return };
-    let inbox = db.store.inbox(WEEK);
-    let k = key("o-1");
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
-        .bind("o-1")
-        .bind(5_i64)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-    assert!(db.store.get(&k).await.unwrap().is_none(), "a rolled back marker must not exist");
-    assert_eq!(db.ledger_rows().await, 0);
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
-        .bind("o-1")
-        .bind(5_i64)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert!(matches!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::Duplicate(_)));
-    // The 1062 failed one statement only: the transaction goes on.
-    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
-        .bind("other")
-        .bind(1_i64)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    assert_eq!(db.ledger_rows().await, 2);
-    let mut tx = db.store.pool().begin().await.unwrap();
-    let other = Some(Fingerprint::of_bytes(b"different"));
-    let first = Some(Fingerprint::of_bytes(b"first"));
-    let k2 = key("o-2");
-    assert_eq!(inbox.mark(&mut tx, &k2, first).await.unwrap(), Mark::First);
-    tx.commit().await.unwrap();
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert!(matches!(inbox.mark(&mut tx, &k2, other).await.unwrap(), Mark::Conflict(_)));
-    tx.rollback().await.unwrap();
 }
 
 async fn wait_until_blocked(db: &Db) {
@@ -129,41 +56,6 @@ async fn wait_until_blocked(db: &Db) {
         // the last 100 ms: polling faster reads the same stale snapshot forever.
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
-}
-
-async fn second_mark_after_first(commit: bool) -> Option<Mark> {
-    let db = db(4).await?;
-    let inbox = db.store.inbox(WEEK);
-    let k = key("race");
-    let mut tx1 = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx1, &k, None).await.unwrap(), Mark::First);
-    let (pool, inbox2, k2) = (db.store.pool().clone(), inbox.clone(), k.clone());
-    let second = tokio::spawn(async move {
-        let mut tx2 = pool.begin().await.unwrap();
-        let m = inbox2.mark(&mut tx2, &k2, None).await.unwrap();
-        tx2.commit().await.unwrap();
-        m
-    });
-    wait_until_blocked(&db).await;
-    assert!(!second.is_finished(), "the second mark must wait for the first transaction");
-    if commit {
-        tx1.commit().await.unwrap()
-    } else {
-        tx1.rollback().await.unwrap()
-    }
-    Some(tokio::time::timeout(Duration::from_secs(10), second).await.unwrap().unwrap())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_mark_waits_then_sees_duplicate() {
-    let Some(m) = second_mark_after_first(true).await else { return };
-    assert!(matches!(m, Mark::Duplicate(_)), "{m:?}");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_mark_waits_then_is_first_after_rollback() {
-    let Some(m) = second_mark_after_first(false).await else { return };
-    assert_eq!(m, Mark::First);
 }
 
 /// Two transactions marking two keys in opposite order deadlock; MariaDB rolls one back, and
@@ -190,64 +82,6 @@ async fn deadlock_is_retryable() {
     assert!(errs[0].is_retryable(), "a deadlock must be retryable: {}", errs[0]);
     drop(tx1.rollback().await);
     drop(tx2.rollback().await);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_processors_write_each_key_once() {
-    let Some(db) = db(16).await else { return };
-    let db = Arc::new(db);
-    let inbox = db.store.inbox(WEEK);
-    let mut deliveries: Vec<usize> = (0..1000).collect();
-    deliveries.extend((0..300).map(|i| (i * 7) % 1000));
-    deliveries.sort_by_key(|i| (i * 7919) % 1300);
-    let queue = Arc::new(tokio::sync::Mutex::new(deliveries));
-    let mut tasks = Vec::new();
-    for _ in 0..32 {
-        let (db, inbox, queue) = (Arc::clone(&db), inbox.clone(), Arc::clone(&queue));
-        tasks.push(tokio::spawn(async move {
-            let (mut processed, mut dup, mut retried) = (0, 0, 0);
-            loop {
-                let Some(i) = queue.lock().await.pop() else { break };
-                let id = format!("o-{i}");
-                let fp = Fingerprint::of_bytes(id.as_bytes());
-                loop {
-                    let sql = db.insert_ledger();
-                    let id2 = id.clone();
-                    let out = inbox
-                        .process(db.store.pool(), &key(&id), Some(fp), |conn| {
-                            Box::pin(async move {
-                                sqlx::query(sqlx::AssertSqlSafe(sql))
-                                    .bind(&id2)
-                                    .bind(100_i64)
-                                    .execute(&mut *conn)
-                                    .await
-                                    .map(|_| id2)
-                            })
-                        })
-                        .await;
-                    match out {
-                        Ok(InboxOutcome::Processed(_)) => processed += 1,
-                        Ok(InboxOutcome::Duplicate(Some(_))) => dup += 1,
-                        Err(idem_sqlx::InboxError::Store(e)) if e.is_retryable() => {
-                            retried += 1;
-                            continue;
-                        }
-                        other => panic!("unexpected {other:?}"),
-                    }
-                    break;
-                }
-            }
-            (processed, dup, retried)
-        }));
-    }
-    let (mut processed, mut dup) = (0, 0);
-    for t in tasks {
-        let (p, d, _) = t.await.unwrap();
-        processed += p;
-        dup += d;
-    }
-    assert_eq!((processed, dup), (1000, 300));
-    assert_eq!(db.ledger_rows().await, 1000);
 }
 
 /// Entity as marker on MySQL: the business row's primary key is the marker; a duplicate key
@@ -383,66 +217,4 @@ async fn purge_runs_beside_claims() {
     assert_eq!(rec.state, RecordState::InProgress);
     db.store.complete(live_lease, None, WEEK).await.unwrap();
     assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
-}
-
-/// `batch::mark_batch` on MariaDB (the brokers' batch transaction, savepoint per message): a
-/// permanent failure rolls back its own write and marker only, a repeat in the batch is a
-/// duplicate, a keyless item is dead-lettered without a statement.
-#[tokio::test]
-async fn mark_batch_rolls_back_a_failing_message_alone() {
-    use idem_core::consumer::{Disposition, HandlerError};
-    use idem_sqlx::batch::{BatchWrites, mark_batch};
-    let Some(db) = db(2).await else { return };
-    let inbox = db.store.inbox(WEEK);
-    /// (ledger table, order id)
-    type Item = (String, String);
-    fn writes<'c>(
-        conn: &'c mut sqlx::MySqlConnection,
-        item: &'c Item,
-    ) -> BatchWrites<'c, (), String> {
-        Box::pin(async move {
-            let (table, id) = item;
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO `{table}` (order_id, cents) VALUES (?, 1)"
-            )))
-            .bind(id)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            if id == "o-bad" { Err(HandlerError::Permanent("refused".to_owned())) } else { Ok(()) }
-        })
-    }
-    let table = format!("{}_ledger", db.table);
-    let batch: Vec<Item> = ["o-1", "o-bad", "o-1", "o-2", "o-none"]
-        .iter()
-        .map(|id| (table.clone(), (*id).to_owned()))
-        .collect();
-    let items: Vec<(&Item, idem_sqlx::batch::Prepared)> = batch
-        .iter()
-        .map(|it| {
-            let p = if it.1 == "o-none" {
-                Err("no message id".to_owned())
-            } else {
-                Ok((key(&it.1), None))
-            };
-            (it, p)
-        })
-        .collect();
-    let mut tx = db.store.pool().begin().await.unwrap();
-    let steps = mark_batch(&inbox, &mut tx, &items, &writes).await.unwrap();
-    tx.commit().await.unwrap();
-    let labels: Vec<&str> = steps.iter().map(|s| s.label).collect();
-    assert_eq!(
-        labels,
-        ["processed", "failed_permanent", "duplicate", "processed", "failed_permanent"]
-    );
-    assert!(
-        matches!(&steps[1].disposition, Disposition::DeadLetter { reason } if reason == "handler failed: refused")
-    );
-    assert!(
-        matches!(&steps[4].disposition, Disposition::DeadLetter { reason } if reason == "no message id")
-    );
-    assert_eq!(db.ledger_rows().await, 2, "o-bad's row rolled back, o-1 once, o-2 once");
-    assert!(db.store.get(&key("o-bad")).await.unwrap().is_none(), "no marker for o-bad");
-    assert!(db.store.get(&key("o-2")).await.unwrap().is_some());
 }

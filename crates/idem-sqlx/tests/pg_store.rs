@@ -1,18 +1,17 @@
-//! PostgreSQL inbox, entity-as-marker, schema, startup checks and purge on the real server.
+//! PostgreSQL entity-as-marker, schema, startup checks and purge on the real server.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 #![cfg(feature = "postgres")]
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::time::ClockSkew;
 use idem_core::{
     Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
 };
+use idem_sqlx::PostgresStore;
 use idem_sqlx::postgres::{EntityMark, EntityTable};
-use idem_sqlx::{InboxOutcome, Mark, PostgresStore};
 use sqlx::postgres::PgPoolOptions;
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
@@ -32,173 +31,12 @@ async fn db(conns: u32) -> Option<Db> {
     let store =
         PostgresStore::new(pool).with_schema(&schema).unwrap().with_clock_skew(skew.clone());
     store.migrate().await.unwrap();
-    // The business table has no unique constraint: only the inbox can keep it exact.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE \"{schema}\".ledger (order_id TEXT NOT NULL, cents BIGINT NOT NULL)"
-    )))
-    .execute(store.pool())
-    .await
-    .unwrap();
     let drop = common::DropSql { url, sql: format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE") };
     Some(Db { store, schema, skew, _drop: drop })
 }
 
-impl Db {
-    async fn ledger_rows(&self) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM \"{}\".ledger",
-            self.schema
-        )))
-        .fetch_one(self.store.pool())
-        .await
-        .unwrap()
-    }
-
-    fn insert_ledger(&self) -> String {
-        format!("INSERT INTO \"{}\".ledger VALUES ($1, $2)", self.schema)
-    }
-}
-
 fn key(id: &str) -> DedupKey {
     DedupKey::new("ledger-writer", id).unwrap()
-}
-
-#[tokio::test]
-async fn rollback_leaves_no_marker() {
-    let Some(db) = db(2).await else { return };
-    let inbox = db.store.inbox(WEEK);
-    let k = key("o-1");
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    sqlx::query(sqlx::AssertSqlSafe(db.insert_ledger()))
-        .bind("o-1")
-        .bind(5_i64)
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-    assert!(db.store.get(&k).await.unwrap().is_none(), "a rolled back marker must not exist");
-    assert_eq!(db.ledger_rows().await, 0);
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    tx.commit().await.unwrap();
-    let mut tx = db.store.pool().begin().await.unwrap();
-    assert!(matches!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::Duplicate(_)));
-    // A duplicate leaves the caller's transaction usable (no error was raised inside it).
-    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&mut *tx).await.unwrap();
-    assert_eq!(one, 1);
-    tx.rollback().await.unwrap();
-}
-
-/// Waits until some backend of this schema's statements is blocked on a lock.
-async fn wait_until_blocked(db: &Db) {
-    let probe = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-         AND query LIKE '%\"{}\"%'",
-        db.schema
-    );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(probe.clone()))
-            .fetch_one(db.store.pool())
-            .await
-            .unwrap();
-        if n > 0 {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "second mark never blocked on the first");
-        tokio::task::yield_now().await;
-    }
-}
-
-async fn second_mark_after_first(commit: bool) -> Option<Mark> {
-    let db = db(4).await?;
-    let inbox = db.store.inbox(WEEK);
-    let k = key("race");
-    let mut tx1 = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx1, &k, None).await.unwrap(), Mark::First);
-    let (pool, inbox2, k2) = (db.store.pool().clone(), inbox.clone(), k.clone());
-    let second = tokio::spawn(async move {
-        let mut tx2 = pool.begin().await.unwrap();
-        let m = inbox2.mark(&mut tx2, &k2, None).await.unwrap();
-        tx2.commit().await.unwrap();
-        m
-    });
-    wait_until_blocked(&db).await;
-    assert!(!second.is_finished(), "the second mark must wait for the first transaction");
-    if commit {
-        tx1.commit().await.unwrap()
-    } else {
-        tx1.rollback().await.unwrap()
-    }
-    Some(tokio::time::timeout(Duration::from_secs(10), second).await.unwrap().unwrap())
-}
-
-#[tokio::test]
-async fn concurrent_mark_waits_then_sees_duplicate() {
-    let Some(m) = second_mark_after_first(true).await else { return };
-    assert!(matches!(m, Mark::Duplicate(_)), "{m:?}");
-}
-
-#[tokio::test]
-async fn concurrent_mark_waits_then_is_first_after_rollback() {
-    let Some(m) = second_mark_after_first(false).await else { return };
-    assert_eq!(m, Mark::First);
-}
-
-/// 32 concurrent processors over 1,000 keys with 30% duplicate deliveries leave exactly
-/// 1,000 business rows.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_processors_write_each_key_once() {
-    let Some(db) = db(16).await else { return };
-    let db = Arc::new(db);
-    let inbox = db.store.inbox(WEEK);
-    let mut deliveries: Vec<usize> = (0..1000).collect();
-    deliveries.extend((0..300).map(|i| (i * 7) % 1000));
-    // Interleave duplicates with originals, deterministically.
-    deliveries.sort_by_key(|i| (i * 7919) % 1300);
-    let queue = Arc::new(tokio::sync::Mutex::new(deliveries));
-    let mut tasks = Vec::new();
-    for _ in 0..32 {
-        let (db, inbox, queue) = (Arc::clone(&db), inbox.clone(), Arc::clone(&queue));
-        tasks.push(tokio::spawn(async move {
-            let (mut processed, mut dup) = (0, 0);
-            loop {
-                let Some(i) = queue.lock().await.pop() else { break };
-                let id = format!("o-{i}");
-                let fp = Fingerprint::of_bytes(id.as_bytes());
-                let sql = db.insert_ledger();
-                let out = inbox
-                    .process(db.store.pool(), &key(&id), Some(fp), |conn| {
-                        let id = id.clone();
-                        Box::pin(async move {
-                            sqlx::query(sqlx::AssertSqlSafe(sql))
-                                .bind(&id)
-                                .bind(100_i64)
-                                .execute(&mut *conn)
-                                .await
-                                .map(|_| id)
-                        })
-                    })
-                    .await
-                    .unwrap();
-                match out {
-                    InboxOutcome::Processed(_) => processed += 1,
-                    InboxOutcome::Duplicate(Some(_)) => dup += 1,
-                    other => panic!("unexpected {other:?}"),
-                }
-            }
-            (processed, dup)
-        }));
-    }
-    let (mut processed, mut dup) = (0, 0);
-    for t in tasks {
-        let (p, d) = t.await.unwrap();
-        processed += p;
-        dup += d;
-    }
-    assert_eq!((processed, dup), (1000, 300));
-    assert_eq!(db.ledger_rows().await, 1000);
 }
 
 #[tokio::test]

@@ -2,11 +2,14 @@
 //!
 //! - [`dedup_store_conformance!`]: one macro that runs the whole store contract
 //!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
+//! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_sqlx::TxInbox`] and the
+//!   consumer backend every broker adapter drives), against each SQL inbox.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`.
 
 pub mod cases;
 pub mod faults;
+pub mod inbox;
 pub mod service;
 
 use std::future::Future;

@@ -1,17 +1,15 @@
 //! The transactional inbox on MySQL / MariaDB.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use idem_core::time::duration_micros;
-use idem_core::{DedupKey, Fingerprint, StoreError};
+use idem_core::{ClaimRequest, DedupKey, Fingerprint, RecordState, StoreError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::mysql::{MySqlConnection, MySqlPool};
 
 use super::{MySqlStore, backend, error_number, nonce};
-use crate::row::{Loser, classify_loser};
 use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 
 /// Records dedup markers inside the caller's own MySQL/MariaDB transaction (R4).
@@ -46,12 +44,69 @@ pub struct MySqlInbox {
     retain_for: Duration,
 }
 
-/// The caller's writes for [`MySqlInbox::process`].
-pub type MySqlWrites<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>;
-
 impl MySqlInbox {
     pub(super) fn new(store: MySqlStore, retain_for: Duration) -> Self {
         Self { store, retain_for }
+    }
+
+    /// The store's pool (where batch transactions begin).
+    pub fn pool(&self) -> &MySqlPool {
+        self.store.pool()
+    }
+
+    /// How long markers are kept.
+    pub fn retention(&self) -> Duration {
+        self.retain_for
+    }
+
+    /// Marks distinct keys with one upsert on the caller's connection (inside their
+    /// transaction), rows in key-hash order, then one locking read of the rows; answers in input
+    /// order, each as [`mark`](Self::mark) would.
+    ///
+    /// # Errors
+    /// Backend errors (roll back; retry when [`StoreError::is_retryable`]).
+    pub async fn mark_many(
+        &self,
+        conn: &mut MySqlConnection,
+        items: &[(DedupKey, Option<Fingerprint>)],
+    ) -> Result<Vec<Mark>, StoreError> {
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(super::MAX_ROWS) {
+            let reqs: Vec<ClaimRequest> = chunk
+                .iter()
+                .map(|(k, fp)| ClaimRequest::new(k.clone(), *fp, Duration::ZERO, self.retain_for))
+                .collect();
+            let refs: Vec<&ClaimRequest> = reqs.iter().collect();
+            let rows = self.store.upsert_round(conn, &refs, RecordState::Completed).await?;
+            for (row, (key, fp)) in rows.into_iter().zip(chunk) {
+                let mark = match row {
+                    Some((true, _, _)) => Some(Mark::First),
+                    Some((false, rec, now)) => crate::row::mark_of(rec, *fp, now),
+                    None => None,
+                };
+                match mark {
+                    Some(m) => out.push(m),
+                    // Changed or purged under the upsert: decide it alone.
+                    None => out.push(self.mark(conn, key, *fp).await?),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stores results with their markers, in the caller's transaction (one statement each).
+    ///
+    /// # Errors
+    /// As [`set_result`](Self::set_result).
+    pub async fn set_results(
+        &self,
+        conn: &mut MySqlConnection,
+        items: &[(DedupKey, Vec<u8>)],
+    ) -> Result<(), StoreError> {
+        for (key, result) in items {
+            self.set_result(conn, key, result).await?;
+        }
+        Ok(())
     }
 
     /// Inserts the marker for `key` inside the caller's transaction; [`Mark::First`] means do
@@ -92,11 +147,8 @@ impl MySqlInbox {
                 return Ok(Mark::First);
             }
             let Some((rec, now)) = s.fetch(conn, key, true).await? else { continue };
-            match classify_loser(rec, fingerprint, now) {
-                Some(Loser::Done(r)) => return Ok(Mark::Duplicate(r)),
-                Some(Loser::Conflict(r)) => return Ok(Mark::Conflict(r)),
-                Some(Loser::Leased(r)) => return Ok(Mark::InProgress(r)),
-                None => {}
+            if let Some(mark) = crate::row::mark_of(rec, fingerprint, now) {
+                return Ok(mark);
             }
         }
         Err(StoreError::backend("mark", true, "record kept changing under the mark (8 tries)"))
@@ -124,33 +176,24 @@ impl MySqlInbox {
         Ok(())
     }
 
-    /// Opens a transaction, marks `key`, runs `writes` only if first, stores their result
-    /// (JSON) and commits; any error rolls everything back, marker included.
+    /// One message on its own: opens a transaction, marks `key`, runs `writes` only if
+    /// the mark is first (with the transaction, as a broker adapter's inbox handler gets it),
+    /// stores their result (JSON) with the marker and commits. Any error rolls everything back,
+    /// marker included.
     ///
     /// # Errors
     /// [`InboxError::Writes`] when `writes` fails, [`InboxError::Store`] otherwise.
-    pub async fn process<T, E, F>(
+    pub async fn process<T, E, F, Fut>(
         &self,
-        pool: &MySqlPool,
         key: &DedupKey,
         fingerprint: Option<Fingerprint>,
         writes: F,
     ) -> Result<InboxOutcome<T>, InboxError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: for<'c> FnOnce(&'c mut MySqlConnection) -> MySqlWrites<'c, T, E>,
+        F: FnOnce(crate::Tx<sqlx::MySql>) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
     {
-        let mut tx = pool.begin().await.map_err(|e| backend("process", e))?;
-        if let Some(done) = crate::row::settled(self.mark(&mut tx, key, fingerprint).await?)? {
-            return Ok(done);
-        }
-        let value = writes(&mut tx).await.map_err(InboxError::Writes)?;
-        if let Ok(bytes) = serde_json::to_vec(&value)
-            && bytes.len() <= MAX_RESULT_BYTES
-        {
-            self.set_result(&mut tx, key, &bytes).await?;
-        }
-        tx.commit().await.map_err(|e| backend("commit", e))?;
-        Ok(InboxOutcome::Processed(value))
+        crate::inbox::process_one(self, key, fingerprint, writes).await
     }
 }

@@ -18,7 +18,7 @@ use idem_core::{
 use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::{AssertSqlSafe, Row};
 
-pub use inbox::{MySqlInbox, MySqlWrites};
+pub use inbox::MySqlInbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
@@ -239,10 +239,42 @@ impl MySqlStore {
     /// One claim statement over distinct keys, then the rows read back: for each request, its
     /// answer, or `None` when the record changed under it and it must be tried again.
     async fn claim_round(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Option<Claim>>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
+        let rows = self.upsert_round(&mut conn, reqs, RecordState::InProgress).await?;
+        Ok(rows
+            .into_iter()
+            .zip(reqs)
+            .map(|(row, req)| {
+                let (won, rec, now) = row?;
+                if won {
+                    return Some(Claim::Acquired(Lease::new(
+                        req.key.clone(),
+                        rec.fingerprint,
+                        rec.token,
+                        rec.attempt,
+                        rec.lease_until.unwrap_or(now),
+                        rec.previous,
+                    )));
+                }
+                lost(rec, req.fingerprint, now)
+            })
+            .collect())
+    }
+
+    /// One upsert of distinct keys into `state` (in progress: a claim; completed: an inbox
+    /// mark), rows in key-hash order so concurrent batches lock them in one order, then the
+    /// rows read back (a locking read: inside a transaction it sees the latest commit). For
+    /// each request: whether it won, its record and the database's now; `None` when its row is
+    /// gone (purged meanwhile).
+    pub(crate) async fn upsert_round(
+        &self,
+        conn: &mut MySqlConnection,
+        reqs: &[&ClaimRequest],
+        state: RecordState,
+    ) -> Result<Vec<Option<(bool, Record, Timestamp)>>, StoreError> {
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| reqs[i].key.hash().0);
         let mut first: HashMap<[u8; 32], (usize, i64)> = HashMap::new();
-        let mut q_text = String::new();
         let skew = self.skew.micros();
         let mut unique = Vec::new();
         for &i in &order {
@@ -252,8 +284,8 @@ impl MySqlStore {
                 unique.push(i);
             }
         }
-        q_text.push_str(&self.sql.claim_many(unique.len()));
-        let mut q = sqlx::query(AssertSqlSafe(q_text));
+        let leased = state == RecordState::InProgress;
+        let mut q = sqlx::query(AssertSqlSafe(self.sql.claim_many(unique.len(), state)));
         for &i in &unique {
             let r = reqs[i];
             let (_, owner) = first[&r.key.hash().0];
@@ -266,17 +298,18 @@ impl MySqlStore {
                 .bind(skew)
                 .bind(skew)
                 .bind(skew)
-                .bind(duration_micros(r.lease_for))
+                .bind(leased.then(|| duration_micros(r.lease_for)))
                 .bind(skew)
                 .bind(duration_micros(r.retain_for.max(r.lease_for)))
                 .bind(owner);
         }
-        q.execute(&self.pool).await.map_err(|e| backend("claim", e))?;
-        let mut sel = sqlx::query(AssertSqlSafe(self.sql.select_many(unique.len()))).bind(skew);
+        q.execute(&mut *conn).await.map_err(|e| backend("claim", e))?;
+        let mut sel =
+            sqlx::query(AssertSqlSafe(self.sql.select_many(unique.len(), !leased))).bind(skew);
         for &i in &unique {
             sel = sel.bind(reqs[i].key.hash().0.to_vec());
         }
-        let rows = sel.fetch_all(&self.pool).await.map_err(|e| backend("claim", e))?;
+        let rows = sel.fetch_all(&mut *conn).await.map_err(|e| backend("claim", e))?;
         let mut found: HashMap<[u8; 32], (Record, i64, Timestamp)> = HashMap::new();
         for row in &rows {
             let get = |e| backend("claim", e);
@@ -285,28 +318,17 @@ impl MySqlStore {
             let now: i64 = row.try_get(14).map_err(get)?;
             found.insert(rec.key_hash.0, (rec, owner, Timestamp::from_micros(now)));
         }
-        let mut out = Vec::with_capacity(reqs.len());
-        for (i, req) in reqs.iter().enumerate() {
-            let h = req.key.hash().0;
-            let Some((rec, owner, now)) = found.get(&h) else {
-                out.push(None);
-                continue;
-            };
-            let (first_i, mine) = first[&h];
-            if first_i == i && *owner == mine && rec.state == RecordState::InProgress {
-                out.push(Some(Claim::Acquired(Lease::new(
-                    req.key.clone(),
-                    rec.fingerprint,
-                    rec.token,
-                    rec.attempt,
-                    rec.lease_until.unwrap_or(*now),
-                    rec.previous,
-                ))));
-                continue;
-            }
-            out.push(lost(rec.clone(), req.fingerprint, *now));
-        }
-        Ok(out)
+        Ok(reqs
+            .iter()
+            .enumerate()
+            .map(|(i, req)| {
+                let h = req.key.hash().0;
+                let (rec, owner, now) = found.get(&h)?;
+                let (first_i, mine) = first[&h];
+                let won = first_i == i && *owner == mine && rec.state == state;
+                Some((won, rec.clone(), *now))
+            })
+            .collect())
     }
 
     async fn finish(

@@ -246,13 +246,16 @@ impl Sql {
         }
     }
 
-    /// The claim upsert for `n` rows (`:hash0`… are bound positionally by the caller, in row
-    /// order: hash, scope, id, fp, skew…, lease, skew, keep, owner per row). Keys must be
-    /// distinct and are best sorted, so concurrent batches lock rows in one order.
-    pub(super) fn claim_many(&self, n: usize) -> String {
+    /// The claim (or, in state 1, inbox mark) upsert for `n` rows, bound positionally by the
+    /// caller in row order: hash, scope, id, fp, skew…, lease (NULL for a mark), skew, keep,
+    /// owner per row. Keys must be distinct and are best sorted, so concurrent batches lock
+    /// rows in one order.
+    pub(super) fn claim_many(&self, n: usize, state: idem_core::RecordState) -> String {
         let now = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
-        let row =
-            format!("(?, ?, ?, 0, ?, NULL, 1, {now}, NULL, {now}, {now}, {now} + ?, {now} + ?, ?)");
+        let state = state.code();
+        let row = format!(
+            "(?, ?, ?, {state}, ?, NULL, 1, {now}, NULL, {now}, {now}, {now} + ?, {now} + ?, ?)"
+        );
         let rows = vec![row; n].join(", ");
         let vnow = "VALUES(updated_at)";
         let d = dead(vnow);
@@ -297,12 +300,14 @@ impl Sql {
         format!("SELECT key_hash, token, state FROM {} WHERE key_hash IN ({marks})", self.t)
     }
 
-    /// Reads `n` keys back after a claim upsert.
-    pub(super) fn select_many(&self, n: usize) -> String {
+    /// Reads `n` keys back after an upsert; `locked` (inside a transaction): a locking read,
+    /// which sees the latest committed rows rather than the transaction's snapshot.
+    pub(super) fn select_many(&self, n: usize, locked: bool) -> String {
         let marks = vec!["?"; n].join(", ");
+        let lock = if locked { " LOCK IN SHARE MODE" } else { "" };
         format!(
             "SELECT {COLUMNS}, owner, CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ? \
-             FROM {} WHERE key_hash IN ({marks})",
+             FROM {} WHERE key_hash IN ({marks}){lock}",
             self.t
         )
     }

@@ -1,7 +1,6 @@
 //! The transactional inbox on PostgreSQL: the dedup marker commits with the caller's writes.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +11,6 @@ use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnection, PgPool};
 
 use super::{PostgresStore, backend};
-use crate::row::{Loser, classify_loser};
 use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 
 /// Records dedup markers inside the caller's own PostgreSQL transaction (R4): the marker and
@@ -48,13 +46,84 @@ pub struct PostgresInbox {
     retain_for: Duration,
 }
 
-/// The caller's writes for [`PostgresInbox::process`]: a closure returning a boxed future that
-/// borrows the transaction's connection.
-pub type PgWrites<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>;
-
 impl PostgresInbox {
     pub(super) fn new(store: PostgresStore, retain_for: Duration) -> Self {
         Self { store, retain_for }
+    }
+
+    /// The store's pool (where batch transactions begin).
+    pub fn pool(&self) -> &PgPool {
+        self.store.pool()
+    }
+
+    /// How long markers are kept.
+    pub fn retention(&self) -> Duration {
+        self.retain_for
+    }
+
+    /// Marks distinct keys with one statement on the caller's connection (inside their
+    /// transaction), taking the rows in key-hash order; answers in input order, each as
+    /// [`mark`](Self::mark) would. A second statement reads the keys that were taken, only when
+    /// there are any.
+    ///
+    /// # Errors
+    /// Backend errors (the caller should roll back).
+    pub async fn mark_many(
+        &self,
+        conn: &mut PgConnection,
+        items: &[(DedupKey, Option<Fingerprint>)],
+    ) -> Result<Vec<Mark>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let s = &self.store;
+        let reqs: Vec<ClaimRequest> = items
+            .iter()
+            .map(|(k, fp)| ClaimRequest::new(k.clone(), *fp, Duration::ZERO, self.retain_for))
+            .collect();
+        let (first, found) = s.upsert_many(conn, &s.sql.mark_many, &reqs, false).await?;
+        let mut out = Vec::with_capacity(items.len());
+        for (n, (key, fp)) in items.iter().enumerate() {
+            let hash = key.hash().0;
+            let mark = match found.get(&hash) {
+                Some((true, _, _)) if first.get(&hash) == Some(&n) => Some(Mark::First),
+                Some((_, rec, now)) => crate::row::mark_of(rec.clone(), *fp, *now),
+                None => None,
+            };
+            match mark {
+                Some(m) => out.push(m),
+                // Claimable again by the time its record was read: decide it alone.
+                None => out.push(self.mark(conn, key, *fp).await?),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stores results with their markers in one statement, in the caller's transaction.
+    ///
+    /// # Errors
+    /// [`StoreError::TooLarge`] for a result above 1 MiB (nothing is stored); backend errors.
+    pub async fn set_results(
+        &self,
+        conn: &mut PgConnection,
+        items: &[(DedupKey, Vec<u8>)],
+    ) -> Result<(), StoreError> {
+        let mut hashes = Vec::with_capacity(items.len());
+        let mut results = Vec::with_capacity(items.len());
+        for (key, result) in items {
+            StoreError::check_len("result", result.len(), MAX_RESULT_BYTES)?;
+            hashes.push(key.hash().0.to_vec());
+            results.push(result.as_slice());
+        }
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.store.sql.set_results)))
+            .bind(&hashes)
+            .bind(&results)
+            // An array join: planned with its arrays each time (see complete_many).
+            .persistent(false)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| backend("set_results", e))?;
+        Ok(())
     }
 
     /// Inserts the marker for `key` on the caller's connection (inside their transaction).
@@ -77,11 +146,8 @@ impl PostgresInbox {
                 return Ok(Mark::First);
             }
             let Some((rec, now)) = s.fetch(conn, key).await? else { continue };
-            match classify_loser(rec, fingerprint, now) {
-                Some(Loser::Done(r)) => return Ok(Mark::Duplicate(r)),
-                Some(Loser::Conflict(r)) => return Ok(Mark::Conflict(r)),
-                Some(Loser::Leased(r)) => return Ok(Mark::InProgress(r)),
-                None => {}
+            if let Some(mark) = crate::row::mark_of(rec, fingerprint, now) {
+                return Ok(mark);
             }
         }
         Err(StoreError::backend("mark", true, "record kept changing under the mark (8 tries)"))
@@ -107,34 +173,24 @@ impl PostgresInbox {
         Ok(())
     }
 
-    /// Opens a transaction on `pool`, marks `key`, runs `writes` only if the mark is first,
+    /// One message on its own: opens a transaction, marks `key`, runs `writes` only if
+    /// the mark is first (with the transaction, as a broker adapter's inbox handler gets it),
     /// stores their result (JSON) with the marker and commits. Any error rolls everything back,
     /// marker included.
     ///
     /// # Errors
     /// [`InboxError::Writes`] when `writes` fails, [`InboxError::Store`] otherwise.
-    pub async fn process<T, E, F>(
+    pub async fn process<T, E, F, Fut>(
         &self,
-        pool: &PgPool,
         key: &DedupKey,
         fingerprint: Option<Fingerprint>,
         writes: F,
     ) -> Result<InboxOutcome<T>, InboxError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: for<'c> FnOnce(&'c mut PgConnection) -> PgWrites<'c, T, E>,
+        F: FnOnce(crate::Tx<sqlx::Postgres>) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
     {
-        let mut tx = pool.begin().await.map_err(|e| backend("process", e))?;
-        if let Some(done) = crate::row::settled(self.mark(&mut tx, key, fingerprint).await?)? {
-            return Ok(done);
-        }
-        let value = writes(&mut tx).await.map_err(InboxError::Writes)?;
-        if let Ok(bytes) = serde_json::to_vec(&value)
-            && bytes.len() <= MAX_RESULT_BYTES
-        {
-            self.set_result(&mut tx, key, &bytes).await?;
-        }
-        tx.commit().await.map_err(|e| backend("commit", e))?;
-        Ok(InboxOutcome::Processed(value))
+        crate::inbox::process_one(self, key, fingerprint, writes).await
     }
 }

@@ -18,7 +18,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 pub use entity::{EntityMark, EntityTable};
-pub use inbox::{PgWrites, PostgresInbox};
+pub use inbox::PostgresInbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
@@ -293,6 +293,68 @@ impl PostgresStore {
         Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
     }
 
+    /// One upsert statement for a batch (`stmt`: the claim or the mark), then — only when some
+    /// key was taken — one read of the losers. A key that repeats goes in once (its first
+    /// occurrence), since one upsert cannot touch a row twice; rows go in key-hash order, so
+    /// concurrent batches lock shared keys in one order (no deadlock). Answers: each distinct
+    /// hash's first index, and each hash's row (won?, record, database now).
+    #[allow(clippy::type_complexity)]
+    async fn upsert_many(
+        &self,
+        conn: &mut PgConnection,
+        stmt: &Arc<str>,
+        reqs: &[ClaimRequest],
+        leased: bool,
+    ) -> Result<(HashMap<[u8; 32], usize>, HashMap<[u8; 32], (bool, Record, Timestamp)>), StoreError>
+    {
+        let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
+        let (mut h, mut s, mut i, mut fp, mut lease, mut keep) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&n| (reqs[n].key.hash().0, n));
+        for n in order {
+            let r = &reqs[n];
+            let hash = r.key.hash().0;
+            if first.contains_key(&hash) {
+                continue;
+            }
+            first.insert(hash, n);
+            h.push(hash.to_vec());
+            s.push(r.key.scope().to_owned());
+            i.push(r.key.id().to_owned());
+            fp.push(r.fingerprint.map(|f| f.0.to_vec()));
+            lease.push(leased.then(|| duration_micros(r.lease_for)));
+            keep.push(duration_micros(r.retain_for.max(r.lease_for)));
+        }
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
+            .bind(&h)
+            .bind(&s)
+            .bind(&i)
+            .bind(&fp)
+            .bind(self.skew())
+            .bind(&lease)
+            .bind(&keep)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| backend("claim_many", e))?;
+        let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
+        decode_claimed(&rows, &mut found)?;
+        if found.len() < first.len() {
+            // Some keys were taken: read their records (a second round trip, only then).
+            let losers: Vec<Vec<u8>> =
+                first.keys().filter(|k| !found.contains_key(*k)).map(|k| k.to_vec()).collect();
+            let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
+                .bind(&losers)
+                .bind(self.skew())
+                .persistent(false)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| backend("claim_many", e))?;
+            decode_claimed(&rows, &mut found)?;
+        }
+        Ok((first, found))
+    }
+
     async fn finish(
         &self,
         lease: &Lease,
@@ -417,54 +479,9 @@ impl DedupStore for PostgresStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        // One statement for the batch; a key that repeats goes in once (its first occurrence),
-        // since one upsert cannot touch a row twice.
-        let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
-        let (mut h, mut s, mut i, mut fp, mut lease, mut keep) =
-            (vec![], vec![], vec![], vec![], vec![], vec![]);
-        // Rows in hash order, so concurrent batches lock shared keys in one order (no deadlock).
-        let mut order: Vec<usize> = (0..reqs.len()).collect();
-        order.sort_by_key(|&n| (reqs[n].key.hash().0, n));
-        for n in order {
-            let r = &reqs[n];
-            let hash = r.key.hash().0;
-            if first.contains_key(&hash) {
-                continue;
-            }
-            first.insert(hash, n);
-            h.push(hash.to_vec());
-            s.push(r.key.scope().to_owned());
-            i.push(r.key.id().to_owned());
-            fp.push(r.fingerprint.map(|f| f.0.to_vec()));
-            lease.push(duration_micros(r.lease_for));
-            keep.push(duration_micros(r.retain_for.max(r.lease_for)));
-        }
-        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many)))
-            .bind(&h)
-            .bind(&s)
-            .bind(&i)
-            .bind(&fp)
-            .bind(self.skew())
-            .bind(&lease)
-            .bind(&keep)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| backend("claim_many", e))?;
-        let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
-        decode_claimed(&rows, &mut found)?;
-        if found.len() < first.len() {
-            // Some keys were taken: read their records (a second round trip, only then).
-            let losers: Vec<Vec<u8>> =
-                first.keys().filter(|k| !found.contains_key(*k)).map(|k| k.to_vec()).collect();
-            let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
-                .bind(&losers)
-                .bind(self.skew())
-                .persistent(false)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(|e| backend("claim_many", e))?;
-            decode_claimed(&rows, &mut found)?;
-        }
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
+        let (first, found) = self.upsert_many(&mut conn, &self.sql.claim_many, reqs, true).await?;
+        drop(conn);
         let mut out = Vec::with_capacity(reqs.len());
         for (n, req) in reqs.iter().enumerate() {
             let hash = req.key.hash().0;

@@ -1,7 +1,6 @@
 //! The transactional inbox on SQLite: the dedup marker commits with the caller's writes.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,6 @@ use sqlx::sqlite::{SqliteConnection, SqlitePool};
 
 use super::{SqliteStore, backend};
 use crate::row::i64_of;
-use crate::row::{Loser, classify_loser};
 use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 
 /// Records dedup markers inside the caller's own SQLite transaction (R4): the marker and the
@@ -49,13 +47,54 @@ pub struct SqliteInbox {
     retain_for: Duration,
 }
 
-/// The caller's writes for [`SqliteInbox::process`]: a closure returning a boxed future that
-/// borrows the transaction's connection.
-pub type Writes<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>;
-
 impl SqliteInbox {
     pub(super) fn new(store: SqliteStore, retain_for: Duration) -> Self {
         Self { store, retain_for }
+    }
+
+    /// The store's pool (where batch transactions begin, with `BEGIN IMMEDIATE`).
+    pub fn pool(&self) -> &SqlitePool {
+        self.store.pool()
+    }
+
+    /// How long markers are kept.
+    pub fn retention(&self) -> Duration {
+        self.retain_for
+    }
+
+    /// Marks distinct keys on the caller's connection, in key-hash order (an embedded database:
+    /// each mark is a function call, not a round trip); answers in input order.
+    ///
+    /// # Errors
+    /// Backend errors (the caller should roll back).
+    pub async fn mark_many(
+        &self,
+        conn: &mut SqliteConnection,
+        items: &[(DedupKey, Option<Fingerprint>)],
+    ) -> Result<Vec<Mark>, StoreError> {
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_by_key(|&i| items[i].0.hash().0);
+        let mut out: Vec<Option<Mark>> = items.iter().map(|_| None).collect();
+        for i in order {
+            let (key, fp) = &items[i];
+            out[i] = Some(self.mark(conn, key, *fp).await?);
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Stores results with their markers, in the caller's transaction.
+    ///
+    /// # Errors
+    /// As [`set_result`](Self::set_result).
+    pub async fn set_results(
+        &self,
+        conn: &mut SqliteConnection,
+        items: &[(DedupKey, Vec<u8>)],
+    ) -> Result<(), StoreError> {
+        for (key, result) in items {
+            self.set_result(conn, key, result).await?;
+        }
+        Ok(())
     }
 
     /// Inserts the marker for `key` on the caller's connection (inside their transaction).
@@ -94,11 +133,8 @@ impl SqliteInbox {
                 return Ok(Mark::First);
             }
             let Some(rec) = s.fetch(conn, key).await? else { continue };
-            match classify_loser(rec, fingerprint, now) {
-                Some(Loser::Done(r)) => return Ok(Mark::Duplicate(r)),
-                Some(Loser::Conflict(r)) => return Ok(Mark::Conflict(r)),
-                Some(Loser::Leased(r)) => return Ok(Mark::InProgress(r)),
-                None => {}
+            if let Some(mark) = crate::row::mark_of(rec, fingerprint, now) {
+                return Ok(mark);
             }
         }
         Err(StoreError::backend("mark", true, "record kept changing under the mark (8 tries)"))
@@ -124,34 +160,24 @@ impl SqliteInbox {
         Ok(())
     }
 
-    /// Opens a `BEGIN IMMEDIATE` transaction on `pool`, marks `key`, runs `writes` only if the
-    /// mark is first, stores their result (JSON) with the marker and commits. Any error rolls
-    /// everything back, marker included.
+    /// One message on its own: opens a `BEGIN IMMEDIATE` transaction, marks `key`, runs `writes` only if
+    /// the mark is first (with the transaction, as a broker adapter's inbox handler gets it),
+    /// stores their result (JSON) with the marker and commits. Any error rolls everything back,
+    /// marker included.
     ///
     /// # Errors
     /// [`InboxError::Writes`] when `writes` fails, [`InboxError::Store`] otherwise.
-    pub async fn process<T, E, F>(
+    pub async fn process<T, E, F, Fut>(
         &self,
-        pool: &SqlitePool,
         key: &DedupKey,
         fingerprint: Option<Fingerprint>,
         writes: F,
     ) -> Result<InboxOutcome<T>, InboxError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: for<'c> FnOnce(&'c mut SqliteConnection) -> Writes<'c, T, E>,
+        F: FnOnce(crate::Tx<sqlx::Sqlite>) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
     {
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| backend("process", e))?;
-        if let Some(done) = crate::row::settled(self.mark(&mut tx, key, fingerprint).await?)? {
-            return Ok(done);
-        }
-        let value = writes(&mut tx).await.map_err(InboxError::Writes)?;
-        if let Ok(bytes) = serde_json::to_vec(&value)
-            && bytes.len() <= MAX_RESULT_BYTES
-        {
-            self.set_result(&mut tx, key, &bytes).await?;
-        }
-        tx.commit().await.map_err(|e| backend("commit", e))?;
-        Ok(InboxOutcome::Processed(value))
+        crate::inbox::process_one(self, key, fingerprint, writes).await
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use idem_core::claim::next_token;
 use idem_core::time::{Clock, SystemClock};
 use idem_core::{
-    Advance, Claim, ClaimRequest, Counts, DedupKey, DedupStore, FailKind, Identifier,
+    Advance, Claim, ClaimRequest, Completion, Counts, DedupKey, DedupStore, FailKind, Identifier,
     IdentifierError, InspectStore, Lease, ListFilter, Record, RecordState, StoreError, Timestamp,
     VersionGuard,
 };
@@ -20,7 +20,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row};
 
-pub use inbox::{SqliteInbox, Writes};
+pub use inbox::SqliteInbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
@@ -257,7 +257,25 @@ impl SqliteStore {
         result: Option<&[u8]>,
         retain_for: Duration,
     ) -> Result<(), StoreError> {
-        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("complete", e))?;
+        self.finish_on(&mut conn, lease, state, result, retain_for).await?
+    }
+
+    /// Ends a lease on `conn`. The outer error is the database's; the inner one the lease's
+    /// own answer (too large, lost), which leaves a surrounding transaction usable.
+    async fn finish_on(
+        &self,
+        conn: &mut SqliteConnection,
+        lease: &Lease,
+        state: RecordState,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<Result<(), StoreError>, StoreError> {
+        if let Err(e) =
+            StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)
+        {
+            return Ok(Err(e));
+        }
         let now = self.now();
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.finish)))
             .bind(&lease.key().hash().0[..])
@@ -266,10 +284,10 @@ impl SqliteStore {
             .bind(result)
             .bind(now.as_micros())
             .bind(now.plus(retain_for).as_micros())
-            .execute(&self.pool)
+            .execute(&mut *conn)
             .await
             .map_err(|e| backend("complete", e))?;
-        fenced(done.rows_affected(), lease)
+        Ok(fenced(done.rows_affected(), lease))
     }
 
     /// Raises `entity`'s version inside the caller's transaction (apply the state and the version
@@ -346,6 +364,31 @@ impl DedupStore for SqliteStore {
         retain_for: Duration,
     ) -> Result<(), StoreError> {
         self.finish(&lease, RecordState::Completed, result, retain_for).await
+    }
+
+    /// One transaction (one commit, one fsync) for the batch.
+    async fn complete_many(
+        &self,
+        items: Vec<Completion>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| backend("complete_many", e))?;
+        let mut out = Vec::with_capacity(items.len());
+        for c in &items {
+            let r = self.finish_on(
+                &mut tx,
+                &c.lease,
+                RecordState::Completed,
+                c.result.as_deref(),
+                c.retain_for,
+            );
+            out.push(r.await?);
+        }
+        tx.commit().await.map_err(|e| backend("complete_many", e))?;
+        Ok(out)
     }
 
     async fn fail(

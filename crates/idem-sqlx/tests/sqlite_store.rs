@@ -1,0 +1,74 @@
+//! The SQLite version guard and identifier checks on real database files.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
+
+use std::time::Duration;
+
+use idem_core::{Advance, DedupKey, VersionGuard};
+use idem_sqlx::{Mark, SqliteStore};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+const WEEK: Duration = Duration::from_secs(7 * 86_400);
+
+/// A store whose pool has `conns` connections (two lets transactions really contend).
+async fn store(conns: u32) -> (SqliteStore, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = SqliteConnectOptions::new()
+        .filename(dir.path().join("inbox.sqlite"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = SqlitePoolOptions::new().max_connections(conns).connect_with(opts).await.unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    (store, dir)
+}
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("ledger-writer", id).unwrap()
+}
+
+#[tokio::test]
+async fn version_guard_rejects_stale_and_equal_versions() {
+    let (store, _dir) = store(1).await;
+    let entity = DedupKey::new("customer-state", "c-1").unwrap();
+    assert_eq!(store.advance(&entity, 3).await.unwrap(), Advance::Applied);
+    assert_eq!(store.advance(&entity, 2).await.unwrap(), Advance::Stale { current: 3 });
+    assert_eq!(store.advance(&entity, 3).await.unwrap(), Advance::Stale { current: 3 });
+    assert_eq!(store.advance(&entity, 7).await.unwrap(), Advance::Applied);
+    // Inside a transaction: the state write and the version commit together.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    assert_eq!(store.advance_in(&mut tx, &entity, 9).await.unwrap(), Advance::Applied);
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        store.advance(&entity, 8).await.unwrap(),
+        Advance::Applied,
+        "rolled-back 9 must not count"
+    );
+}
+
+#[tokio::test]
+async fn table_names_are_validated() {
+    let (store, _dir) = store(1).await;
+    for bad in ["records; DROP TABLE ledger", "1x", "a-b", "\"quoted\"", ""] {
+        let err = store.clone().with_table_name(bad).unwrap_err();
+        assert!(err.to_string().contains("table name"), "{err}");
+    }
+    let err = store.clone().with_table_name(&"t".repeat(64)).unwrap_err();
+    assert!(err.to_string().contains("longer than the limit of 63 bytes"), "{err}");
+    let custom = store.clone().with_table_name("shop_dedup").unwrap();
+    custom.migrate().await.unwrap();
+    custom.migrate().await.unwrap(); // idempotent
+    assert!(custom.schema().contains("CREATE TABLE IF NOT EXISTS shop_dedup"));
+}
+
+/// Keys differing only in case or a trailing space are distinct records.
+#[tokio::test]
+async fn keys_are_compared_by_hash_not_collation() {
+    let (store, _dir) = store(1).await;
+    let inbox = store.inbox(WEEK);
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    for id in ["Order-1", "order-1", "order-1 "] {
+        assert_eq!(inbox.mark(&mut tx, &key(id), None).await.unwrap(), Mark::First, "{id:?}");
+    }
+    tx.commit().await.unwrap();
+}

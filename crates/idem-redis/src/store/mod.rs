@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idem_core::time::duration_micros;
 use idem_core::{
-    Claim, ClaimRequest, DedupKey, DedupStore, FailKind, Lease, StoreError, Timestamp,
+    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Lease, StoreError, Timestamp,
 };
 use redis::aio::ConnectionManager;
 use redis::{Client, Script, Value};
@@ -71,6 +71,7 @@ struct Scripts {
     claim: Script,
     claim_many: Script,
     finish: Script,
+    complete_many: Script,
     release: Script,
     extend: Script,
     force_release: Script,
@@ -84,6 +85,7 @@ impl Scripts {
             claim: Script::new(&scripts::claim()),
             claim_many: Script::new(&scripts::claim_many()),
             finish: Script::new(&scripts::finish()),
+            complete_many: Script::new(&scripts::complete_many()),
             release: Script::new(&scripts::release()),
             extend: Script::new(&scripts::extend()),
             force_release: Script::new(&scripts::force_release()),
@@ -326,6 +328,48 @@ impl DedupStore for RedisStore {
             retain_for,
         )
         .await
+    }
+
+    /// One script for the batch: one round trip, one atomic step.
+    async fn complete_many(
+        &self,
+        items: Vec<Completion>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        let mut inv = self.scripts.complete_many.prepare_invoke();
+        inv.arg(self.offset_us());
+        let mut sent = Vec::new();
+        for (i, c) in items.iter().enumerate() {
+            let result = c.result.as_deref();
+            if let Err(e) =
+                StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)
+            {
+                out.push(Some(Err(e)));
+                continue;
+            }
+            out.push(None);
+            sent.push(i);
+            inv.key(self.record_key(c.lease.key()))
+                .arg(c.lease.token())
+                .arg(if result.is_some() { "1" } else { "0" })
+                .arg(result.unwrap_or_default())
+                .arg(duration_micros(c.retain_for));
+        }
+        if !sent.is_empty() {
+            let done: Vec<i64> = inv
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| backend("complete_many", e))?;
+            if done.len() != sent.len() {
+                return Err(StoreError::Corrupt {
+                    what: format!("complete_many answered {} of {}", done.len(), sent.len()),
+                });
+            }
+            for (i, ok) in sent.into_iter().zip(done) {
+                out[i] = Some(fenced(ok == 1, &items[i].lease));
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 
     async fn fail(

@@ -97,22 +97,44 @@ return out"
     )
 }
 
+/// One fenced finish, as a function the single and batch scripts call: 1, or 0 when the lease
+/// was lost.
+const FINISH_FN: &str = r#"
+local function finish(k, token, state, hasres, res, retain, now)
+  local r = load(k)
+  if (not r) or r.st ~= 0 or r.tok ~= tonumber(token) then return 0 end
+  r.st = tonumber(state)
+  r.up = now
+  r.lu = -1
+  r.exp = now + tonumber(retain)
+  r.hasres = tonumber(hasres)
+  r.res = res
+  save(k, r, now)
+  return 1
+end
+"#;
+
 /// Fenced finish (complete or fail). KEYS: the record. ARGV: token, state code, has result
 /// ('1'/'0'), result, retain µs, offset. Replies 1, or 0 when the lease was lost.
 pub(crate) fn finish() -> String {
     format!(
-        "{PRELUDE}
-local r = load(KEYS[1])
-if (not r) or r.st ~= 0 or r.tok ~= tonumber(ARGV[1]) then return 0 end
-local now = now_us(ARGV[6])
-r.st = tonumber(ARGV[2])
-r.up = now
-r.lu = -1
-r.exp = now + tonumber(ARGV[5])
-r.hasres = tonumber(ARGV[3])
-r.res = ARGV[4]
-save(KEYS[1], r, now)
-return 1"
+        "{PRELUDE}{FINISH_FN}
+return finish(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], now_us(ARGV[6]))"
+    )
+}
+
+/// Fenced completions of a batch (group commit: one round trip). KEYS: the records. ARGV:
+/// offset, then 4 per key (token, has result, result, retain µs). Replies 1 or 0 per key.
+pub(crate) fn complete_many() -> String {
+    format!(
+        "{PRELUDE}{FINISH_FN}
+local now = now_us(ARGV[1])
+local out = {{}}
+for i = 1, #KEYS do
+  local a = 1 + (i - 1) * 4
+  out[i] = finish(KEYS[i], ARGV[a + 1], 1, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], now)
+end
+return out"
     )
 }
 

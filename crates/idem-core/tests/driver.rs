@@ -1,0 +1,301 @@
+//! The driver's logic on the in-process queue: verbs per outcome, dead letters before removal,
+//! a failed copy never acked, the delivery limit, hooks before verbs, shutdown, fetch failures.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::consumer::HandlerError;
+use idem_core::driver::{
+    Action, DeadLetter, Error, FetchFailures, MemoryQueue, Opening, QueueMessage, Source,
+    SourceConfig, headers,
+};
+use idem_core::extract::Envelope;
+use idem_core::{Consumer, DedupStore, Driver, MemoryStore, OutcomeKind};
+
+async fn consumer(q: &MemoryQueue) -> Driver<MemoryQueue, MemoryStore> {
+    Driver::builder(q.clone())
+        .store(MemoryStore::new())
+        .scope("orders")
+        .idle_wait(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap()
+}
+
+/// A handler that fails transiently on ids starting `t-`, permanently on `p-`.
+async fn handle(msg: QueueMessage) -> Result<String, HandlerError<String>> {
+    let id = msg.message_id().unwrap_or_default().to_owned();
+    if id.starts_with("t-") {
+        return Err(HandlerError::Transient(format!("{id} is busy")));
+    }
+    if id.starts_with("p-") {
+        return Err(HandlerError::Permanent(format!("{id} is invalid")));
+    }
+    Ok(id)
+}
+
+#[tokio::test]
+async fn each_outcome_gets_its_verb_and_dead_letters_carry_the_headers() {
+    let q = MemoryQueue::new();
+    q.push("o-1", r#"{"cents":1}"#);
+    q.push("o-1", r#"{"cents":1}"#); // producer retry: duplicate
+    q.push("o-1", r#"{"cents":2}"#); // reused id, other content: conflict
+    q.push("p-1", "{}");
+    q.push_with(None, "{}", Vec::new()); // no key: rejected
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let c = Driver::builder(q.clone())
+        .engine(Consumer::builder(MemoryStore::new()).scope("orders").build().unwrap())
+        .idle_wait(Duration::from_millis(20))
+        .on_settle(move |s| log.lock().unwrap().push((s.outcome, s.action.clone())))
+        .build()
+        .await
+        .unwrap();
+    let report = c.poll(|_, m| handle(m)).await.unwrap();
+    assert_eq!(report.fetched, 5);
+    assert_eq!((report.processed, report.duplicates, report.conflicts), (1, 1, 1));
+    assert_eq!(report.failed_permanent, 2);
+    assert_eq!((report.acked, report.dead_lettered, report.retried), (2, 3, 0));
+    let kinds: Vec<OutcomeKind> = seen.lock().unwrap().iter().map(|(k, _)| *k).collect();
+    assert_eq!(
+        kinds,
+        [
+            OutcomeKind::Processed,
+            OutcomeKind::Duplicate,
+            OutcomeKind::Conflict,
+            OutcomeKind::FailedPermanent,
+            OutcomeKind::FailedPermanent
+        ]
+    );
+    let dead = q.dead_letters();
+    assert_eq!(dead.len(), 3);
+    let h = dead[0].1.headers();
+    assert_eq!(h[1], (headers::OUTCOME, "conflict".to_owned()));
+    assert!(h[0].1.starts_with("conflict: key orders/o-1 reused"), "{}", h[0].1);
+    assert_eq!(h[2], (headers::SCOPE, "orders".to_owned()));
+    assert_eq!(q.pending(), 0, "everything was settled");
+}
+
+#[tokio::test]
+async fn transient_failures_come_back_and_give_up_at_the_delivery_limit() {
+    let q = MemoryQueue::new().with_max_deliveries(3);
+    q.push("t-1", "{}");
+    let c = consumer(&q).await;
+    let report = c.run(|_, m| handle(m), q.drained()).await.unwrap();
+    assert_eq!(report.failed_transient, 3, "three deliveries, each a transient failure");
+    assert_eq!((report.retried, report.dead_lettered), (2, 1));
+    let dead = q.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1.outcome, OutcomeKind::FailedTransient);
+    assert!(dead[0].1.reason.starts_with("gave up after 3 deliveries"), "{}", dead[0].1.reason);
+}
+
+#[tokio::test]
+async fn a_failed_dead_letter_copy_is_retried_never_removed() {
+    let q = MemoryQueue::new();
+    q.push("p-1", "{}");
+    q.fail_dead_letters(true);
+    let c = consumer(&q).await;
+    let report = c.poll(|_, m| handle(m)).await.unwrap();
+    assert_eq!((report.dead_letter_failures, report.retried, report.dead_lettered), (1, 1, 0));
+    assert_eq!(q.pending(), 1, "the message is back in the queue");
+    q.fail_dead_letters(false);
+    let report = c.run(|_, m| handle(m), q.drained()).await.unwrap();
+    assert_eq!(report.dead_lettered, 1);
+    assert_eq!(q.dead_letters().len(), 1);
+}
+
+#[tokio::test]
+async fn a_key_in_progress_elsewhere_is_retried_after_the_lease() {
+    let store = MemoryStore::new();
+    let q = MemoryQueue::new();
+    q.push("o-1", "{}");
+    let engine = Consumer::builder(store.clone())
+        .scope("orders")
+        .lease(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    // Another consumer holds the key.
+    let other = Consumer::builder(store).scope("orders").build().unwrap();
+    let req = idem_core::ClaimRequest::new(
+        idem_core::DedupKey::new("orders", "o-1").unwrap(),
+        None,
+        Duration::from_millis(50),
+        Duration::from_secs(60),
+    );
+    let idem_core::Claim::Acquired(_held) = other.store().claim(&req).await.unwrap() else {
+        panic!("fresh key")
+    };
+    let c = Driver::builder(q.clone())
+        .engine(engine)
+        .idle_wait(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap();
+    let report = c.poll(|_, m| handle(m)).await.unwrap();
+    assert_eq!((report.in_progress, report.retried), (1, 1));
+    // The lease runs out (nobody completes it): the retry takes the key over.
+    let report = c.run(|_, m| handle(m), q.drained()).await.unwrap();
+    assert_eq!(report.processed, 1);
+    assert_eq!(q.acked().len(), 1);
+}
+
+#[tokio::test]
+async fn the_hook_runs_after_the_effect_and_before_the_verb() {
+    let q = MemoryQueue::new();
+    q.push("o-1", "{}");
+    let effects = Arc::new(AtomicU32::new(0));
+    let at_hook = Arc::new(Mutex::new(None));
+    let (e2, h2, q2) = (Arc::clone(&effects), Arc::clone(&at_hook), q.clone());
+    let c = Driver::builder(q.clone())
+        .store(MemoryStore::new())
+        .scope("orders")
+        .on_settle(move |_| {
+            *h2.lock().unwrap() = Some((e2.load(Ordering::SeqCst), q2.acked().len()));
+        })
+        .build()
+        .await
+        .unwrap();
+    let e = Arc::clone(&effects);
+    c.poll(move |_, _| {
+        let e = Arc::clone(&e);
+        async move {
+            e.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, HandlerError<String>>(())
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(*at_hook.lock().unwrap(), Some((1, 0)), "effect done, not yet acked");
+    assert_eq!(q.acked().len(), 1);
+}
+
+#[tokio::test]
+async fn the_builder_names_what_is_missing() {
+    // Without .store / .inbox / .engine there is no `build` at all (a compile error).
+    let no_scope =
+        Driver::builder(MemoryQueue::new()).store(MemoryStore::new()).build().await.unwrap_err();
+    assert!(matches!(no_scope, Error::Config(_)), "{no_scope}");
+    let twice = Driver::builder(MemoryQueue::new())
+        .scope("a")
+        .engine(Consumer::builder(MemoryStore::new()).scope("b").build().unwrap())
+        .build()
+        .await
+        .unwrap_err();
+    assert!(twice.to_string().contains("scope"), "{twice}");
+}
+
+/// A source whose fetch fails `fails` times, then serves a memory queue.
+#[derive(Clone)]
+struct Flaky {
+    queue: MemoryQueue,
+    fails: Arc<AtomicU32>,
+    fatal: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the broker is down")]
+struct Down;
+
+impl Source for Flaky {
+    type Message = QueueMessage;
+    type Error = Down;
+
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<QueueMessage>, Down> {
+        if self.fails.load(Ordering::SeqCst) > 0 {
+            self.fails.fetch_sub(1, Ordering::SeqCst);
+            return Err(Down);
+        }
+        Ok(self.queue.fetch(max, wait).await.unwrap_or_else(|e: Infallible| match e {}))
+    }
+
+    fn is_fatal(&self, _: &Down) -> bool {
+        self.fatal
+    }
+
+    async fn dead_letter(&self, items: &[(&QueueMessage, DeadLetter)]) -> Vec<Result<(), Down>> {
+        items.iter().map(|_| Ok(())).collect()
+    }
+
+    async fn settle(&self, items: Vec<(QueueMessage, Action)>) -> Result<u64, Down> {
+        Ok(self.queue.settle(items).await.unwrap_or_else(|e: Infallible| match e {}))
+    }
+}
+
+impl SourceConfig for Flaky {
+    type Source = Flaky;
+    async fn open(self, _: Opening<'_>) -> Result<Flaky, Down> {
+        Ok(self)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn fetch_failures_follow_the_policy() {
+    let q = MemoryQueue::new();
+    q.push("o-1", "{}");
+    let flaky =
+        |fails, fatal| Flaky { queue: q.clone(), fails: Arc::new(AtomicU32::new(fails)), fatal };
+    // Two failures are retried, then the message is handled.
+    let c = Driver::builder(flaky(2, false))
+        .store(MemoryStore::new())
+        .scope("orders")
+        .fetch_failures(FetchFailures::new(3, Duration::from_millis(10)))
+        .build()
+        .await
+        .unwrap();
+    let report = c.run(|_, m| handle(m), q.drained()).await.unwrap();
+    assert_eq!((report.fetch_failures, report.processed), (2, 1));
+    // Three in a row end the run.
+    let c = Driver::builder(flaky(3, false))
+        .store(MemoryStore::new())
+        .scope("orders")
+        .fetch_failures(FetchFailures::new(3, Duration::from_millis(10)))
+        .build()
+        .await
+        .unwrap();
+    let err = c.run(|_, m| handle(m), std::future::pending()).await.unwrap_err();
+    assert!(matches!(err, Error::Fetch { attempts: 3, .. }), "{err}");
+    // A fatal error ends it at once.
+    let c =
+        Driver::builder(flaky(1, true)).store(MemoryStore::new()).scope("o").build().await.unwrap();
+    let err = c.run(|_, m| handle(m), std::future::pending()).await.unwrap_err();
+    assert!(matches!(err, Error::Fetch { attempts: 1, .. }), "{err}");
+}
+
+#[tokio::test]
+async fn shutdown_finishes_the_batch_in_flight_and_releases_what_came_later() {
+    let q = MemoryQueue::new();
+    for i in 0..3 {
+        q.push(format!("o-{i}"), "{}");
+    }
+    let c = Driver::builder(q.clone())
+        .store(MemoryStore::new())
+        .scope("orders")
+        .batch(1)
+        .idle_wait(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stop = Mutex::new(Some(stop));
+    let report = c
+        .run(
+            |_, m| {
+                // Ask to stop during the first handler: its batch still completes and acks.
+                if let Some(s) = stop.lock().unwrap().take() {
+                    let _ = s.send(());
+                }
+                handle(m)
+            },
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.processed, report.acked), (1, 1));
+    assert_eq!(q.pending(), 2, "the rest stays queued");
+}

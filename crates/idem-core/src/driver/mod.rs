@@ -155,11 +155,9 @@ impl<S: Source, B: Backend> Driver<S, B> {
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
     {
-        let batch = self.fetch().await.map_err(|e| match e {
-            Ok(source) => Error::Fetch { attempts: 1, source },
-            Err(e) => e,
-        })?;
-        self.handle(batch, &handler).await
+        let batch = self.fetch().await?;
+        let decided = self.decide_ref(batch, &handler).await?;
+        self.settle(decided).await
     }
 
     async fn drive<H, Fut, T, E>(
@@ -183,7 +181,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
             // shutdown it is awaited, and what it brought is released.
             let mut stopping = false;
             let fetched = {
-                let mut fetch = std::pin::pin!(self.fetch());
+                let mut fetch = std::pin::pin!(self.fetch_bounded());
                 loop {
                     tokio::select! {
                         biased;
@@ -218,14 +216,15 @@ impl<S: Source, B: Backend> Driver<S, B> {
                 return Ok(());
             }
             if !batch.is_empty() {
-                *report += self.handle(batch, handler).await?;
+                let decided = self.decide_ref(batch, handler).await?;
+                *report += self.settle(decided).await?;
             }
         }
     }
 
     /// A fetch bounded by the idle wait plus the broker timeout. `Err(Ok(e))` is the source's
     /// error (retryable by policy); `Err(Err(e))` ends the run.
-    async fn fetch(&self) -> Result<Vec<S::Message>, Result<S::Error, Error<S::Error>>> {
+    async fn fetch_bounded(&self) -> Result<Vec<S::Message>, Result<S::Error, Error<S::Error>>> {
         let s = &self.settings;
         let limit = s.idle_wait + s.broker_timeout;
         match tokio::time::timeout(limit, self.source.fetch(s.batch, s.idle_wait)).await {
@@ -235,12 +234,44 @@ impl<S: Source, B: Backend> Driver<S, B> {
         }
     }
 
-    /// Decides a batch, dead-letters what must be, tells the hook, then settles.
-    async fn handle<H, Fut, T, E>(
+    /// Fetches one batch (waiting up to the idle wait). With [`decide`](Self::decide) and
+    /// [`settle`](Self::settle), the steps of [`poll`](Self::poll), for callers that interpose
+    /// between them (tests that crash between commit and ack).
+    ///
+    /// # Errors
+    /// [`Error::Fetch`] with the source's error, [`Error::BrokerTimeout`].
+    pub async fn fetch(&self) -> Result<Vec<S::Message>, Error<S::Error>> {
+        self.fetch_bounded().await.map_err(|e| match e {
+            Ok(source) => Error::Fetch { attempts: 1, source },
+            Err(e) => e,
+        })
+    }
+
+    /// Decides a batch and makes every outcome durable — effects committed, dead-letter copies
+    /// confirmed — then calls the [`on_settle`](Builder::on_settle) hook; nothing is
+    /// acknowledged yet: pass the result to [`settle`](Self::settle).
+    ///
+    /// # Errors
+    /// [`Error::BrokerTimeout`] when the dead-letter copies hang.
+    pub async fn decide<H, Fut, T, E>(
+        &self,
+        batch: Vec<S::Message>,
+        handler: H,
+    ) -> Result<Decided<S::Message>, Error<S::Error>>
+    where
+        H: Fn(B::Ctx, S::Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+    {
+        self.decide_ref(batch, &handler).await
+    }
+
+    async fn decide_ref<H, Fut, T, E>(
         &self,
         batch: Vec<S::Message>,
         handler: &H,
-    ) -> Result<Report, Error<S::Error>>
+    ) -> Result<Decided<S::Message>, Error<S::Error>>
     where
         H: Fn(B::Ctx, S::Message) -> Fut + Sync,
         Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
@@ -312,8 +343,16 @@ impl<S: Source, B: Backend> Driver<S, B> {
         for a in &actions {
             report.count_action(a);
         }
-        let items = batch.into_iter().zip(actions).collect();
-        report.settle_failures += self.settle(items).await?;
+        Ok(Decided { items: batch.into_iter().zip(actions).collect(), report })
+    }
+
+    /// Sends a decided batch's verbs to the broker (the ack is always this last step).
+    ///
+    /// # Errors
+    /// [`Error::Settle`] when the source can no longer settle, [`Error::BrokerTimeout`].
+    pub async fn settle(&self, decided: Decided<S::Message>) -> Result<Report, Error<S::Error>> {
+        let Decided { items, mut report } = decided;
+        report.settle_failures += self.send_verbs(items).await?;
         Ok(report)
     }
 
@@ -322,11 +361,11 @@ impl<S: Source, B: Backend> Driver<S, B> {
         let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
         report.released = batch.len() as u64;
         let items = batch.into_iter().map(|m| (m, Action::Release)).collect();
-        report.settle_failures += self.settle(items).await?;
+        report.settle_failures += self.send_verbs(items).await?;
         Ok(report)
     }
 
-    async fn settle(&self, items: Vec<(S::Message, Action)>) -> Result<u64, Error<S::Error>> {
+    async fn send_verbs(&self, items: Vec<(S::Message, Action)>) -> Result<u64, Error<S::Error>> {
         if items.is_empty() {
             return Ok(0);
         }
@@ -345,6 +384,28 @@ impl<S: Source, B: Backend> Driver<S, B> {
     ) -> Result<T, Error<S::Error>> {
         let timeout = self.settings.broker_timeout;
         tokio::time::timeout(timeout, fut).await.map_err(|_| Error::BrokerTimeout { what, timeout })
+    }
+}
+
+/// A batch whose outcomes are durable and whose verbs are not sent yet
+/// ([`Driver::decide`]); pass it to [`Driver::settle`]. Dropped unsettled, its messages are
+/// redelivered by the broker and found done.
+#[derive(Debug)]
+#[must_use = "nothing is acknowledged until the batch is settled"]
+pub struct Decided<M> {
+    items: Vec<(M, Action)>,
+    report: Report,
+}
+
+impl<M> Decided<M> {
+    /// The counts so far (outcomes, and the verbs about to be sent).
+    pub fn report(&self) -> Report {
+        self.report
+    }
+
+    /// Each message with the verb it will get.
+    pub fn items(&self) -> &[(M, Action)] {
+        &self.items
     }
 }
 

@@ -299,3 +299,16 @@ async fn shutdown_finishes_the_batch_in_flight_and_releases_what_came_later() {
     assert_eq!((report.processed, report.acked), (1, 1));
     assert_eq!(q.pending(), 2, "the rest stays queued");
 }
+
+#[tokio::test]
+async fn a_run_can_be_spawned() {
+    let q = MemoryQueue::new();
+    q.push("o-1", "{}");
+    let c = consumer(&q).await;
+    let drained = q.drained();
+    let report = tokio::spawn(async move { c.run(|_, m| handle(m), drained).await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.processed, 1);
+}

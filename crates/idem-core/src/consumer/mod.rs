@@ -270,7 +270,12 @@ impl<B: Backend> Consumer<B> {
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
     {
-        B::decide(self, batch, handler).await
+        // Boxed as `dyn Future + Send`: the Send proof is made here, with the lifetimes known.
+        // Left to the caller, rustc must prove it for every lifetime of the backend's future
+        // and fails ("implementation of `Send` is not general enough") for a spawned run.
+        let fut: std::pin::Pin<Box<dyn Future<Output = Vec<Outcome<T, E>>> + Send + '_>> =
+            Box::pin(B::decide(self, batch, handler));
+        fut.await
     }
 }
 

@@ -5,7 +5,9 @@
 //! `cargo run --release -p idem-nats --example nats_bench -- [messages] [batch]`
 //! (server from `IDEM_TEST_NATS_URL`, default `127.0.0.1:4222`; PostgreSQL from
 //! `IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of
-//! its own that is dropped at the end — the PostgreSQL rows are left out when it is down).
+//! its own that is dropped at the end; MariaDB from `IDEM_TEST_MYSQL_URL`, default
+//! `mysql://root@127.0.0.1:3306/test`, in a table of its own — rows of a server that is down
+//! are left out).
 
 use std::time::{Duration, Instant};
 
@@ -13,9 +15,10 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
 use idem_core::consumer::HandlerError;
-use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
-use idem_nats::{InboxConsumer, JetStreamConsumer, PgInboxConsumer, Settings};
-use idem_sqlx::{PostgresStore, SqliteStore};
+use idem_core::{Backend, Consumer, MemoryStore};
+use idem_nats::{JetStream, JetStreamConsumer};
+use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -62,88 +65,51 @@ async fn main() -> Result<()> {
     let dir = tempfile::tempdir()?;
     // The baseline runs first and last, so warm-up and machine noise show in the same table.
     let pg = postgres(&sfx).await?;
+    let my = mysql(&sfx).await?;
     let mut modes = vec!["ack-only", "two-phase MemoryStore", "two-phase SqliteStore"];
     if pg.is_some() {
-        modes.extend(["two-phase PostgresStore", "two-phase Batched<PostgresStore>"]);
+        modes.push("two-phase PostgresStore");
     }
     modes.push("inbox SQLite");
     if pg.is_some() {
         modes.push("inbox PostgreSQL");
     }
+    if my.is_some() {
+        modes.push("inbox MySQL");
+    }
     modes.push("ack-only (again)");
     for (i, mode) in modes.into_iter().enumerate() {
         let consumer = new_consumer(&js, &name, &sfx, &format!("bench{i}")).await?;
-        let settings = Settings::new(&dlq).batch(batch).idle_wait(Duration::from_millis(200));
+        let config = JetStream::new(js.clone(), consumer.clone(), &dlq);
         let t = Instant::now();
         let done = match mode {
             "ack-only" | "ack-only (again)" => ack_only(&consumer, n, batch).await?,
-            "two-phase MemoryStore" => {
-                two_phase(&js, consumer, MemoryStore::new(), settings, n).await?
-            }
+            "two-phase MemoryStore" => driven(config, MemoryStore::new(), batch, n).await?,
             "two-phase SqliteStore" => {
                 let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await?;
-                two_phase(&js, consumer, store, settings, n).await?
+                driven(config, store, batch, n).await?
             }
             "two-phase PostgresStore" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_a"))?;
                 store.migrate().await?;
-                two_phase(&js, consumer, store, settings, n).await?
-            }
-            "two-phase Batched<PostgresStore>" => {
-                let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
-                let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_b"))?;
-                store.migrate().await?;
-                let store = Batched::new(store, BatchConfig::default());
-                two_phase(&js, consumer, store, settings, n).await?
+                driven(config, store, batch, n).await?
             }
             "inbox PostgreSQL" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
                 store.migrate().await?;
-                let c = PgInboxConsumer::new(
-                    js.clone(),
-                    consumer,
-                    &store,
-                    "bench",
-                    Duration::from_secs(86_400),
-                    settings,
-                )
-                .await?;
-                let mut done = 0;
-                while done < n {
-                    let b = c.fetch().await?;
-                    let v = c
-                        .process(&b, |_conn, _d| {
-                            Box::pin(async { Ok::<_, HandlerError<String>>(()) })
-                        })
-                        .await;
-                    done += usize::try_from(c.settle(b, v).await.acked)?;
-                }
-                done
+                driven(config, store.inbox(DAY), batch, n).await?
+            }
+            "inbox MySQL" => {
+                let (pool, table) = my.as_ref().ok_or("no MySQL")?;
+                let store = MySqlStore::new(pool.clone()).with_table_name(table)?;
+                store.migrate().await?;
+                driven(config, store.inbox(DAY), batch, n).await?
             }
             _ => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
-                let c = InboxConsumer::new(
-                    js.clone(),
-                    consumer,
-                    &store,
-                    "bench",
-                    Duration::from_secs(86_400),
-                    settings,
-                )
-                .await?;
-                let mut done = 0;
-                while done < n {
-                    let b = c.fetch().await?;
-                    let v = c
-                        .process(&b, |_conn, _d| {
-                            Box::pin(async { Ok::<_, HandlerError<String>>(()) })
-                        })
-                        .await;
-                    done += usize::try_from(c.settle(b, v).await.acked)?;
-                }
-                done
+                driven(config, store.inbox(DAY), batch, n).await?
             }
         };
         let secs = t.elapsed().as_secs_f64();
@@ -159,7 +125,7 @@ async fn main() -> Result<()> {
     }
     js.delete_stream(&name).await?;
     if let Some((pool, schema)) = pg {
-        for s in ["a", "b", "c"] {
+        for s in ["a", "c"] {
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                 "DROP SCHEMA IF EXISTS {schema}_{s} CASCADE"
             )))
@@ -167,7 +133,50 @@ async fn main() -> Result<()> {
             .await?;
         }
     }
+    if let Some((pool, table)) = my {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{table}`")))
+            .execute(&pool)
+            .await?;
+    }
     Ok(())
+}
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// The adapter over `backend` (a store: two-phase; an inbox: transactional) with a no-op
+/// handler, polled until `n` messages are acknowledged.
+async fn driven<B: Backend>(
+    config: JetStream,
+    backend: B,
+    batch: usize,
+    n: usize,
+) -> Result<usize> {
+    let c = JetStreamConsumer::builder(config)
+        .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+        .batch(batch)
+        .idle_wait(Duration::from_millis(200))
+        .build()
+        .await?;
+    let mut done = 0;
+    while done < n {
+        let r = c.poll(|_, _| async { Ok::<_, HandlerError<String>>(()) }).await?;
+        done += usize::try_from(r.acked)?;
+    }
+    Ok(done)
+}
+
+/// A MariaDB pool and a table name for the inbox row, or `None` when the server does not
+/// answer.
+async fn mysql(sfx: &str) -> Result<Option<(MySqlPool, String)>> {
+    let Some(url) = idem_testkit::service::require(
+        "MySQL",
+        "IDEM_TEST_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+    ) else {
+        return Ok(None);
+    };
+    let pool = MySqlPoolOptions::new().max_connections(16).connect(&url).await?;
+    Ok(Some((pool, format!("idem_nats_bench_{sfx}"))))
 }
 
 /// A pool on the benchmark's PostgreSQL (16 connections, as `PostgresStore::connect`) and the
@@ -185,25 +194,6 @@ async fn postgres(sfx: &str) -> Result<Option<(PgPool, String)>> {
     let sync: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&pool).await?;
     println!("PostgreSQL {version} (synchronous_commit = {sync})");
     Ok(Some((pool, format!("idem_nats_bench_{sfx}"))))
-}
-
-/// Two-phase mode over `store`: fetch, claim the batch, run the no-op handlers, record, ack.
-async fn two_phase<S: DedupStore>(
-    js: &jetstream::Context,
-    consumer: PullConsumer,
-    store: S,
-    settings: Settings,
-    n: usize,
-) -> Result<usize> {
-    let dedup = Consumer::builder(store).scope("bench").build()?;
-    let c = JetStreamConsumer::new(js.clone(), consumer, dedup, settings).await?;
-    let mut done = 0;
-    while done < n {
-        let b = c.fetch().await?;
-        let v = c.process(&b, |_ctx, _d| async { Ok::<_, HandlerError<String>>(()) }).await;
-        done += usize::try_from(c.settle(b, v).await.acked)?;
-    }
-    Ok(done)
 }
 
 async fn new_consumer(

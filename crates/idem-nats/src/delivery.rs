@@ -1,7 +1,5 @@
 //! One JetStream delivery, as the idem engine reads it.
 
-use std::time::Duration;
-
 use async_nats::HeaderMap;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::Acker;
@@ -11,12 +9,18 @@ use idem_core::extract::Envelope;
 /// The `Nats-Msg-Id` header: the producer's message id, and JetStream's own publish dedup id.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
-/// A message fetched from a pull consumer, split from its acker so handlers only read it.
+/// A message fetched from a pull consumer. Cheap to clone (shared): each handler gets its own
+/// copy; only the adapter can ack it.
 ///
 /// [`Envelope::message_id`] is the `Nats-Msg-Id` header, so the default key extractor
 /// ([`idem_core::extract::MessageId`]) keys on it; [`Envelope::header`] looks headers up
 /// case-insensitively, so any other extractor works too.
+#[derive(Clone)]
 pub struct Delivery {
+    inner: std::sync::Arc<Inner>,
+}
+
+struct Inner {
     subject: String,
     payload: Bytes,
     headers: Option<HeaderMap>,
@@ -30,9 +34,9 @@ pub struct Delivery {
 impl std::fmt::Debug for Delivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Delivery")
-            .field("subject", &self.subject)
-            .field("stream_sequence", &self.stream_sequence)
-            .field("delivered", &self.delivered)
+            .field("subject", &self.inner.subject)
+            .field("stream_sequence", &self.inner.stream_sequence)
+            .field("delivered", &self.inner.delivered)
             .field("message_id", &self.message_id())
             .finish_non_exhaustive()
     }
@@ -46,66 +50,64 @@ impl Delivery {
         };
         let (m, acker) = msg.split();
         Ok(Self {
-            subject: m.subject.to_string(),
-            payload: m.payload,
-            headers: m.headers,
-            stream,
-            consumer,
-            stream_sequence,
-            delivered,
-            acker,
+            inner: std::sync::Arc::new(Inner {
+                subject: m.subject.to_string(),
+                payload: m.payload,
+                headers: m.headers,
+                stream,
+                consumer,
+                stream_sequence,
+                delivered,
+                acker,
+            }),
         })
     }
 
     /// The subject it was published to.
     pub fn subject(&self) -> &str {
-        &self.subject
+        &self.inner.subject
     }
 
     /// The payload as `Bytes` (a reference-counted clone, no copy), for handlers whose future
     /// must own what it reads.
     pub fn payload_bytes(&self) -> Bytes {
-        self.payload.clone()
+        self.inner.payload.clone()
     }
 
     /// Its headers, if any.
     pub fn headers(&self) -> Option<&HeaderMap> {
-        self.headers.as_ref()
+        self.inner.headers.as_ref()
     }
 
     /// The stream it is stored in.
     pub fn stream(&self) -> &str {
-        &self.stream
+        &self.inner.stream
     }
 
     /// The consumer that delivered it.
     pub fn consumer(&self) -> &str {
-        &self.consumer
+        &self.inner.consumer
     }
 
     /// Its sequence number in the stream (the same on every redelivery; never a dedup key, since
     /// a producer's duplicate publish gets a new one).
     pub fn stream_sequence(&self) -> u64 {
-        self.stream_sequence
+        self.inner.stream_sequence
     }
 
     /// How many times JetStream has delivered it, this time included.
     pub fn delivered(&self) -> i64 {
-        self.delivered
+        self.inner.delivered
     }
 
     pub(crate) async fn reply(&self, kind: AckKind) -> Result<(), async_nats::Error> {
-        self.acker.ack_with(kind).await
-    }
-
-    pub(crate) async fn nak(&self, delay: Option<Duration>) -> Result<(), async_nats::Error> {
-        self.reply(AckKind::Nak(delay)).await
+        self.inner.acker.ack_with(kind).await
     }
 }
 
 impl Envelope for Delivery {
     fn payload(&self) -> &[u8] {
-        &self.payload
+        &self.inner.payload
     }
 
     fn message_id(&self) -> Option<&str> {
@@ -113,7 +115,7 @@ impl Envelope for Delivery {
     }
 
     fn header(&self, name: &str) -> Option<&str> {
-        let headers = self.headers.as_ref()?;
+        let headers = self.inner.headers.as_ref()?;
         headers
             .iter()
             .find(|(k, _)| AsRef::<str>::as_ref(*k).eq_ignore_ascii_case(name))

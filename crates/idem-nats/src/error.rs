@@ -4,8 +4,9 @@ use std::time::Duration;
 
 use idem_core::retention::RetentionTooShort;
 
-/// Errors of the JetStream adapter. Per-message failures are not errors: they end in a verb
-/// (ack, nak, dead-letter) and are counted in the [`Report`](crate::Report).
+/// Errors of the JetStream source. Per-message failures are not errors: they end in a verb
+/// (ack, nak, dead-letter) and are counted in the driver's
+/// [`Report`](idem_core::driver::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -55,9 +56,9 @@ pub enum Error {
         /// The server's version string.
         version: String,
     },
-    /// The inbox scope is not a valid key scope.
-    #[error("inbox scope is invalid")]
-    InvalidScope(#[source] idem_core::KeyError),
+    /// A setting is unusable.
+    #[error("invalid JetStream settings: {0}")]
+    Config(&'static str),
     /// A JetStream API call failed (stream or consumer info, fetch).
     #[error("JetStream {op} failed")]
     JetStream {

@@ -1,69 +1,87 @@
 //! NATS JetStream consumer adapter for **idem**.
 //!
-//! A pull consumer with explicit acks whose every delivery ends in exactly one JetStream verb,
-//! sent only after the effect is committed or dead-lettered:
+//! A pull consumer with explicit acks, driven by idem's shared
+//! [`Driver`](idem_core::Driver): every delivery ends in exactly one JetStream verb, sent only
+//! after its effect is committed or its dead-letter copy is stored.
 //!
 //! | idem outcome | JetStream |
 //! | --- | --- |
 //! | processed, duplicate | `Ack` |
 //! | in progress elsewhere | `Nak` delayed by the other lease's remaining time |
-//! | transient failure | release the claim, `Nak` after [`Settings::retry_delay`] |
-//! | conflict, permanent failure, retry at the last `max_deliver` | publish to the dead-letter subject (publish ack awaited) with [`headers::REASON`], then `Term` |
+//! | transient failure | (two-phase: the claim released) `Nak` after [`JetStream::retry_delay`] |
+//! | conflict, permanent failure, missing key, a retry at the last `max_deliver` | publish to the dead-letter subject (publish ack awaited) with the `idem-*` headers, then `Term` |
+//! | fetched while the consumer shuts down | `Nak` at once |
 //!
-//! A retry due at the consumer's last allowed delivery (`max_deliver`) is dead-lettered instead
-//! (`Idem-Outcome: gave_up`), because JetStream would stop delivering it without a trace; for a
-//! key in progress elsewhere that copy is redundant but never a loss.
+//! A retry due at the consumer's last allowed delivery (`max_deliver`) is dead-lettered instead,
+//! because JetStream would stop delivering it without a trace; for a key in progress elsewhere
+//! that copy is redundant but never a loss.
 //!
-//! While handlers run, `Progress` (`+WPI`) restarts `ack_wait` on the same beat as the lease
-//! heartbeat. The key comes from `Nats-Msg-Id` by default ([`Delivery`] implements
-//! [`Envelope`](idem_core::extract::Envelope), so any `KeyExtractor` works). Messages fetched
-//! together are claimed together.
+//! While handlers run, `Progress` (`+WPI`) restarts `ack_wait` on the lease heartbeat's beat
+//! (or [`JetStream::progress`]). The key comes from `Nats-Msg-Id` by default ([`Delivery`]
+//! implements [`Envelope`](idem_core::extract::Envelope), so any `KeyExtractor` works).
 //!
-//! Two modes:
-//! - [`JetStreamConsumer`]: two-phase, over any [`DedupStore`](idem_core::DedupStore), for
-//!   effects outside the database (pass `ctx.downstream_key()` to the callee).
-//! - [`InboxConsumer`] (feature `sqlite`): transactional inbox; the marker and the handler's
-//!   writes commit in one SQLite transaction per batch, then the batch is acked.
-//! - [`PgInboxConsumer`] (feature `postgres`): the same over the PostgreSQL inbox
-//!   ([`PostgresInbox`](idem_sqlx::PostgresInbox)), one transaction per batch.
+//! Both modes use the same builder calls:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use async_nats::jetstream;
+//! use idem_core::consumer::HandlerError;
+//! use idem_nats::{JetStream, JetStreamConsumer};
+//! use idem_sqlx::PostgresStore;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
+//! let pull = js.get_stream("ORDERS").await?.get_consumer("order-writer").await?;
+//! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! let consumer = JetStreamConsumer::builder(JetStream::new(js, pull, "orders.dlq"))
+//!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
+//!     .scope("order-writer")
+//!     .build()
+//!     .await?;
+//! let report = consumer
+//!     .run(|mut tx, msg| async move {
+//!         sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!             .bind(msg.payload_bytes().to_vec())
+//!             .execute(&mut *tx) // commits with the dedup marker, then the ack is sent
+//!             .await
+//!             .map_err(HandlerError::Transient)?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! println!("{report}");
+//! # Ok(()) }
+//! ```
 //!
 //! # Redelivery window
 //! JetStream redelivers an unacked message after `ack_wait`, at most `max_deliver` times (each
 //! `Nak` delay or `backoff` step counts instead of `ack_wait` for that delivery), and a producer's
 //! duplicate may wait in the stream up to `max_age`. Records must outlive
-//! `max_deliver × max(ack_wait, backoff, nak delays) + max_age + dead-letter allowance`; both
-//! consumers check it with [`RetentionWindow`](idem_core::RetentionWindow) at startup, and refuse a
-//! consumer without `max_deliver`.
+//! `max_deliver × max(ack_wait, backoff, nak delays) + max_age + dead-letter allowance`; the
+//! source checks it with [`RetentionWindow`](idem_core::RetentionWindow) when it opens, and
+//! refuses a consumer without `max_deliver`.
+//!
+//! # Producer duplicates and JetStream's own window
+//! JetStream drops a publish whose `Nats-Msg-Id` it saw within the stream's
+//! `duplicate_window` (2 minutes by default): a producer's quick retry never reaches the
+//! consumer, and the publish ack says `duplicate`. A retry after the window is stored as a new
+//! message, and idem makes its delivery a duplicate. The window covers the producer side only;
+//! redeliveries (a lost ack, a crash, `ack_wait`) are idem's.
 //!
 //! # Server compatibility
 //! Built and tested against NATS 2.9.10; see [`compat`] for what is switched off.
 
 pub mod compat;
-mod consumer;
 mod delivery;
 mod error;
-#[cfg(feature = "sqlite")]
-mod inbox;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-mod inbox_common;
-#[cfg(feature = "postgres")]
-mod pg_inbox;
-mod report;
-mod settings;
 mod source;
 
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use async_nats;
 pub use compat::redelivery_window;
-pub use consumer::{JetStreamConsumer, Verdicts};
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
-#[cfg(feature = "sqlite")]
-pub use inbox::InboxConsumer;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub use inbox_common::InboxWrites;
-#[cfg(feature = "postgres")]
-pub use pg_inbox::PgInboxConsumer;
-pub use report::Report;
-pub use settings::Settings;
-pub use source::headers;
+pub use source::{JetStream, JetStreamSource};
+
+/// A JetStream pull consumer made idempotent: the shared driver over a [`JetStreamSource`], in
+/// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
+pub type JetStreamConsumer<B> = idem_core::Driver<JetStreamSource, B>;

@@ -26,10 +26,11 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url, wait_for};
 use idem_core::consumer::HandlerError;
+use idem_core::driver::{Decided, Report, headers};
 use idem_core::extract::Envelope;
 use idem_core::{Consumer, DedupStore, InspectStore};
-use idem_nats::{Delivery, InboxConsumer, JetStreamConsumer, Report, Settings, Verdicts, headers};
-use idem_sqlx::{PostgresStore, SqliteStore};
+use idem_nats::{Delivery, JetStream, JetStreamConsumer};
+use idem_sqlx::{PostgresStore, SqliteInbox, SqliteStore};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use tokio::io::AsyncBufReadExt;
@@ -134,7 +135,7 @@ impl TestStore for PostgresStore {
 }
 
 enum Adapter<S> {
-    Inbox(InboxConsumer),
+    Inbox(JetStreamConsumer<SqliteInbox>),
     TwoPhase(JetStreamConsumer<S>, SqlitePool),
 }
 
@@ -166,19 +167,18 @@ impl<S: TestStore> Adapter<S> {
         dlq: &str,
         backend: &Backend,
     ) -> Self {
-        let settings = Settings::new(dlq).batch(64).idle_wait(Duration::from_millis(200));
+        let config = JetStream::new(js, pull, dlq);
+        let driver = |b: idem_core::driver::Builder<JetStream>| {
+            b.batch(64).idle_wait(Duration::from_millis(200))
+        };
         match mode {
             Mode::Inbox => Adapter::Inbox(
-                InboxConsumer::new(
-                    js,
-                    pull,
-                    &open_store(db).await,
-                    "crash",
-                    Duration::from_secs(86_400),
-                    settings,
-                )
-                .await
-                .expect("inbox consumer"),
+                driver(JetStreamConsumer::builder(config))
+                    .inbox(open_store(db).await.inbox(Duration::from_secs(86_400)))
+                    .scope("crash")
+                    .build()
+                    .await
+                    .expect("inbox consumer"),
             ),
             Mode::TwoPhase => {
                 let dedup = Consumer::builder(S::open(db, backend).await)
@@ -189,8 +189,11 @@ impl<S: TestStore> Adapter<S> {
                     .retain(Duration::from_secs(86_400))
                     .build()
                     .expect("dedup");
-                let nats =
-                    JetStreamConsumer::new(js, pull, dedup, settings).await.expect("adapter");
+                let nats = driver(JetStreamConsumer::builder(config))
+                    .engine(dedup)
+                    .build()
+                    .await
+                    .expect("adapter");
                 Adapter::TwoPhase(nats, ledger_pool(db).await)
             }
         }
@@ -207,13 +210,19 @@ impl<S: TestStore> Adapter<S> {
         })
     }
 
-    async fn process(&self, batch: &[Delivery], who: &str, hang: Option<Arc<Hang>>) -> Verdicts {
-        match self {
+    /// Decides the batch: effects committed, nothing acked yet.
+    async fn process(
+        &self,
+        batch: Vec<Delivery>,
+        who: &str,
+        hang: Option<Arc<Hang>>,
+    ) -> Decided<Delivery> {
+        let decided = match self {
             Adapter::Inbox(c) => {
-                c.process(batch, |conn, d| {
+                c.decide(batch, |mut tx, d| {
                     let who = who.to_owned();
                     let hang = hang.clone();
-                    Box::pin(async move {
+                    async move {
                         let key = d.message_id().unwrap_or_default().to_owned();
                         if let Some(h) = hang {
                             h.maybe(&key).await;
@@ -223,16 +232,16 @@ impl<S: TestStore> Adapter<S> {
                             .bind(String::from_utf8_lossy(d.payload()).into_owned())
                             .bind(who)
                             .bind(&key)
-                            .execute(&mut *conn)
+                            .execute(&mut *tx)
                             .await
                             .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                        Ok(())
-                    })
+                        Ok::<_, HandlerError<String>>(())
+                    }
                 })
                 .await
             }
             Adapter::TwoPhase(c, ledger) => {
-                c.process(batch, |ctx, d| {
+                c.decide(batch, |ctx, d| {
                     let hang = hang.clone();
                     async move {
                         let key = d.message_id().unwrap_or_default().to_owned();
@@ -254,14 +263,16 @@ impl<S: TestStore> Adapter<S> {
                 })
                 .await
             }
-        }
+        };
+        decided.expect("decide")
     }
 
-    async fn settle(&self, batch: Vec<Delivery>, v: Verdicts) -> Report {
-        match self {
-            Adapter::Inbox(c) => c.settle(batch, v).await,
-            Adapter::TwoPhase(c, _) => c.settle(batch, v).await,
-        }
+    async fn settle(&self, decided: Decided<Delivery>) -> Report {
+        let r = match self {
+            Adapter::Inbox(c) => c.settle(decided).await,
+            Adapter::TwoPhase(c, _) => c.settle(decided).await,
+        };
+        r.expect("settle")
     }
 
     /// Fetch, process, settle until `stop` turns true.
@@ -280,8 +291,8 @@ impl<S: TestStore> Adapter<S> {
             if batch.is_empty() {
                 continue;
             }
-            let v = self.process(&batch, who, hang.clone()).await;
-            total += self.settle(batch, v).await;
+            let decided = self.process(batch, who, hang.clone()).await;
+            total += self.settle(decided).await;
         }
         total
     }
@@ -333,15 +344,16 @@ async fn child<S: TestStore>(
         while batch.len() < CHILD_BATCH && (batch.is_empty() || started.elapsed() < CHILD_GATHER) {
             batch.extend(adapter.fetch().await);
         }
-        let v = adapter.process(&batch, "child", None).await;
-        let committed = v.report().processed;
+        let n = batch.len();
+        let decided = adapter.process(batch, "child", None).await;
+        let committed = decided.report().processed;
         total += committed;
-        println!("BATCH {} {committed} {total}", batch.len());
+        println!("BATCH {n} {committed} {total}");
         if committed >= 8 {
             println!("COMMITTED {committed} {total}");
             std::process::abort(); // between commit and ack
         }
-        adapter.settle(batch, v).await;
+        adapter.settle(decided).await;
     }
 }
 
@@ -583,12 +595,12 @@ async fn crash<S: TestStore>(url: &str, mode: Mode, backend: Backend) {
         "redelivered copies did not end as duplicates: {survivors}"
     );
     assert_eq!(survivors.conflicts, 1, "{survivors}");
-    assert_eq!(survivors.reply_failures + survivors.dead_letter_failures, 0, "{survivors}");
+    assert_eq!(survivors.settle_failures + survivors.dead_letter_failures, 0, "{survivors}");
 
     // The reused id is on the dead-letter subject with its reason.
     let dl = env.dead_letters().await;
     assert_eq!(dl.len(), 1, "exactly one dead letter");
-    assert_eq!(header(&dl[0], headers::ORIGINAL_MSG_ID), Some(REUSED));
+    assert_eq!(header(&dl[0], headers::ORIGINAL_MESSAGE_ID), Some(REUSED));
     assert_eq!(header(&dl[0], headers::OUTCOME), Some("conflict"));
     assert!(
         header(&dl[0], headers::REASON)

@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use common::{Env, header, nats_url, wait_for};
+use idem_core::Consumer;
 use idem_core::consumer::HandlerError;
+use idem_core::driver::{Report, headers};
 use idem_core::extract::{Envelope, Header};
-use idem_nats::{InboxConsumer, Report, Settings, headers};
-use idem_sqlx::SqliteStore;
+use idem_nats::{Delivery, JetStream, JetStreamConsumer};
+use idem_sqlx::{SqliteStore, Tx};
 
 async fn publish(env: &Env, order: Option<&str>, body: &str) {
     let mut h = HeaderMap::new();
@@ -37,17 +39,19 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
         .await
         .expect("table");
     let pull = env.consumer("inbox", Duration::from_secs(30), 4).await;
-    let inbox = InboxConsumer::new(
-        env.js.clone(),
-        pull,
-        &store,
-        "inbox",
-        Duration::from_secs(86_400),
-        Settings::new(&env.dlq_subject).retry_delay(Duration::from_millis(50)),
+    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
+        .scope("inbox")
+        .key(Header::new("order-id")) // the key is a business header, not Nats-Msg-Id
+        .build()
+        .expect("engine");
+    let inbox = JetStreamConsumer::builder(
+        JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+            .retry_delay(Duration::from_millis(50)),
     )
+    .engine(engine)
+    .build()
     .await
-    .expect("inbox")
-    .with_key(Header::new("order-id")); // the key is a business header, not Nats-Msg-Id
+    .expect("inbox");
 
     publish(&env, Some("o-1"), r#"{"n":1}"#).await;
     publish(&env, Some("o-1"), r#"{"n":1}"#).await; // same key in the same batch
@@ -61,16 +65,15 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while total.acked < 4 || total.dead_lettered < 2 {
         assert!(tokio::time::Instant::now() < deadline, "not settled: {total}");
-        let batch = inbox.fetch().await.expect("fetch");
-        let v = inbox
-            .process(&batch, |conn, d| {
+        total += inbox
+            .poll(|mut tx, d| {
                 let k = d.header("order-id").unwrap_or_default().to_owned();
                 let attempt = if k == "o-2" { tries.fetch_add(1, Ordering::SeqCst) } else { 0 };
-                Box::pin(async move {
-                    // The write happens before the failure: the savepoint must undo it.
+                async move {
+                    // The write happens before the failure: the rollback must undo it.
                     sqlx::query("INSERT INTO effects (k) VALUES (?)")
                         .bind(&k)
-                        .execute(&mut *conn)
+                        .execute(&mut *tx)
                         .await
                         .map_err(|e| HandlerError::Transient(e.to_string()))?;
                     match k.as_str() {
@@ -78,10 +81,10 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
                         "o-3" => Err(HandlerError::Permanent("no such product".to_owned())),
                         _ => Ok(k),
                     }
-                })
+                }
             })
-            .await;
-        total += inbox.settle(batch, v).await;
+            .await
+            .expect("poll");
     }
     assert_eq!((total.processed, total.duplicates, total.acked), (3, 1, 4), "{total}");
     assert_eq!(total.dead_lettered, 2, "{total}");
@@ -113,34 +116,33 @@ async fn inbox_run_commits_then_acks_until_shutdown() {
         .await
         .expect("table");
     let pull = env.consumer("inbox-run", Duration::from_secs(30), 4).await;
-    let inbox = InboxConsumer::new(
-        env.js.clone(),
-        pull,
-        &store,
-        "inbox-run",
-        Duration::from_secs(86_400),
-        Settings::new(&env.dlq_subject).batch(8).idle_wait(Duration::from_millis(100)),
-    )
-    .await
-    .expect("inbox");
+    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
+        .scope("inbox-run")
+        .key(Header::new("Order-Id"))
+        .build()
+        .expect("engine");
+    let inbox = JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
+        .engine(engine)
+        .batch(8)
+        .idle_wait(Duration::from_millis(100))
+        .build()
+        .await
+        .expect("inbox");
     for i in 0..30 {
         publish(&env, Some(&format!("k-{}", i % 20)), &format!(r#"{{"k":{}}}"#, i % 20)).await;
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(async move {
-        let inbox = inbox.with_key(Header::new("Order-Id"));
         inbox
             .run(
-                |conn, d| {
+                |mut tx, d| async move {
                     let k = d.header("order-id").unwrap_or_default().to_owned();
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (k) VALUES (?)")
-                            .bind(k)
-                            .execute(&mut *conn)
-                            .await
-                            .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                        Ok::<_, HandlerError<String>>(())
-                    })
+                    sqlx::query("INSERT INTO effects (k) VALUES (?)")
+                        .bind(k)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    Ok::<_, HandlerError<String>>(())
                 },
                 async {
                     let _ = stopped.await;
@@ -167,12 +169,10 @@ async fn inbox_run_commits_then_acks_until_shutdown() {
 /// a reused id with another body, and a consumer that commits a batch and never acks it (as if
 /// it died between commit and ack). Every key's write exactly once, the unacked batch comes back
 /// as duplicates, the reused id is dead-lettered, nothing pending.
-#[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
     use common::{PgSchema, pg_url};
-    use idem_nats::PgInboxConsumer;
-    use idem_sqlx::PostgresStore;
+    use idem_sqlx::{PostgresInbox, PostgresStore};
     use sqlx::AssertSqlSafe;
     use sqlx::postgres::PgPoolOptions;
     use tokio::sync::watch;
@@ -205,20 +205,16 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
             .get_consumer("pg")
             .await
             .expect("consumer");
-        let settings = Settings::new(&env.dlq_subject)
+        let config = JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+            .retry_delay(Duration::from_millis(50));
+        JetStreamConsumer::builder(config)
+            .inbox(store.inbox(Duration::from_secs(86_400)))
+            .scope("pg-inbox")
             .batch(32)
             .idle_wait(Duration::from_millis(200))
-            .retry_delay(Duration::from_millis(50));
-        PgInboxConsumer::new(
-            env.js.clone(),
-            pull,
-            &store,
-            "pg-inbox",
-            Duration::from_secs(86_400),
-            settings,
-        )
-        .await
-        .expect("pg inbox")
+            .build()
+            .await
+            .expect("pg inbox")
     };
     let body = |i: usize| format!(r#"{{"order":{i},"cents":{}}}"#, 100 + i);
     let mut last = tokio::time::Instant::now();
@@ -235,30 +231,25 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
     let mut died = Report::default();
     while died.processed == 0 {
         let batch = dying.fetch().await.expect("fetch");
-        let v = dying.process(&batch, |conn, d| pg_write(conn, d, &ledger, "dying")).await;
-        died = v.report();
-        drop((v, batch)); // no settle: no ack, redelivered after ack_wait
+        let decided =
+            dying.decide(batch, |tx, d| pg_write(tx, d, &ledger, "dying")).await.expect("decide");
+        died = decided.report();
+        drop(decided); // no settle: no ack, redelivered after ack_wait
     }
     drop(dying);
     // The reused id, with another body, from a producer reusing it after JetStream's window.
     env.retry("o-7", br#"{"order":7,"cents":999999}"#, &mut last).await;
 
     let (stop_tx, stop) = watch::channel(false);
-    let run = |who: &'static str, c: PgInboxConsumer, mut stop: watch::Receiver<bool>| {
+    let run = |who: &'static str,
+               c: JetStreamConsumer<PostgresInbox>,
+               mut stop: watch::Receiver<bool>| {
         let ledger = ledger.clone();
         async move {
-            let mut total = Report::default();
-            while !*stop.borrow() {
-                let batch = tokio::select! {
-                    b = c.fetch() => b.expect("fetch"),
-                    _ = stop.changed() => break,
-                };
-                if !batch.is_empty() {
-                    let v = c.process(&batch, |conn, d| pg_write(conn, d, &ledger, who)).await;
-                    total += c.settle(batch, v).await;
-                }
-            }
-            total
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            c.run(|tx, d| pg_write(tx, d, &ledger, who), stopped).await.expect("run")
         }
     };
     let b = tokio::spawn(run("b", open().await, stop.clone()));
@@ -301,7 +292,7 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
     assert_eq!(survivors.conflicts, 1, "{survivors}");
     let dl = env.dead_letters().await;
     assert_eq!(dl.len(), 1, "exactly one dead letter");
-    assert_eq!(header(&dl[0], headers::ORIGINAL_MSG_ID), Some("o-7"));
+    assert_eq!(header(&dl[0], headers::ORIGINAL_MESSAGE_ID), Some("o-7"));
     assert_eq!(header(&dl[0], headers::OUTCOME), Some("conflict"));
     assert_eq!(&dl[0].payload[..], br#"{"order":7,"cents":999999}"#);
     assert_eq!(env.pending("pg").await, (0, 0));
@@ -310,22 +301,19 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
 }
 
 /// The handler's write in the PostgreSQL inbox test: one ledger row, in the batch transaction.
-#[cfg(feature = "postgres")]
-fn pg_write<'c>(
-    conn: &'c mut sqlx::PgConnection,
-    d: &'c idem_nats::Delivery,
+async fn pg_write(
+    mut tx: Tx<sqlx::Postgres>,
+    d: Delivery,
     ledger: &str,
     who: &'static str,
-) -> idem_nats::InboxWrites<'c, (), String> {
+) -> Result<(), HandlerError<String>> {
     let sql = format!("INSERT INTO {ledger} (k, body, consumer) VALUES ($1, $2, $3)");
-    Box::pin(async move {
-        sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(d.message_id().unwrap_or_default())
-            .bind(String::from_utf8_lossy(d.payload()).into_owned())
-            .bind(who)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| HandlerError::Transient(e.to_string()))?;
-        Ok(())
-    })
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(d.message_id().unwrap_or_default())
+        .bind(String::from_utf8_lossy(d.payload()).into_owned())
+        .bind(who)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+    Ok(())
 }

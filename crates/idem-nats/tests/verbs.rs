@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use common::{Env, header, nats_url, wait_for};
 use idem_core::consumer::HandlerError;
+use idem_core::driver::{Report, headers};
 use idem_core::extract::Envelope;
 use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FingerprintSpec};
-use idem_nats::{Error, JetStreamConsumer, Settings, headers};
+use idem_nats::{Error, JetStream, JetStreamConsumer};
 use idem_sqlx::SqliteStore;
 
 async fn store(dir: &tempfile::TempDir) -> SqliteStore {
@@ -23,13 +24,13 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
     let env = Env::new(&url).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let pull = env.consumer("verbs", Duration::from_secs(30), 3).await;
-    let dedup = Consumer::builder(store(&dir).await).scope("verbs").build().expect("consumer");
-    let nats = JetStreamConsumer::new(
-        env.js.clone(),
-        pull,
-        dedup,
-        Settings::new(&env.dlq_subject).retry_delay(Duration::from_millis(50)),
+    let nats = JetStreamConsumer::builder(
+        JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+            .retry_delay(Duration::from_millis(50)),
     )
+    .store(store(&dir).await)
+    .scope("verbs")
+    .build()
     .await
     .expect("adapter");
 
@@ -42,7 +43,7 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
     env.retry("a", br#"{"n":2}"#, &mut last).await; // same id, different body
 
     let flaky = AtomicU32::new(0);
-    let handler = |_ctx, d: &idem_nats::Delivery| {
+    let handler = |_ctx, d: idem_nats::Delivery| {
         let id = d.message_id().unwrap_or_default().to_owned();
         let flaky_try = if id == "flaky" { flaky.fetch_add(1, Ordering::SeqCst) } else { 0 };
         async move {
@@ -54,13 +55,11 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
             }
         }
     };
-    let mut total = idem_nats::Report::default();
+    let mut total = Report::default();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while total.dead_lettered < 3 || total.processed < 2 {
         assert!(tokio::time::Instant::now() < deadline, "not settled: {total}");
-        let batch = nats.fetch().await.expect("fetch");
-        let v = nats.process(&batch, handler).await;
-        total += nats.settle(batch, v).await;
+        total += nats.poll(handler).await.expect("poll");
     }
     assert_eq!(total.processed, 2, "{total}"); // a, flaky (second try)
     assert_eq!(total.duplicates, 1, "{total}");
@@ -71,7 +70,7 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
     let dl = env.dead_letters().await;
     let reason = |id: &str| {
         dl.iter()
-            .find(|m| header(m, headers::ORIGINAL_MSG_ID) == Some(id))
+            .find(|m| header(m, headers::ORIGINAL_MESSAGE_ID) == Some(id))
             .and_then(|m| header(m, headers::REASON))
             .map(str::to_owned)
             .unwrap_or_else(|| panic!("no dead letter for {id}"))
@@ -79,7 +78,11 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
     assert!(reason("a").starts_with("conflict: key verbs/a reused"), "{}", reason("a"));
     assert_eq!(reason("bad"), "handler failed: malformed order");
     assert!(reason("hopeless").starts_with("gave up after 3 deliveries"), "{}", reason("hopeless"));
-    let conflict = dl.iter().find(|m| header(m, headers::ORIGINAL_MSG_ID) == Some("a")).expect("a");
+    let conflict =
+        dl.iter().find(|m| header(m, headers::ORIGINAL_MESSAGE_ID) == Some("a")).expect("a");
+    assert_eq!(header(conflict, headers::OUTCOME), Some("conflict"));
+    assert_eq!(header(conflict, headers::SCOPE), Some("verbs"));
+    assert!(header(conflict, headers::POSITION).is_some_and(|p| p.starts_with(&env.name)));
     assert_eq!(&conflict.payload[..], br#"{"n":2}"#);
     assert!(
         conflict.headers.get("Nats-Msg-Id").is_some_and(|v| v.as_str().starts_with("idem-dlq:"))
@@ -109,7 +112,9 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
         .build()
         .expect("consumer");
     let nats = Arc::new(
-        JetStreamConsumer::new(env.js.clone(), pull, dedup, Settings::new(&env.dlq_subject))
+        JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
+            .engine(dedup)
+            .build()
             .await
             .expect("adapter"),
     );
@@ -126,8 +131,8 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
         seen
     });
     let probe = &probe;
-    let v = nats
-        .process(&batch, |ctx, d| async move {
+    let decided = nats
+        .decide(batch, |ctx, d| async move {
             // The slow work itself, past the 1 s lease: the heartbeat must have extended it, so a
             // competing claim now finds the key in progress rather than taking it over.
             tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -139,8 +144,9 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
             tokio::time::sleep(Duration::from_millis(500)).await;
             Ok::<_, HandlerError<String>>(())
         })
-        .await;
-    let report = nats.settle(batch, v).await;
+        .await
+        .expect("decide");
+    let report = nats.settle(decided).await.expect("settle");
     assert_eq!((report.processed, report.acked), (1, 1), "{report}");
     assert_eq!(spy.await.expect("spy"), 0, "the message was redelivered while its handler ran");
     let info =
@@ -162,48 +168,35 @@ async fn startup_refuses_unsafe_configurations() {
     };
     let week = Duration::from_secs(7 * 86_400);
 
+    let open = |config: JetStream, retain| async move {
+        let e = JetStreamConsumer::builder(config)
+            .engine(dedup(retain).await)
+            .build()
+            .await
+            .expect_err("an unsafe configuration");
+        match e {
+            idem_core::driver::Error::Open(e) => e,
+            other => panic!("expected the source to refuse: {other}"),
+        }
+    };
+
     let unbounded = env.consumer("unbounded", Duration::from_secs(30), -1).await;
-    let e = JetStreamConsumer::new(
-        env.js.clone(),
-        unbounded,
-        dedup(week).await,
-        Settings::new(&env.dlq_subject),
-    )
-    .await
-    .expect_err("unbounded max_deliver");
+    let e = open(JetStream::new(env.js.clone(), unbounded, &env.dlq_subject), week).await;
     assert!(matches!(e, Error::UnboundedRedelivery { .. }), "{e}");
 
     let pull = env.consumer("short", Duration::from_secs(60), 10).await;
-    let e = JetStreamConsumer::new(
-        env.js.clone(),
-        pull,
-        dedup(Duration::from_secs(300)).await,
-        Settings::new(&env.dlq_subject),
-    )
-    .await
-    .expect_err("retention shorter than 10 × 60 s");
+    let e = open(JetStream::new(env.js.clone(), pull, &env.dlq_subject), Duration::from_secs(300))
+        .await;
     assert!(e.to_string().contains("10 deliveries × 1m"), "{e}");
 
     let pull = env.consumer("nodlq", Duration::from_secs(30), 5).await;
-    let e = JetStreamConsumer::new(
-        env.js.clone(),
-        pull,
-        dedup(week).await,
-        Settings::new("nowhere.at.all"),
-    )
-    .await
-    .expect_err("no dead-letter stream");
+    let e = open(JetStream::new(env.js.clone(), pull, "nowhere.at.all"), week).await;
     assert!(matches!(e, Error::NoDeadLetterStream { .. }), "{e}");
 
     let pull = env.consumer("beat", Duration::from_secs(2), 5).await;
-    let e = JetStreamConsumer::new(
-        env.js.clone(),
-        pull,
-        dedup(week).await,
-        Settings::new(&env.dlq_subject).progress(Duration::from_secs(2)),
-    )
-    .await
-    .expect_err("heartbeat not below ack_wait");
+    let config =
+        JetStream::new(env.js.clone(), pull, &env.dlq_subject).progress(Duration::from_secs(2));
+    let e = open(config, week).await;
     assert!(matches!(e, Error::Heartbeat { .. }), "{e}");
     env.cleanup().await;
 }
@@ -214,15 +207,14 @@ async fn run_processes_until_shutdown_and_finishes_its_batch() {
     let env = Env::new(&url).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let pull = env.consumer("runner", Duration::from_secs(30), 5).await;
-    let dedup = Consumer::builder(store(&dir).await).scope("runner").build().expect("consumer");
-    let nats = JetStreamConsumer::new(
-        env.js.clone(),
-        pull,
-        dedup,
-        Settings::new(&env.dlq_subject).batch(16).idle_wait(Duration::from_millis(100)),
-    )
-    .await
-    .expect("adapter");
+    let nats = JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
+        .store(store(&dir).await)
+        .scope("runner")
+        .batch(16)
+        .idle_wait(Duration::from_millis(100))
+        .build()
+        .await
+        .expect("adapter");
     for i in 0..50 {
         env.publish(&format!("r-{i}"), format!(r#"{{"i":{i}}}"#).as_bytes()).await;
     }

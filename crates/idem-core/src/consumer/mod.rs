@@ -28,6 +28,8 @@ use crate::{
 };
 use builder::Config;
 
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
 /// Makes a handler idempotent over a [`DedupStore`] (two-phase) or a transactional inbox.
 ///
 /// For each delivery: extract the key, fingerprint the payload, claim `(scope, key)` in the
@@ -273,8 +275,7 @@ impl<B: Backend> Consumer<B> {
         // Boxed as `dyn Future + Send`: the Send proof is made here, with the lifetimes known.
         // Left to the caller, rustc must prove it for every lifetime of the backend's future
         // and fails ("implementation of `Send` is not general enough") for a spawned run.
-        let fut: std::pin::Pin<Box<dyn Future<Output = Vec<Outcome<T, E>>> + Send + '_>> =
-            Box::pin(B::decide(self, batch, handler));
+        let fut: BoxFuture<'_, Vec<Outcome<T, E>>> = Box::pin(B::decide(self, batch, handler));
         fut.await
     }
 }

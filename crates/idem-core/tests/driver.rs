@@ -306,9 +306,7 @@ async fn a_run_can_be_spawned() {
     q.push("o-1", "{}");
     let c = consumer(&q).await;
     let drained = q.drained();
-    let report = tokio::spawn(async move { c.run(|_, m| handle(m), drained).await })
-        .await
-        .unwrap()
-        .unwrap();
+    let report =
+        tokio::spawn(async move { c.run(|_, m| handle(m), drained).await }).await.unwrap().unwrap();
     assert_eq!(report.processed, 1);
 }

@@ -1,14 +1,15 @@
 //! Messages/s through the Kafka adapter beside the same consumer loop with no dedup.
 //!
-//! `cargo run --release -p idem-kafka --features postgres --example kafka_bench [messages]`
-//! (brokers from `IDEM_TEST_KAFKA_BROKERS`, PostgreSQL from `IDEM_TEST_POSTGRES_URL`).
+//! `cargo run --release -p idem-kafka --example kafka_bench [messages] [batch]`
+//! (brokers from `IDEM_TEST_KAFKA_BROKERS`, PostgreSQL from `IDEM_TEST_POSTGRES_URL`, MariaDB
+//! from `IDEM_TEST_MYSQL_URL`).
 //!
 //! One topic of 3 partitions holds `messages` records (default 20,000; 20% are producer
 //! duplicates). Each row is a consumer group of its own reading the whole topic from the start,
-//! timed from the first poll until every record is settled and committed:
+//! timed from the first poll until every record is settled:
 //! - `commit only`: the same poll-a-batch / commit-the-batch loop on rdkafka, no store;
-//! - the adapter in two-phase mode over SQLite, PostgreSQL and `Batched<PostgreSQL>`;
-//! - the adapter in inbox mode over PostgreSQL (one transaction per polled batch).
+//! - the adapter in two-phase mode over memory, SQLite and PostgreSQL;
+//! - the adapter in inbox mode over SQLite, PostgreSQL and MariaDB (one transaction per batch).
 #![allow(clippy::unwrap_used, clippy::cast_precision_loss)]
 
 use std::sync::Arc;
@@ -16,15 +17,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem_core::consumer::HandlerError;
-use idem_core::{BatchConfig, Batched, Consumer, DedupStore};
+use idem_core::driver::{Action, Settlement};
+use idem_core::{Backend, Consumer, MemoryStore};
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use idem_kafka::{Action, KafkaConsumer, PgInboxConsumer, Settings};
-use idem_sqlx::{PostgresStore, SqliteStore};
+use idem_kafka::{Delivery, Kafka, KafkaConsumer};
+use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 
 fn config(brokers: &str, group: &str) -> ClientConfig {
     let mut c = ClientConfig::new();
@@ -98,40 +100,43 @@ where
 fn counting(
     done: Arc<AtomicUsize>,
     first: Arc<std::sync::Mutex<Option<Instant>>>,
-) -> impl Fn(&idem_kafka::Settled<'_>) + Send + Sync + 'static {
+) -> impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'static {
     move |s| {
         first.lock().unwrap().get_or_insert_with(Instant::now);
-        if s.action != Action::Retry {
+        if !matches!(s.action, Action::Retry { .. }) {
             done.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
 
-async fn two_phase<S: DedupStore + Sync + 'static>(
+/// The adapter over `backend` (a store: two-phase; an inbox: transactional), no-op handler.
+async fn driven<B: Backend + 'static>(
     brokers: &str,
     topic: &str,
     group: &str,
     n: usize,
-    store: S,
+    batch: usize,
+    backend: B,
 ) -> Duration {
-    let dedup = Consumer::builder(store).scope(group).build().unwrap();
-    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
-    let cfg = config(&brokers, group);
+    let engine = Consumer::builder(backend)
+        .scope(group)
+        .retain(Duration::from_secs(86_400))
+        .build()
+        .unwrap();
+    let kafka = Kafka::new(&config(brokers, group), &[topic], format!("{topic}-dlq"));
     timed(n, move |done, first, stopped| async move {
-        let c = KafkaConsumer::new(
-            &cfg,
-            &[topic.as_str()],
-            dedup,
-            Settings::new(format!("{topic}-dlq")),
-        )
-        .unwrap()
-        .with_hook(counting(done, first));
-        c.run(|_ctx, _d| async { Ok::<_, HandlerError<String>>(()) }, async {
+        let c = KafkaConsumer::builder(kafka)
+            .engine(engine)
+            .batch(batch)
+            .on_settle(counting(done, first))
+            .build()
+            .await
+            .unwrap();
+        c.run(|_, _| async { Ok::<_, HandlerError<String>>(()) }, async {
             let _ = stopped.await;
         })
         .await
         .unwrap();
-        c.close(Duration::from_secs(10)).await;
     })
     .await
 }
@@ -141,8 +146,11 @@ async fn main() {
     let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
     let brokers =
         std::env::var("IDEM_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let batch: usize = std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(100);
     let pg = std::env::var("IDEM_TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let my = std::env::var("IDEM_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
     let sfx = format!("{}_{:06x}", std::process::id(), rand::random::<u32>() & 0xff_ffff);
     let topic = format!("idem-bench-{sfx}");
     let admin: AdminClient<DefaultClientContext> =
@@ -186,7 +194,7 @@ async fn main() {
         }
     });
     futures_util::future::join_all(sends).await;
-    println!("{n} messages ({unique} unique) on {topic}, 3 partitions, batches of 100\n");
+    println!("{n} messages ({unique} unique) on {topic}, 3 partitions, batches of {batch}\n");
 
     let dir = tempfile::tempdir().unwrap();
     let pg_store = PostgresStore::connect(&pg)
@@ -195,49 +203,36 @@ async fn main() {
         .with_schema(&format!("idem_kbench_{sfx}"))
         .unwrap();
     pg_store.migrate().await.unwrap();
+    let my_store = MySqlStore::connect(&my)
+        .await
+        .unwrap()
+        .with_table_name(&format!("idem_kbench_{sfx}"))
+        .unwrap();
+    my_store.migrate().await.unwrap();
     let rate = |d: Duration| n as f64 / d.as_secs_f64();
-    let base = rate(commit_only(&brokers, &topic, &format!("g0-{sfx}"), n, 100).await);
+    let base = rate(commit_only(&brokers, &topic, &format!("g0-{sfx}"), n, batch).await);
     println!("{:<36} {:>9.0} msg/s  1.00×", "commit only (no dedup)", base);
     let row = |name: &str, d: Duration| {
         let r = rate(d);
         println!("{name:<36} {r:>9.0} msg/s  {:.2}×", r / base);
     };
+    let g = |i: u32| format!("g{i}-{sfx}");
+    let day = Duration::from_secs(86_400);
+    row("two-phase, memory", driven(&brokers, &topic, &g(1), n, batch, MemoryStore::new()).await);
     let sqlite = SqliteStore::open(dir.path().join("b.sqlite")).await.unwrap();
-    row("two-phase, SQLite", two_phase(&brokers, &topic, &format!("g1-{sfx}"), n, sqlite).await);
-    row(
-        "two-phase, PostgreSQL",
-        two_phase(&brokers, &topic, &format!("g2-{sfx}"), n, pg_store.clone()).await,
-    );
-    let batched = Batched::new(pg_store.clone(), BatchConfig::default());
-    row(
-        "two-phase, Batched<PostgreSQL>",
-        two_phase(&brokers, &topic, &format!("g3-{sfx}"), n, batched).await,
-    );
-    let (b2, t2, g4, store) =
-        (brokers.clone(), topic.clone(), format!("g4-{sfx}"), pg_store.clone());
-    let d = timed(n, move |done, first, stopped| async move {
-        let c = PgInboxConsumer::new(
-            &config(&b2, &g4),
-            &[t2.as_str()],
-            &store,
-            "bench",
-            Duration::from_secs(86_400),
-            Settings::new(format!("{t2}-dlq")),
-        )
-        .unwrap()
-        .with_hook(counting(done, first));
-        c.run(|_tx, _d| Box::pin(async { Ok::<_, HandlerError<String>>(()) }), async {
-            let _ = stopped.await;
-        })
-        .await
-        .unwrap();
-        c.close(Duration::from_secs(10)).await;
-    })
-    .await;
-    row("inbox, PostgreSQL (tx per batch)", d);
+    row("two-phase, SQLite", driven(&brokers, &topic, &g(2), n, batch, sqlite).await);
+    row("two-phase, PostgreSQL", driven(&brokers, &topic, &g(3), n, batch, pg_store.clone()).await);
+    let inbox = SqliteStore::open(dir.path().join("i.sqlite")).await.unwrap().inbox(day);
+    row("inbox, SQLite", driven(&brokers, &topic, &g(4), n, batch, inbox).await);
+    row("inbox, PostgreSQL", driven(&brokers, &topic, &g(5), n, batch, pg_store.inbox(day)).await);
+    row("inbox, MariaDB", driven(&brokers, &topic, &g(6), n, batch, my_store.inbox(day)).await);
     let _ = admin.delete_topics(&[&topic, &dlq], &AdminOptions::new()).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA idem_kbench_{sfx} CASCADE")))
         .execute(pg_store.pool())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE idem_kbench_{sfx}")))
+        .execute(my_store.pool())
         .await
         .unwrap();
 }

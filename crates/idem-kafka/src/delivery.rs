@@ -1,5 +1,7 @@
 //! One polled Kafka message, owned.
 
+use std::sync::Arc;
+
 use idem_core::extract::Envelope;
 use rdkafka::Message as _;
 use rdkafka::message::{BorrowedMessage, Headers as _};
@@ -7,7 +9,8 @@ use rdkafka::message::{BorrowedMessage, Headers as _};
 /// The header the default key extractor reads (`MessageId`).
 pub const MSG_ID_HEADER: &str = "message-id";
 
-/// A polled Kafka message: where it came from, its key, payload and headers. Implements
+/// A polled Kafka message: where it came from, its key, payload and headers; cheap to clone
+/// (shared), so each handler gets its own copy. Implements
 /// [`Envelope`], so any [`KeyExtractor`](idem_core::extract::KeyExtractor) works; the default
 /// one reads the [`MSG_ID_HEADER`] header. The offset is never a key: a producer's retry
 /// writes the same message again at a new offset.
@@ -22,36 +25,41 @@ pub const MSG_ID_HEADER: &str = "message-id";
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delivery {
+    inner: Arc<Record>,
+    pub(crate) attempts: u32,
+    /// The adapter's revocation count when this was polled.
+    pub(crate) epoch: u64,
+}
+
+/// The record itself, shared by the clones handlers get.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Record {
     topic: String,
     partition: i32,
     offset: i64,
     key: Option<Vec<u8>>,
     payload: Vec<u8>,
     headers: Vec<(String, Vec<u8>)>,
-    pub(crate) attempts: u32,
-    /// The adapter's revocation count when this was polled.
-    pub(crate) epoch: u64,
 }
 
 impl Delivery {
     /// A message with no key and no headers (for tests and examples).
     pub fn new(topic: impl Into<String>, partition: i32, offset: i64, payload: Vec<u8>) -> Self {
-        Self {
+        let record = Record {
             topic: topic.into(),
             partition,
             offset,
             key: None,
             payload,
             headers: Vec::new(),
-            attempts: 0,
-            epoch: 0,
-        }
+        };
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0 }
     }
 
     /// Adds a header.
     #[must_use]
     pub fn with_header(mut self, name: impl Into<String>, value: &[u8]) -> Self {
-        self.headers.push((name.into(), value.to_vec()));
+        Arc::make_mut(&mut self.inner).headers.push((name.into(), value.to_vec()));
         self
     }
 
@@ -64,46 +72,45 @@ impl Delivery {
                     .collect()
             })
             .unwrap_or_default();
-        Self {
+        let record = Record {
             topic: m.topic().to_owned(),
             partition: m.partition(),
             offset: m.offset(),
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
             headers,
-            attempts: 0,
-            epoch: 0,
-        }
+        };
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0 }
     }
 
     /// The topic.
     pub fn topic(&self) -> &str {
-        &self.topic
+        &self.inner.topic
     }
 
     /// The partition.
     pub fn partition(&self) -> i32 {
-        self.partition
+        self.inner.partition
     }
 
     /// The offset in its partition.
     pub fn offset(&self) -> i64 {
-        self.offset
+        self.inner.offset
     }
 
     /// The Kafka record key (the partitioning key, usually an entity id; not a message id).
     pub fn record_key(&self) -> Option<&[u8]> {
-        self.key.as_deref()
+        self.inner.key.as_deref()
     }
 
     /// The payload.
     pub fn payload_bytes(&self) -> &[u8] {
-        &self.payload
+        &self.inner.payload
     }
 
     /// All headers in record order (a name may repeat).
     pub fn headers(&self) -> impl Iterator<Item = (&str, &[u8])> {
-        self.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
+        self.inner.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
     }
 
     /// How many times this adapter has retried this message in this process.
@@ -112,13 +119,13 @@ impl Delivery {
     }
 
     pub(crate) fn tp(&self) -> (String, i32) {
-        (self.topic.clone(), self.partition)
+        (self.inner.topic.clone(), self.inner.partition)
     }
 }
 
 impl Envelope for Delivery {
     fn payload(&self) -> &[u8] {
-        &self.payload
+        &self.inner.payload
     }
 
     fn message_id(&self) -> Option<&str> {
@@ -127,7 +134,8 @@ impl Envelope for Delivery {
 
     /// The last header of that name whose value is UTF-8 (Kafka headers are bytes).
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers
+        self.inner
+            .headers
             .iter()
             .rev()
             .find(|(k, _)| k.eq_ignore_ascii_case(name))

@@ -2,8 +2,9 @@
 
 use rdkafka::error::KafkaError;
 
-/// Errors of the Kafka adapter. Per-message failures are not errors: they end in a commit, a
-/// retry or a dead letter, and are counted in the [`Report`](crate::Report).
+/// Errors of the Kafka source. Per-message failures are not errors: they end in a commit, a
+/// retry or a dead letter, and are counted in the driver's
+/// [`Report`](idem_core::driver::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -28,9 +29,9 @@ pub enum Error {
     /// No topic to consume, or an empty topic name.
     #[error("topics: {0}")]
     Topics(&'static str),
-    /// The inbox scope is not a valid key scope.
-    #[error("inbox scope is invalid")]
-    InvalidScope(#[source] idem_core::KeyError),
+    /// The source was closed (its run ended); build a new consumer.
+    #[error("the Kafka consumer is closed")]
+    Closed,
     /// The brokers answered something the adapter cannot use.
     #[error("Kafka brokers: {0}")]
     Broker(String),

@@ -1,4 +1,5 @@
-//! Kafka consumer adapter for **idem** (on `rdkafka`).
+//! Kafka consumer adapter for **idem** (on `rdkafka`), driven by idem's shared
+//! [`Driver`](idem_core::Driver).
 //!
 //! A consumer-group consumer with auto-commit off. Each partition's offset is committed only
 //! up to the last message whose outcome is durable, even when the messages of one partition
@@ -7,23 +8,46 @@
 //! | idem outcome | Kafka |
 //! | --- | --- |
 //! | processed, duplicate | the offset may be committed (once every earlier message of the partition has settled) |
-//! | in progress elsewhere | pause the partition, retry the message after the other lease's remaining time |
-//! | transient failure | release the claim, pause the partition, retry after [`Settings::retry_delay`] |
-//! | conflict, permanent failure | produce to the dead-letter topic with [`headers::REASON`] and the original topic/partition/offset, await the broker's ack, then the offset may be committed |
+//! | in progress elsewhere | pause the partition, retry the message after the other lease's remaining time (at most [`Kafka::retry_delay`]) |
+//! | transient failure | (two-phase: the claim released) pause the partition, retry after [`Kafka::retry_delay`] |
+//! | conflict, permanent failure, missing key | produce to the dead-letter topic with the `idem-*` headers (`idem-source` = topic, `idem-source-position` = `partition:offset`), await the broker's ack, then the offset may be committed |
+//! | fetched while the consumer shuts down | left uncommitted (the partition's next owner reads it again) |
 //!
 //! The key comes from the `message-id` header by default ([`Delivery`] implements
 //! [`Envelope`](idem_core::extract::Envelope), so the CloudEvents and JSON-pointer extractors
 //! work too) — never from the offset, because a producer's retry writes the same message at a
-//! new offset. Messages polled together are claimed together.
+//! new offset.
 //!
-//! Two modes:
-//! - [`KafkaConsumer`]: two-phase, over any [`DedupStore`](idem_core::DedupStore), for effects
-//!   outside the database (pass `ctx.downstream_key()` to the callee).
-//! - [`PgInboxConsumer`] (feature `postgres`): transactional inbox; the marker and the
-//!   handler's writes commit in one PostgreSQL transaction, then the offset is committed.
+//! ```no_run
+//! use std::time::Duration;
+//! use idem_core::consumer::HandlerError;
+//! use idem_kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
+//! use idem_sqlx::PostgresStore;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! let mut config = ClientConfig::new();
+//! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "order-writer");
+//! let consumer = KafkaConsumer::builder(Kafka::new(&config, &["orders"], "orders.dlq"))
+//!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
+//!     .scope("order-writer")
+//!     .build()
+//!     .await?;
+//! consumer
+//!     .run(|mut tx, msg| async move {
+//!         sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!             .bind(msg.payload_bytes().to_vec())
+//!             .execute(&mut *tx) // commits with the dedup marker; then the offset is committed
+//!             .await
+//!             .map_err(HandlerError::Transient)?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! # Ok(()) }
+//! ```
 //!
 //! # Rebalances
-//! librdkafka reports a revocation inside a poll, and the adapter polls only between batches:
+//! librdkafka reports a revocation inside a poll, and the driver polls only between batches:
 //! handlers in flight finish and their offsets are committed before the partition is given up.
 //! Messages of a revoked partition already polled, or waiting for a retry, are still processed
 //! but their offsets are no longer committed: the new owner starts at the committed offset,
@@ -44,33 +68,29 @@
 //! # Retention
 //! Kafka redelivers nothing on a timer, but a consumer that restarts from an old offset, or a
 //! producer retry, replays messages for as long as the topic keeps them: records must be
-//! retained at least for the topic's `retention.ms` plus the consumer lag you tolerate. `run`
-//! asks the brokers for each topic's `retention.ms` when it starts and logs a warning for every
-//! topic that outlives the records; `retention_gaps` returns the same check to act on.
+//! retained at least for the topic's `retention.ms` plus the consumer lag you tolerate. The
+//! source asks the brokers for each topic's `retention.ms` when it opens and logs a warning for
+//! every topic that outlives the records; [`KafkaSource::retention_gaps`] returns the same
+//! check to act on.
 //!
 //! # Closing
-//! Call `close` (it leaves the group on a blocking thread with a timeout): dropping an rdkafka
-//! consumer was seen to hang for more than 20 s against some brokers.
+//! When a run ends the source commits what settled and leaves the group on a blocking thread,
+//! bounded by [`Kafka::close_timeout`]: dropping an rdkafka consumer was seen to hang for more
+//! than 20 s against some brokers.
 
-mod consumer;
 mod delivery;
 mod error;
-#[cfg(feature = "postgres")]
-mod pg_inbox;
-mod report;
 mod retention;
-mod settings;
 mod source;
 mod tracker;
 
-pub use consumer::KafkaConsumer;
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
-#[cfg(feature = "postgres")]
-pub use pg_inbox::PgInboxConsumer;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use rdkafka;
-pub use report::Report;
 pub use retention::RetentionGap;
-pub use settings::Settings;
-pub use source::{Action, Settled, headers};
+pub use source::{Kafka, KafkaSource};
+
+/// A Kafka consumer made idempotent: the shared driver over a [`KafkaSource`], in two-phase
+/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
+pub type KafkaConsumer<B> = idem_core::Driver<KafkaSource, B>;

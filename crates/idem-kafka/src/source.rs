@@ -1,13 +1,11 @@
-//! The rdkafka side shared by both modes: poll batches, settle outcomes, commit the durable
-//! prefix, retry with the partition paused, follow rebalances.
+//! The rdkafka side of the driver: poll batches, commit the durable prefix, retry with the
+//! partition paused, dead-letter to a topic, follow rebalances.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::consumer::Disposition;
+use idem_core::driver::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
@@ -21,53 +19,12 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
 use crate::retention::RetentionGap;
 use crate::tracker::Tracker;
-use crate::{Delivery, Error, Report, Settings};
+use crate::{Delivery, Error};
 
 /// How long the retention check waits for the brokers.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Tp = (String, i32);
-
-/// Header names on dead-lettered records.
-pub mod headers {
-    /// Why the message was dead-lettered (the outcome's reason).
-    pub const REASON: &str = "idem-reason";
-    /// The outcome label (`conflict`, `failed_permanent`).
-    pub const OUTCOME: &str = "idem-outcome";
-    /// The original topic.
-    pub const TOPIC: &str = "idem-original-topic";
-    /// The original partition (decimal).
-    pub const PARTITION: &str = "idem-original-partition";
-    /// The original offset (decimal).
-    pub const OFFSET: &str = "idem-original-offset";
-}
-
-/// What became of one message, for the hook passed to `with_hook`.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct Settled<'a> {
-    /// The message.
-    pub delivery: &'a Delivery,
-    /// The outcome label (`processed`, `duplicate`, `conflict`, `in_progress_elsewhere`,
-    /// `failed_transient`, `failed_permanent`).
-    pub outcome: &'static str,
-    /// What the adapter did about it.
-    pub action: Action,
-}
-
-/// What the adapter did with a settled message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Action {
-    /// Its offset may be committed (after the messages before it in its partition).
-    Commit,
-    /// Produced to the dead-letter topic (acknowledged); its offset may be committed.
-    DeadLettered,
-    /// Kept for a retry; its partition is paused and nothing past it is committed.
-    Retry,
-}
-
-pub(crate) type Hook = Arc<dyn Fn(&Settled<'_>) + Send + Sync>;
 
 /// Records revocations as librdkafka reports them (inside a poll, so never while a batch is
 /// being processed).
@@ -109,25 +66,103 @@ impl State {
     }
 }
 
-pub(crate) struct Source {
-    consumer: Arc<StreamConsumer<Ctx>>,
+/// A Kafka consumer group's settings for the driver: what is specific to Kafka. Batch size,
+/// idle wait and broker timeouts are the driver's ([`Builder`](idem_core::driver::Builder)).
+///
+/// Defaults: gather a batch for at most 5 ms once a first message arrived; retry transient
+/// failures after 1 s (a key in progress elsewhere after the other lease, at most that long);
+/// wait up to 30 s for the broker to acknowledge a dead-letter produce; close within 10 s.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_kafka::{Kafka, rdkafka::ClientConfig};
+///
+/// let mut config = ClientConfig::new();
+/// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "billing");
+/// let kafka = Kafka::new(&config, &["orders"], "orders.dlq").retry_delay(Duration::from_secs(5));
+/// ```
+#[derive(Debug)]
+#[must_use]
+pub struct Kafka {
+    config: ClientConfig,
+    topics: Vec<String>,
+    dead_letter: String,
+    batch_wait: Duration,
+    retry_delay: Duration,
+    produce_timeout: Duration,
+    close_timeout: Duration,
+}
+
+impl Kafka {
+    /// Consumes `topics` with `config` (needs `bootstrap.servers` and `group.id`; idem sets
+    /// `enable.auto.commit` and `enable.auto.offset.store` to `false`, and `auto.offset.reset`
+    /// to `earliest` unless given) and dead-letters to `dead_letter_topic` (produced with
+    /// `acks=all` on the same brokers, with every security setting of `config`).
+    pub fn new(
+        config: &ClientConfig,
+        topics: &[&str],
+        dead_letter_topic: impl Into<String>,
+    ) -> Self {
+        Self {
+            config: config.clone(),
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            dead_letter: dead_letter_topic.into(),
+            batch_wait: Duration::from_millis(5),
+            retry_delay: Duration::from_secs(1),
+            produce_timeout: Duration::from_secs(30),
+            close_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// How long to keep gathering a batch after its first message arrived.
+    pub fn batch_wait(mut self, d: Duration) -> Self {
+        self.batch_wait = d;
+        self
+    }
+
+    /// The delay before a transiently failed message is tried again, and the longest wait for a
+    /// key in progress elsewhere (its partition is paused meanwhile, and no offset is committed
+    /// past it).
+    pub fn retry_delay(mut self, d: Duration) -> Self {
+        self.retry_delay = d;
+        self
+    }
+
+    /// How long to wait for the broker to acknowledge a dead-letter produce before the message
+    /// is retried instead.
+    pub fn produce_timeout(mut self, d: Duration) -> Self {
+        self.produce_timeout = d;
+        self
+    }
+
+    /// How long leaving the group may take when the run ends (librdkafka's close was seen to
+    /// hang; it is left to finish in the background after this).
+    pub fn close_timeout(mut self, d: Duration) -> Self {
+        self.close_timeout = d;
+        self
+    }
+}
+
+/// A Kafka consumer group member opened for the driver (see [`Kafka`]).
+pub struct KafkaSource {
+    consumer: Mutex<Option<Arc<StreamConsumer<Ctx>>>>,
     producer: FutureProducer,
     /// What a producer or admin client needs to reach the same brokers.
     conn: ClientConfig,
     topics: Vec<String>,
-    pub(crate) settings: Settings,
+    dead_letter: String,
+    batch_wait: Duration,
+    retry_delay: Duration,
+    produce_timeout: Duration,
+    close_timeout: Duration,
+    retention: Duration,
     state: Mutex<State>,
-    pub(crate) hook: Option<Hook>,
 }
 
-/// One message's decision: its outcome label and what the broker side should do.
-pub(crate) type Decision = (&'static str, Disposition);
-
-pub(crate) type Decide<'b> = Pin<Box<dyn Future<Output = Vec<Decision>> + Send + 'b>>;
-
-/// What a mode does with a polled batch: decide every message's outcome (effects committed).
-pub(crate) trait Decider {
-    fn decide<'a>(&'a self, batch: &'a [Delivery]) -> Decide<'a>;
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource").field("topics", &self.topics).finish_non_exhaustive()
+    }
 }
 
 fn check_config(config: &ClientConfig) -> Result<(), Error> {
@@ -176,12 +211,16 @@ fn connection_config(config: &ClientConfig) -> ClientConfig {
     out
 }
 
-impl Source {
-    /// The consumed topics' logs that outlive `retain` (topic patterns `^…` are not checked).
-    pub(crate) async fn retention_gaps(
-        &self,
-        retain: Duration,
-    ) -> Result<Vec<RetentionGap>, Error> {
+impl KafkaSource {
+    /// The consumed topics whose logs keep messages longer than the dedup records are kept: a
+    /// replay of their older messages would run effects again. The source logs these as
+    /// warnings when it opens; topic patterns (`^…`) are not checked.
+    ///
+    /// # Errors
+    /// [`Error::Kafka`] when the brokers cannot be asked (10 s limit), [`Error::Broker`] when a
+    /// topic's configs carry no usable `retention.ms`.
+    pub async fn retention_gaps(&self) -> Result<Vec<RetentionGap>, Error> {
+        let retain = self.retention;
         let admin: AdminClient<DefaultClientContext> =
             self.conn.create().map_err(|e| Error::kafka("create admin client", e))?;
         let names: Vec<&str> =
@@ -216,8 +255,8 @@ impl Source {
 
     /// Logs a warning for every gap [`retention_gaps`](Self::retention_gaps) finds (or that it
     /// could not check).
-    pub(crate) async fn warn_retention(&self, retain: Duration) {
-        match self.retention_gaps(retain).await {
+    async fn warn_retention(&self) {
+        match self.retention_gaps().await {
             Ok(gaps) => {
                 for g in gaps {
                     tracing::warn!(target: "idem", topic = %g.topic, "{g}");
@@ -228,49 +267,18 @@ impl Source {
         }
     }
 
-    pub(crate) fn open(
-        config: &ClientConfig,
-        topics: &[&str],
-        settings: Settings,
-    ) -> Result<Self, Error> {
-        check_config(config)?;
-        if topics.is_empty() {
-            return Err(Error::Topics("at least one topic is needed"));
-        }
-        if topics.iter().any(|t| t.is_empty()) || settings.dead_letter.is_empty() {
-            return Err(Error::Topics("a topic name is empty"));
-        }
-        if topics.contains(&settings.dead_letter.as_str()) {
-            return Err(Error::Topics("the dead-letter topic must not be a consumed topic"));
-        }
-        let mut cc = config.clone();
-        cc.set("enable.auto.commit", "false").set("enable.auto.offset.store", "false");
-        if cc.get("auto.offset.reset").is_none() {
-            cc.set("auto.offset.reset", "earliest");
-        }
-        let consumer: StreamConsumer<Ctx> = cc
-            .create_with_context(Ctx::default())
-            .map_err(|e| Error::kafka("create consumer", e))?;
-        consumer.subscribe(topics).map_err(|e| Error::kafka("subscribe", e))?;
-        let conn = connection_config(config);
-        let mut pc = conn.clone();
-        pc.set("acks", "all")
-            .set("message.timeout.ms", settings.produce_timeout.as_millis().to_string());
-        let producer: FutureProducer =
-            pc.create().map_err(|e| Error::kafka("create dead-letter producer", e))?;
-        Ok(Self {
-            consumer: Arc::new(consumer),
-            producer,
-            conn,
-            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
-            settings,
-            state: Mutex::new(State::default()),
-            hook: None,
-        })
-    }
-
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The consumer, or an error once the source is closed.
+    fn consumer(&self) -> Result<Arc<StreamConsumer<Ctx>>, Error> {
+        self.consumer.lock().unwrap_or_else(PoisonError::into_inner).clone().ok_or(Error::Closed)
+    }
+
+    /// Messages polled and not yet settled (in flight or waiting for a retry).
+    pub fn open_messages(&self) -> usize {
+        self.state().tracker.open()
     }
 
     /// Applies the revocations librdkafka reported: forget the partitions' progress so nothing
@@ -279,9 +287,9 @@ impl Source {
     /// `batch` or waiting for a retry — are still processed: the store makes a second
     /// processing a duplicate, while dropping them would lose them if the client resumed past
     /// them (seen against tansu when a partition came back to the same member).
-    fn revocations(&self) {
+    fn revocations(&self, consumer: &StreamConsumer<Ctx>) {
         let revoked: Vec<Tp> = std::mem::take(
-            &mut *self.consumer.context().revoked.lock().unwrap_or_else(PoisonError::into_inner),
+            &mut *consumer.context().revoked.lock().unwrap_or_else(PoisonError::into_inner),
         );
         if revoked.is_empty() {
             return;
@@ -296,186 +304,46 @@ impl Source {
         }
     }
 
-    /// Polls up to `batch` messages: the retries that are due first, then new messages.
-    pub(crate) async fn fetch(&self) -> Result<Vec<Delivery>, Error> {
-        let mut batch = Vec::new();
-        self.revocations();
-        let now = Instant::now();
-        let next_retry = {
-            let mut st = self.state();
-            let mut i = 0;
-            while i < st.retries.len() && batch.len() < self.settings.batch {
-                if st.retries[i].0 <= now {
-                    batch.push(st.retries.swap_remove(i).1);
-                } else {
-                    i += 1;
-                }
-            }
-            st.retries.iter().map(|(at, _)| *at).min()
-        };
-        let mut wait = if batch.is_empty() {
-            next_retry.map_or(self.settings.idle_wait, |at| {
-                at.saturating_duration_since(now).min(self.settings.idle_wait)
-            })
-        } else {
-            Duration::ZERO
-        };
-        while batch.len() < self.settings.batch {
-            let polled = tokio::time::timeout(wait, self.consumer.recv()).await;
-            let m = match polled {
-                Err(_) => break,
-                Ok(Err(e)) => {
-                    self.revocations();
-                    if batch.is_empty() {
-                        return Err(Error::kafka("poll", e));
-                    }
-                    tracing::warn!(target: "idem", error = %e, "poll failed; settling the batch so far");
-                    break;
-                }
-                Ok(Ok(m)) => Delivery::from_borrowed(&m),
-            };
-            // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
-            self.revocations();
-            let mut m = m;
-            m.epoch = self.state().epoch;
-            batch.push(m);
-            wait = self.settings.batch_wait;
-        }
-        let mut st = self.state();
-        for d in &batch {
-            // A retry is already tracked; polling it again adds nothing. A message of a revoked
-            // partition polled before its revocation is processed but not tracked.
-            if st.owns(d) {
-                st.tracker.polled(&d.tp(), d.offset());
-            }
-        }
-        Ok(batch)
-    }
-
-    /// Dead-letters, schedules retries and commits the durable prefix of every partition.
-    /// Nothing is committed past a message that has not settled.
-    pub(crate) async fn settle(&self, batch: Vec<Delivery>, decided: Vec<Decision>) -> Report {
-        let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
-        let mut decided = decided.into_iter();
-        let mut items = Vec::with_capacity(batch.len());
-        for d in batch {
-            let (label, disp) =
-                decided.next().unwrap_or(("failed_transient", Disposition::Retry { after: None }));
-            report.count(label);
-            metrics::counter!("idem_kafka_outcomes_total", "outcome" => label).increment(1);
-            items.push((d, label, disp));
-        }
-        let produced =
-            futures_util::future::join_all(items.iter().map(|(d, label, disp)| async move {
-                match disp {
-                    Disposition::DeadLetter { reason } => {
-                        Some(self.dead_letter(d, label, reason).await)
-                    }
-                    _ => None,
-                }
-            }))
-            .await;
-        let mut to_resume = Vec::new();
-        {
-            let mut st = self.state();
-            for ((mut d, label, disp), produced) in items.into_iter().zip(produced) {
-                let action = match (&disp, produced) {
-                    (Disposition::Ack, _) => Action::Commit,
-                    (Disposition::DeadLetter { .. }, Some(Ok(()))) => {
-                        report.dead_lettered += 1;
-                        Action::DeadLettered
-                    }
-                    (Disposition::DeadLetter { .. }, _) => {
-                        report.dead_letter_failures += 1;
-                        Action::Retry
-                    }
-                    _ => Action::Retry,
-                };
-                if let Some(h) = &self.hook {
-                    h(&Settled { delivery: &d, outcome: label, action });
-                }
-                let tp = d.tp();
-                if action == Action::Retry {
-                    report.retried += 1;
-                    let after = match disp {
-                        Disposition::Retry { after: Some(a) } => {
-                            a.clamp(Duration::from_millis(10), self.settings.retry_delay)
-                        }
-                        _ => self.settings.retry_delay,
-                    };
-                    d.attempts += 1;
-                    let owned = st.owns(&d);
-                    st.retries.push((Instant::now() + after, d));
-                    if owned && st.paused.insert(tp.clone()) {
-                        self.pause(&tp, true);
-                    }
-                } else if st.owns(&d) {
-                    st.tracker.settled(&tp, d.offset());
-                }
-            }
-            let State { retries, paused, .. } = &mut *st;
-            paused.retain(|tp| {
-                let waiting =
-                    retries.iter().any(|(_, d)| d.topic() == tp.0 && d.partition() == tp.1);
-                if !waiting {
-                    to_resume.push(tp.clone());
-                }
-                waiting
-            });
-        }
-        for tp in to_resume {
-            self.pause(&tp, false);
-        }
-        if !self.commit().await {
-            report.commit_failures += 1;
-        }
-        report
-    }
-
-    fn pause(&self, tp: &Tp, pause: bool) {
+    fn pause(consumer: &StreamConsumer<Ctx>, tp: &Tp, pause: bool) {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&tp.0, tp.1);
-        let r = if pause { self.consumer.pause(&tpl) } else { self.consumer.resume(&tpl) };
+        let r = if pause { consumer.pause(&tpl) } else { consumer.resume(&tpl) };
         if let Err(e) = r {
             tracing::warn!(target: "idem", topic = %tp.0, partition = tp.1, error = %e,
                 "could not {} the partition", if pause { "pause" } else { "resume" });
         }
     }
 
-    async fn dead_letter(&self, d: &Delivery, label: &str, reason: &str) -> Result<(), String> {
-        let partition = d.partition().to_string();
-        let offset = d.offset().to_string();
+    async fn copy(&self, d: &Delivery, dl: &DeadLetter) -> Result<(), Error> {
+        let position = format!("{}:{}", d.partition(), d.offset());
         let mut hs = OwnedHeaders::new();
         for (k, v) in d.headers() {
             hs = hs.insert(Header { key: k, value: Some(v) });
         }
+        let [reason, outcome, scope] = dl.headers();
         for (k, v) in [
-            (headers::REASON, reason),
-            (headers::OUTCOME, label),
-            (headers::TOPIC, d.topic()),
-            (headers::PARTITION, partition.as_str()),
-            (headers::OFFSET, offset.as_str()),
+            (reason.0, reason.1.as_str()),
+            (outcome.0, outcome.1.as_str()),
+            (scope.0, scope.1.as_str()),
+            (headers::SOURCE, d.topic()),
+            (headers::POSITION, position.as_str()),
         ] {
             hs = hs.insert(Header { key: k, value: Some(v.as_bytes()) });
         }
         let mut rec: FutureRecord<'_, [u8], [u8]> =
-            FutureRecord::to(&self.settings.dead_letter).payload(d.payload_bytes()).headers(hs);
+            FutureRecord::to(&self.dead_letter).payload(d.payload_bytes()).headers(hs);
         if let Some(k) = d.record_key() {
             rec = rec.key(k);
         }
-        match self.producer.send(rec, self.settings.produce_timeout).await {
+        match self.producer.send(rec, self.produce_timeout).await {
             Ok(_) => Ok(()),
-            Err((e, _)) => {
-                tracing::warn!(target: "idem", topic = %d.topic(), partition = d.partition(),
-                    offset = d.offset(), error = %e, "dead-letter produce failed; the message will be retried");
-                Err(e.to_string())
-            }
+            Err((e, _)) => Err(Error::kafka("dead-letter produce", e)),
         }
     }
 
     /// Commits every partition's durable prefix (synchronously, on a blocking thread). `false`
     /// when the commit failed; the offsets stay pending for the next one.
-    pub(crate) async fn commit(&self) -> bool {
+    async fn commit(&self, consumer: &Arc<StreamConsumer<Ctx>>) -> bool {
         let due = self.state().tracker.committable();
         if due.is_empty() {
             return true;
@@ -487,7 +355,7 @@ impl Source {
                 return false;
             }
         }
-        let c = Arc::clone(&self.consumer);
+        let c = Arc::clone(consumer);
         let r = tokio::task::spawn_blocking(move || c.commit(&tpl, CommitMode::Sync)).await;
         match r {
             Ok(Ok(())) => {
@@ -504,73 +372,213 @@ impl Source {
             }
         }
     }
+}
 
-    /// Messages polled and not yet settled (including those waiting for a retry).
-    pub(crate) fn open_count(&self) -> usize {
-        self.state().tracker.open()
-    }
+impl SourceConfig for Kafka {
+    type Source = KafkaSource;
 
-    /// Poll, decide, settle until `shutdown` completes; a batch in flight is finished first.
-    pub(crate) async fn run(
-        &self,
-        decider: &impl Decider,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<Report, Error> {
-        let mut total = Report::default();
-        let mut shutdown = std::pin::pin!(shutdown);
-        let mut failures = 0u32;
-        loop {
-            let batch = tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                b = self.fetch() => b,
-            };
-            let batch = match batch {
-                Ok(b) => {
-                    failures = 0;
-                    b
-                }
-                Err(e) => {
-                    failures += 1;
-                    if failures >= 10 {
-                        return Err(e);
-                    }
-                    tracing::warn!(target: "idem", error = %e, "poll failed; retrying");
-                    tokio::select! {
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(self.settings.retry_delay) => continue,
-                    }
-                }
-            };
-            if batch.is_empty() {
-                continue;
-            }
-            let decided = decider.decide(&batch).await;
-            total += self.settle(batch, decided).await;
+    /// Checks the settings, creates the consumer (subscribed) and the dead-letter producer, and
+    /// logs a warning for every consumed topic whose log outlives the dedup records.
+    async fn open(self, opening: Opening<'_>) -> Result<KafkaSource, Error> {
+        check_config(&self.config)?;
+        if self.topics.is_empty() {
+            return Err(Error::Topics("at least one topic is needed"));
         }
-        self.commit().await;
-        Ok(total)
+        if self.topics.iter().any(String::is_empty) || self.dead_letter.is_empty() {
+            return Err(Error::Topics("a topic name is empty"));
+        }
+        if self.topics.contains(&self.dead_letter) {
+            return Err(Error::Topics("the dead-letter topic must not be a consumed topic"));
+        }
+        let mut cc = self.config.clone();
+        cc.set("enable.auto.commit", "false").set("enable.auto.offset.store", "false");
+        if cc.get("auto.offset.reset").is_none() {
+            cc.set("auto.offset.reset", "earliest");
+        }
+        let consumer: StreamConsumer<Ctx> = cc
+            .create_with_context(Ctx::default())
+            .map_err(|e| Error::kafka("create consumer", e))?;
+        let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics).map_err(|e| Error::kafka("subscribe", e))?;
+        let conn = connection_config(&self.config);
+        let mut pc = conn.clone();
+        pc.set("acks", "all")
+            .set("message.timeout.ms", self.produce_timeout.as_millis().to_string());
+        let producer: FutureProducer =
+            pc.create().map_err(|e| Error::kafka("create dead-letter producer", e))?;
+        let source = KafkaSource {
+            consumer: Mutex::new(Some(Arc::new(consumer))),
+            producer,
+            conn,
+            topics: self.topics,
+            dead_letter: self.dead_letter,
+            batch_wait: self.batch_wait,
+            retry_delay: self.retry_delay,
+            produce_timeout: self.produce_timeout,
+            close_timeout: self.close_timeout,
+            retention: opening.retention,
+            state: Mutex::new(State::default()),
+        };
+        source.warn_retention().await;
+        Ok(source)
+    }
+}
+
+impl Source for KafkaSource {
+    type Message = Delivery;
+    type Error = Error;
+
+    /// Up to `max` messages: the retries that are due first, then new ones (waiting up to
+    /// `wait` for a first one, then the batch wait for more).
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
+        let consumer = self.consumer()?;
+        let mut batch = Vec::new();
+        self.revocations(&consumer);
+        let now = Instant::now();
+        let next_retry = {
+            let mut st = self.state();
+            let mut i = 0;
+            while i < st.retries.len() && batch.len() < max {
+                if st.retries[i].0 <= now {
+                    batch.push(st.retries.swap_remove(i).1);
+                } else {
+                    i += 1;
+                }
+            }
+            st.retries.iter().map(|(at, _)| *at).min()
+        };
+        let mut wait = if batch.is_empty() {
+            next_retry.map_or(wait, |at| at.saturating_duration_since(now).min(wait))
+        } else {
+            Duration::ZERO
+        };
+        while batch.len() < max {
+            let polled = tokio::time::timeout(wait, consumer.recv()).await;
+            let m = match polled {
+                Err(_) => break,
+                Ok(Err(e)) => {
+                    self.revocations(&consumer);
+                    if batch.is_empty() {
+                        return Err(Error::kafka("poll", e));
+                    }
+                    tracing::warn!(target: "idem", error = %e, "poll failed; settling the batch so far");
+                    break;
+                }
+                Ok(Ok(m)) => Delivery::from_borrowed(&m),
+            };
+            // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
+            self.revocations(&consumer);
+            let mut m = m;
+            m.epoch = self.state().epoch;
+            batch.push(m);
+            wait = self.batch_wait;
+        }
+        let mut st = self.state();
+        for d in &batch {
+            // A retry is already tracked; polling it again adds nothing. A message of a revoked
+            // partition polled before its revocation is processed but not tracked.
+            if st.owns(d) {
+                st.tracker.polled(&d.tp(), d.offset());
+            }
+        }
+        Ok(batch)
     }
 
-    /// Leaves the group and closes the client on a blocking thread, giving up after `timeout`
-    /// (librdkafka's close was seen to hang). `true` when it closed in time.
-    pub(crate) async fn close(self, timeout: Duration) -> bool {
-        let Self { consumer, producer, .. } = self;
+    async fn dead_letter(&self, items: &[(&Delivery, DeadLetter)]) -> Vec<Result<(), Error>> {
+        futures_util::future::join_all(items.iter().map(|(d, dl)| async move {
+            let r = self.copy(d, dl).await;
+            if let Err(e) = &r {
+                tracing::warn!(target: "idem", topic = %d.topic(), partition = d.partition(),
+                    offset = d.offset(), error = %e, "dead-letter produce failed; the message will be retried");
+            }
+            r
+        }))
+        .await
+    }
+
+    /// Marks settled messages, schedules retries (pausing their partitions), then commits every
+    /// partition's durable prefix; nothing is committed past a message that has not settled.
+    /// A failed commit is counted (the offsets go with the next one).
+    async fn settle(&self, items: Vec<(Delivery, Action)>) -> Result<u64, Error> {
+        let consumer = self.consumer()?;
+        let mut to_resume = Vec::new();
+        {
+            let mut st = self.state();
+            for (mut d, action) in items {
+                let tp = d.tp();
+                match action {
+                    Action::Ack | Action::DeadLettered { .. } if st.owns(&d) => {
+                        st.tracker.settled(&tp, d.offset());
+                    }
+                    // Settled, but of a partition revoked since it was polled: not ours to
+                    // commit.
+                    Action::Ack | Action::DeadLettered { .. } => {}
+                    Action::Retry { after } => {
+                        let after = idem_core::driver::retry_delay(
+                            after,
+                            self.retry_delay,
+                            Duration::from_millis(10),
+                            self.retry_delay,
+                        );
+                        d.attempts += 1;
+                        let owned = st.owns(&d);
+                        st.retries.push((Instant::now() + after, d));
+                        if owned && st.paused.insert(tp.clone()) {
+                            Self::pause(&consumer, &tp, true);
+                        }
+                    }
+                    // Released at shutdown: left unsettled, so no commit passes it and the
+                    // group's next owner of the partition reads it again.
+                    _ => {}
+                }
+            }
+            let State { retries, paused, .. } = &mut *st;
+            paused.retain(|tp| {
+                let waiting =
+                    retries.iter().any(|(_, d)| d.topic() == tp.0 && d.partition() == tp.1);
+                if !waiting {
+                    to_resume.push(tp.clone());
+                }
+                waiting
+            });
+        }
+        for tp in to_resume {
+            Self::pause(&consumer, &tp, false);
+        }
+        Ok(u64::from(!self.commit(&consumer).await))
+    }
+
+    /// Commits what settled, then leaves the group and closes the client on a blocking thread,
+    /// giving up after the close timeout (librdkafka's close was seen to hang). Messages waiting
+    /// for a retry are left to the partition's next owner.
+    async fn close(&self) -> Result<u64, Error> {
+        let Some(consumer) = self.consumer.lock().unwrap_or_else(PoisonError::into_inner).take()
+        else {
+            return Ok(0);
+        };
+        self.commit(&consumer).await;
+        let left = {
+            let mut st = self.state();
+            let n = st.retries.len();
+            st.retries.clear();
+            n
+        };
+        let producer = self.producer.clone();
         let closing = tokio::task::spawn_blocking(move || {
             let _ = rdkafka::producer::Producer::flush(&producer, Duration::from_secs(5));
             consumer.unsubscribe();
             drop(consumer);
         });
-        match tokio::time::timeout(timeout, closing).await {
-            Ok(Ok(())) => true,
+        match tokio::time::timeout(self.close_timeout, closing).await {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 tracing::warn!(target: "idem", error = %e, "closing the Kafka consumer panicked");
-                false
             }
             Err(_) => {
-                tracing::warn!(target: "idem", ?timeout, "closing the Kafka consumer timed out; left to finish in the background");
-                false
+                tracing::warn!(target: "idem", timeout = ?self.close_timeout,
+                    "closing the Kafka consumer timed out; left to finish in the background");
             }
         }
+        Ok(u64::try_from(left).unwrap_or(u64::MAX))
     }
 }

@@ -13,7 +13,6 @@
 //!
 //! The run gets a PostgreSQL schema of its own (`idem_kafka_crash_<pid>_<rand>`) and topics of
 //! its own; both are dropped afterwards, also when the test fails.
-#![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::too_many_lines)]
 
 mod common;
@@ -24,11 +23,10 @@ use std::time::Duration;
 
 use common::{PgSchema, Topics};
 use idem_core::consumer::HandlerError;
-use idem_kafka::{Delivery, PgInboxConsumer, Report, Settings};
-use idem_sqlx::PostgresStore;
-use idem_sqlx::postgres::PgWrites;
+use idem_core::driver::{Report, Settlement};
+use idem_kafka::{Delivery, Kafka, KafkaConsumer};
+use idem_sqlx::{PostgresInbox, PostgresStore, Tx};
 use rand::seq::{IndexedRandom, SliceRandom};
-use sqlx::postgres::PgConnection;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -59,27 +57,22 @@ fn records() -> Vec<(String, Vec<u8>)> {
 }
 
 /// Each message's effect: one ledger row, written in the inbox transaction.
-fn ledger(
-    schema: String,
+async fn ledger(
+    schema: Arc<str>,
     who: &'static str,
-) -> impl for<'c> Fn(&'c mut PgConnection, &'c Delivery) -> PgWrites<'c, (), HandlerError<String>>
-+ Send
-+ Sync
-+ 'static {
-    move |tx: &mut PgConnection, d: &Delivery| {
-        let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
-        Box::pin(async move {
-            let key = idem_core::extract::Envelope::message_id(d).unwrap_or_default().to_owned();
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(key)
-                .bind(d.payload_bytes())
-                .bind(who)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            Ok(())
-        })
-    }
+    mut tx: Tx<sqlx::Postgres>,
+    d: Delivery,
+) -> Result<(), HandlerError<String>> {
+    let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
+    let key = idem_core::extract::Envelope::message_id(&d).unwrap_or_default().to_owned();
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(key)
+        .bind(d.payload_bytes())
+        .bind(who)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+    Ok(())
 }
 
 #[derive(Debug, Clone)]
@@ -88,7 +81,7 @@ struct Seen {
     who: &'static str,
     key: String,
     outcome: &'static str,
-    action: idem_kafka::Action,
+    action: idem_core::driver::Action,
     at: (i32, i64),
 }
 
@@ -100,55 +93,51 @@ struct Env {
     schema: String,
 }
 
-fn consumer(
+/// A consumer of the group in inbox mode on `store`, batches of 50, calling `hook` for every
+/// settled message.
+async fn consumer(
     env: &Env,
     store: &PostgresStore,
-    who: &'static str,
-    seen: Option<mpsc::UnboundedSender<Seen>>,
-) -> PgInboxConsumer {
-    let settings = Settings::new(&env.dlq).batch(50).retry_delay(Duration::from_millis(200));
-    let c = PgInboxConsumer::new(
-        &common::config(&env.brokers, &env.group),
-        &[env.topic.as_str()],
-        store,
-        "orders",
-        RETAIN,
-        settings,
-    )
-    .unwrap();
-    match seen {
-        None => c,
-        Some(tx) => c.with_hook(move |s| {
-            let key = idem_core::extract::Envelope::message_id(s.delivery).unwrap_or_default();
-            let _ = tx.send(Seen {
-                who,
-                key: key.to_owned(),
-                outcome: s.outcome,
-                action: s.action,
-                at: (s.delivery.partition(), s.delivery.offset()),
-            });
-        }),
-    }
+    hook: impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'static,
+) -> KafkaConsumer<PostgresInbox> {
+    let config = Kafka::new(&common::config(&env.brokers, &env.group), &[&env.topic], &env.dlq)
+        .retry_delay(Duration::from_millis(200));
+    KafkaConsumer::builder(config)
+        .inbox(store.inbox(RETAIN))
+        .scope("orders")
+        .batch(50)
+        .idle_wait(Duration::from_millis(500))
+        .on_settle(hook)
+        .build()
+        .await
+        .unwrap()
 }
 
-fn start(
+async fn start(
     env: &Env,
     store: &PostgresStore,
     who: &'static str,
     seen: mpsc::UnboundedSender<Seen>,
 ) -> (oneshot::Sender<()>, JoinHandle<Report>) {
-    let c = consumer(env, store, who, Some(seen));
-    let writes = ledger(env.schema.clone(), who);
+    let c = consumer(env, store, move |s| {
+        let key = idem_core::extract::Envelope::message_id(s.message).unwrap_or_default();
+        let _ = seen.send(Seen {
+            who,
+            key: key.to_owned(),
+            outcome: s.outcome.as_str(),
+            action: s.action.clone(),
+            at: (s.message.partition(), s.message.offset()),
+        });
+    })
+    .await;
+    let schema: Arc<str> = env.schema.clone().into();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        let report = c
-            .run(writes, async move {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-        assert!(c.close(Duration::from_secs(15)).await, "consumer {who} did not close in 15 s");
-        report
+        c.run(move |tx, d| ledger(Arc::clone(&schema), who, tx, d), async move {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap()
     });
     (stop, task)
 }
@@ -211,8 +200,8 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
     tokio::time::timeout(LIMIT, ready_rx).await.unwrap().expect("child starts");
 
     let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
-    let a = start(&env, &store, "A", seen_tx.clone());
-    let b = start(&env, &store, "B", seen_tx.clone());
+    let a = start(&env, &store, "A", seen_tx.clone()).await;
+    let b = start(&env, &store, "B", seen_tx.clone()).await;
 
     // Once the group has done some work, arm C: it aborts after its next database commit,
     // before that offset commit.
@@ -234,7 +223,7 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
     // broker's timer; it synchronises nothing of ours.
     tokio::time::sleep(common::SESSION_TIMEOUT + Duration::from_secs(2)).await;
     let (_, distinct_at_join) = ledger_counts(&schema).await;
-    let d = start(&env, &store, "D", seen_tx.clone());
+    let d = start(&env, &store, "D", seen_tx.clone()).await;
     drop(seen_tx);
     let early: Vec<Seen> = Vec::new();
 
@@ -341,8 +330,11 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
     for (_, hs) in &dead {
         assert_eq!(hs.get("message-id").map(String::as_str), Some("order-0007"));
         assert!(hs["idem-reason"].starts_with("conflict: key orders/order-0007 reused"), "{hs:?}");
-        assert_eq!(hs["idem-original-topic"], env.topic);
-        assert!(hs["idem-original-offset"].parse::<i64>().is_ok(), "{hs:?}");
+        assert_eq!(hs["idem-source"], env.topic);
+        let (p, o) = hs["idem-source-position"].split_once(':').unwrap();
+        assert!(p.parse::<i32>().is_ok() && o.parse::<i64>().is_ok(), "{hs:?}");
+        assert_eq!(hs["idem-outcome"], "conflict");
+        assert_eq!(hs["idem-scope"], "orders");
     }
     let by_who = |w: &str| seen.iter().filter(|s| s.who == w && s.outcome == "processed").count();
     // D joined while work remained, so its join rebalanced a group in mid-run (whether it is
@@ -386,15 +378,18 @@ async fn crash_child() {
             arm.store(true, Ordering::SeqCst);
         }
     });
-    let c = consumer(&env, &store, "C", None).with_hook(move |s| {
+    let c = consumer(&env, &store, move |s| {
         // The hook runs after the commit and before the offset commit: the crash window.
-        if s.outcome == "processed" && armed.load(Ordering::SeqCst) {
-            let key = idem_core::extract::Envelope::message_id(s.delivery).unwrap_or_default();
+        if s.outcome == idem_core::OutcomeKind::Processed && armed.load(Ordering::SeqCst) {
+            let key = idem_core::extract::Envelope::message_id(s.message).unwrap_or_default();
             eprintln!("ABORT_KEY\t{key}");
             std::process::abort();
         }
-    });
+    })
+    .await;
     eprintln!("READY");
-    let _ = c.run(ledger(env.schema.clone(), "C"), std::future::pending()).await;
+    let schema: Arc<str> = env.schema.clone().into();
+    let _ =
+        c.run(move |tx, d| ledger(Arc::clone(&schema), "C", tx, d), std::future::pending()).await;
     unreachable!("the child aborts before the topic runs dry");
 }

@@ -1,7 +1,7 @@
 //! Inbox mode on a real Kafka-protocol broker (tansu) and PostgreSQL: one transaction per polled
-//! batch, a savepoint per message. A message whose writes fail rolls back alone (its business
-//! row and its marker), a second copy in the same batch is a duplicate, and the offsets reach
-//! the end once the retried message commits.
+//! batch. A message whose writes fail rolls back alone (its business row and its marker), a
+//! second copy in the same batch is a duplicate, and the offsets reach the end once the retried
+//! message commits.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{PgSchema, Topics};
 use idem_core::consumer::HandlerError;
 use idem_core::extract::Envelope;
-use idem_kafka::{PgInboxConsumer, Settings};
+use idem_kafka::{Kafka, KafkaConsumer};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -34,55 +34,50 @@ async fn a_failing_message_rolls_back_alone_inside_the_batch_transaction() {
     assert_eq!(ends[&0], 5);
     let (schema, store) = PgSchema::create(&pg, format!("idem_kafka_inbox_{sfx}")).await;
 
-    let settings = Settings::new(&dlq)
+    let config = Kafka::new(&common::config(&brokers, &group), &[topic.as_str()], &dlq)
         .batch_wait(Duration::from_millis(300))
         .retry_delay(Duration::from_millis(200));
-    let c = PgInboxConsumer::new(
-        &common::config(&brokers, &group),
-        &[topic.as_str()],
-        &store,
-        "inbox",
-        Duration::from_secs(86_400),
-        settings,
-    )
-    .unwrap();
+    let c = KafkaConsumer::builder(config)
+        .inbox(store.inbox(Duration::from_secs(86_400)))
+        .scope("inbox")
+        .idle_wait(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
     let m2_attempts = Arc::new(AtomicUsize::new(0));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = {
         let (name, attempts) = (schema.name.clone(), Arc::clone(&m2_attempts));
         tokio::spawn(async move {
-            let report = c
-                .run(
-                    move |tx, d| {
-                        let (name, attempts) = (name.clone(), Arc::clone(&attempts));
-                        Box::pin(async move {
-                            let key = d.message_id().unwrap_or_default().to_owned();
-                            // The row is written first, so a failure after it must roll it back.
-                            sqlx::query(sqlx::AssertSqlSafe(format!(
-                                "INSERT INTO {name}.ledger (key, body, who) VALUES ($1, $2, 'c')"
-                            )))
-                            .bind(&key)
-                            .bind(d.payload_bytes())
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                            match key.as_str() {
-                                "m-1" => Err(HandlerError::Permanent("m-1 is refused".to_owned())),
-                                "m-2" if attempts.fetch_add(1, Ordering::SeqCst) == 0 => {
-                                    Err(HandlerError::Transient("m-2 not yet".to_owned()))
-                                }
-                                _ => Ok(key),
-                            }
-                        })
-                    },
+            c.run(
+                move |mut tx, d| {
+                    let (name, attempts) = (name.clone(), Arc::clone(&attempts));
                     async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await
-                .unwrap();
-            assert!(c.close(Duration::from_secs(15)).await, "consumer did not close in 15 s");
-            report
+                        let key = d.message_id().unwrap_or_default().to_owned();
+                        // The row is written first, so a failure after it must roll it back.
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "INSERT INTO {name}.ledger (key, body, who) VALUES ($1, $2, 'c')"
+                        )))
+                        .bind(&key)
+                        .bind(d.payload_bytes())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                        match key.as_str() {
+                            "m-1" => Err(HandlerError::Permanent("m-1 is refused".to_owned())),
+                            "m-2" if attempts.fetch_add(1, Ordering::SeqCst) == 0 => {
+                                Err(HandlerError::Transient("m-2 not yet".to_owned()))
+                            }
+                            _ => Ok(key),
+                        }
+                    }
+                },
+                async move {
+                    let _ = stopped.await;
+                },
+            )
+            .await
+            .unwrap()
         })
     };
 

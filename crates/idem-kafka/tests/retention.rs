@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::Topics;
 use idem_core::Consumer;
-use idem_kafka::{KafkaConsumer, Settings};
+use idem_kafka::{Kafka, KafkaConsumer};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
@@ -31,15 +31,14 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
                 .retain(retain)
                 .build()
                 .unwrap();
-            let c = KafkaConsumer::new(
+            let config = Kafka::new(
                 &common::config(&brokers, &format!("g-{}", common::suffix())),
                 &[week.as_str(), hour.as_str()],
-                dedup,
-                Settings::new(format!("{week}-dlq")),
-            )
-            .unwrap();
-            let gaps = c.retention_gaps().await.unwrap();
-            assert!(c.close(Duration::from_secs(15)).await, "consumer did not close in 15 s");
+                format!("{week}-dlq"),
+            );
+            let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+            let gaps = c.source().retention_gaps().await.unwrap();
+            c.close().await.unwrap();
             gaps
         }
     };

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use common::Topics;
 use idem_core::consumer::HandlerError;
+use idem_core::driver::{Action, Report};
 use idem_core::extract::Envelope;
-use idem_core::{ClaimRequest, Consumer, DedupKey, DedupStore};
-use idem_kafka::{Action, Delivery, KafkaConsumer, Report, Settings};
+use idem_core::{Backend, ClaimRequest, Consumer, DedupKey, DedupStore};
+use idem_kafka::{Delivery, Kafka, KafkaConsumer};
 use idem_sqlx::SqliteStore;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -23,30 +24,26 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 type Ledger = Arc<Mutex<Vec<String>>>;
 
-fn run<S: DedupStore + Sync + 'static>(
+fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
 ) -> (oneshot::Sender<()>, JoinHandle<Report>) {
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        let report = c
-            .run(
-                |_ctx, d: &Delivery| {
-                    let (ledger, key) =
-                        (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
-                    async move {
-                        ledger.lock().unwrap().push(key);
-                        Ok::<_, HandlerError<String>>(())
-                    }
-                },
+        c.run(
+            |_ctx, d: Delivery| {
+                let (ledger, key) = (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
                 async move {
-                    let _ = stopped.await;
-                },
-            )
-            .await
-            .unwrap();
-        assert!(c.close(Duration::from_secs(15)).await, "consumer did not close in 15 s");
-        report
+                    ledger.lock().unwrap().push(key);
+                    Ok::<_, HandlerError<String>>(())
+                }
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        )
+        .await
+        .unwrap()
     });
     (stop, task)
 }
@@ -55,22 +52,38 @@ fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
     ids.iter().map(|id| ((*id).to_owned(), format!(r#"{{"id":"{id}"}}"#).into_bytes())).collect()
 }
 
-type Seen = mpsc::UnboundedReceiver<(i64, &'static str, Action)>;
+type Seen = mpsc::UnboundedReceiver<(i64, &'static str, &'static str)>;
+
+/// What the driver does with a settled message, in words the tests compare.
+fn verb(a: &Action) -> &'static str {
+    match a {
+        Action::Ack => "commit",
+        Action::DeadLettered { .. } => "dead-lettered",
+        Action::Retry { .. } => "retry",
+        _ => "release",
+    }
+}
 
 /// One consumer of `topic` (1 partition) whose hook reports every settled message.
-fn run_hooked<S: DedupStore + Sync + 'static>(
+async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
     brokers: &str,
     group: &str,
     topic: &str,
+    dlq: &str,
     dedup: Consumer<S>,
-    settings: Settings,
+    kafka: impl FnOnce(Kafka) -> Kafka,
 ) -> (Ledger, Seen, oneshot::Sender<()>, JoinHandle<Report>) {
     let (seen_tx, seen_rx) = mpsc::unbounded_channel();
-    let c = KafkaConsumer::new(&common::config(brokers, group), &[topic], dedup, settings)
-        .unwrap()
-        .with_hook(move |s| {
-            let _ = seen_tx.send((s.delivery.offset(), s.outcome, s.action));
-        });
+    let config = kafka(Kafka::new(&common::config(brokers, group), &[topic], dlq));
+    let c = KafkaConsumer::builder(config)
+        .engine(dedup)
+        .idle_wait(Duration::from_millis(500))
+        .on_settle(move |s| {
+            let _ = seen_tx.send((s.message.offset(), s.outcome.as_str(), verb(s.action)));
+        })
+        .build()
+        .await
+        .unwrap();
     let ledger: Ledger = Arc::default();
     let (stop, task) = run(c, ledger.clone());
     (ledger, seen_rx, stop, task)
@@ -78,7 +91,7 @@ fn run_hooked<S: DedupStore + Sync + 'static>(
 
 /// Waits until the message at `offset` has settled `n` more times, each (when given) with
 /// `expect` as its outcome and action.
-async fn settles(seen: &mut Seen, offset: i64, n: usize, expect: Option<(&str, Action)>) {
+async fn settles(seen: &mut Seen, offset: i64, n: usize, expect: Option<(&str, &str)>) {
     let mut got = 0;
     while got < n {
         let (off, outcome, action) =
@@ -130,13 +143,13 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
         other => panic!("{other:?}"),
     };
 
-    let settings = Settings::new(&dlq)
-        .retry_delay(Duration::from_millis(200))
-        .batch_wait(Duration::from_millis(200));
-    let (ledger, mut seen, stop, task) = run_hooked(&brokers, &group, &topic, dedup, settings);
+    let kafka =
+        |k: Kafka| k.retry_delay(Duration::from_millis(200)).batch_wait(Duration::from_millis(200));
+    let (ledger, mut seen, stop, task) =
+        run_hooked(&brokers, &group, &topic, &dlq, dedup, kafka).await;
 
     // m-3 is retried at least twice while m-0..m-2 are processed; the commit stops at offset 3.
-    settles(&mut seen, 3, 2, Some(("in_progress_elsewhere", Action::Retry))).await;
+    settles(&mut seen, 3, 2, Some(("in_progress_elsewhere", "retry"))).await;
     committed_at(&brokers, &group, &topic, 3).await;
     assert!(!ledger.lock().unwrap().contains(&"m-3".to_owned()));
     // Still held back after further retries of m-3.
@@ -180,20 +193,27 @@ impl OrdersTopic {
         Self { topic, dlq, group, ends, _topics: topics }
     }
 
-    /// A consumer of the group over `store` (scope `orders`), with `extra` client settings.
-    fn consumer(
+    /// A consumer of the group over `store` (scope `orders`) in batches of `batch`, with
+    /// `extra` client settings.
+    async fn consumer(
         &self,
         brokers: &str,
         store: &SqliteStore,
-        settings: Settings,
+        batch: usize,
         extra: &[(&str, &str)],
     ) -> KafkaConsumer<SqliteStore> {
         let mut cfg = common::config(brokers, &self.group);
         for (k, v) in extra {
             cfg.set(*k, *v);
         }
-        let dedup = Consumer::builder(store.clone()).scope("orders").build().unwrap();
-        KafkaConsumer::new(&cfg, &[self.topic.as_str()], dedup, settings).unwrap()
+        KafkaConsumer::builder(Kafka::new(&cfg, &[self.topic.as_str()], &self.dlq))
+            .store(store.clone())
+            .scope("orders")
+            .batch(batch)
+            .idle_wait(Duration::from_millis(500))
+            .build()
+            .await
+            .unwrap()
     }
 
     /// Waits until the group's commits reach the end of every partition.
@@ -237,9 +257,10 @@ async fn two_consumers_give_exactly_once_effects_and_dead_letter_the_reused_id()
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
     let ledger: Ledger = Arc::default();
-    let runs: Vec<_> = (0..2)
-        .map(|_| run(t.consumer(&brokers, &store, Settings::new(&t.dlq), &[]), ledger.clone()))
-        .collect();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        runs.push(run(t.consumer(&brokers, &store, 100, &[]).await, ledger.clone()));
+    }
     t.all_committed(&brokers).await;
     let reports = stop_all(runs).await;
     each_once(&ledger, 600);
@@ -277,14 +298,16 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
     let dedup = Consumer::builder(store).scope("dlqf").build().unwrap();
-    let settings = Settings::new(&dlq)
-        .produce_timeout(Duration::from_millis(500))
-        .retry_delay(Duration::from_millis(200))
-        .batch_wait(Duration::from_millis(200));
-    let (ledger, mut seen, stop, task) = run_hooked(&brokers, &group, &topic, dedup, settings);
+    let kafka = |k: Kafka| {
+        k.produce_timeout(Duration::from_millis(500))
+            .retry_delay(Duration::from_millis(200))
+            .batch_wait(Duration::from_millis(200))
+    };
+    let (ledger, mut seen, stop, task) =
+        run_hooked(&brokers, &group, &topic, &dlq, dedup, kafka).await;
 
     // The conflict at offset 2 fails to dead-letter, twice at least, and is kept for a retry.
-    settles(&mut seen, 2, 2, Some(("conflict", Action::Retry))).await;
+    settles(&mut seen, 2, 2, Some(("conflict", "retry"))).await;
     committed_at(&brokers, &group, &topic, 2).await;
     settles(&mut seen, 2, 2, None).await;
     assert_eq!(
@@ -303,7 +326,11 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
     assert_eq!(dead.len(), n, "{dead:?}");
     for (body, hs) in &dead {
         assert_eq!(body.as_slice(), br#"{"id":"m-1","changed":true}"#);
-        assert_eq!((hs["message-id"].as_str(), hs["idem-original-offset"].as_str()), ("m-1", "2"));
+        assert_eq!(
+            (hs["message-id"].as_str(), hs["idem-source-position"].as_str()),
+            ("m-1", "0:2")
+        );
+        assert_eq!(hs["idem-source"], topic);
     }
     let mut got = ledger.lock().unwrap().clone();
     got.sort();
@@ -312,23 +339,31 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
 }
 
 /// Settings that contradict the adapter's offset handling are refused with the key named.
-#[test]
-fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        let dedup = || Consumer::builder(idem_core::MemoryStore::new()).scope("s").build().unwrap();
-        let mut cfg = common::config("127.0.0.1:1", "g");
-        cfg.set("enable.auto.commit", "true");
-        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("dlq")).unwrap_err();
-        assert!(e.to_string().contains("`enable.auto.commit` = `true` is not allowed"), "{e}");
-        let mut cfg = idem_kafka::rdkafka::ClientConfig::new();
-        cfg.set("bootstrap.servers", "127.0.0.1:1");
-        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("dlq")).unwrap_err();
-        assert!(e.to_string().contains("`group.id` is required"), "{e}");
-        let cfg = common::config("127.0.0.1:1", "g");
-        let e = KafkaConsumer::new(&cfg, &["t"], dedup(), Settings::new("t")).unwrap_err();
-        assert!(e.to_string().contains("dead-letter topic must not be a consumed topic"), "{e}");
-    });
+#[tokio::test]
+async fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
+    let refused = |kafka: Kafka| async move {
+        let e = KafkaConsumer::builder(kafka)
+            .store(idem_core::MemoryStore::new())
+            .scope("s")
+            .build()
+            .await
+            .unwrap_err();
+        match e {
+            idem_core::driver::Error::Open(e) => e.to_string(),
+            other => panic!("expected the source to refuse: {other}"),
+        }
+    };
+    let mut cfg = common::config("127.0.0.1:1", "g");
+    cfg.set("enable.auto.commit", "true");
+    let e = refused(Kafka::new(&cfg, &["t"], "dlq")).await;
+    assert!(e.contains("`enable.auto.commit` = `true` is not allowed"), "{e}");
+    let mut cfg = idem_kafka::rdkafka::ClientConfig::new();
+    cfg.set("bootstrap.servers", "127.0.0.1:1");
+    let e = refused(Kafka::new(&cfg, &["t"], "dlq")).await;
+    assert!(e.contains("`group.id` is required"), "{e}");
+    let cfg = common::config("127.0.0.1:1", "g");
+    let e = refused(Kafka::new(&cfg, &["t"], "t")).await;
+    assert!(e.contains("dead-letter topic must not be a consumed topic"), "{e}");
 }
 
 /// The incremental (cooperative-sticky) protocol: a second consumer joins mid-run, so the first
@@ -345,13 +380,12 @@ async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
     let ledger: Ledger = Arc::default();
     // Small batches, so the first consumer is still at work when the second joins.
     let coop = [("partition.assignment.strategy", "cooperative-sticky")];
-    let consumer = || t.consumer(&brokers, &store, Settings::new(&t.dlq).batch(4), &coop);
-    let first = run(consumer(), ledger.clone());
+    let first = run(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone());
     common::eventually(LIMIT, "the first consumer under way", || async {
         (ledger.lock().unwrap().len() >= 20).then_some(())
     })
     .await;
-    let second = run(consumer(), ledger.clone());
+    let second = run(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone());
     t.all_committed(&brokers).await;
     let reports = stop_all(vec![first, second]).await;
     each_once(&ledger, 600);

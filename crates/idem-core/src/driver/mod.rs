@@ -135,12 +135,22 @@ impl<S: Source, B: Backend> Driver<S, B> {
         let mut report = Report::default();
         let mut shutdown = std::pin::pin!(shutdown);
         let ended = self.drive(&handler, shutdown.as_mut(), &mut report).await;
-        match self.bounded("closing the source", self.source.close()).await {
-            Ok(Ok(n)) => report.released += n,
-            Ok(Err(e)) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
-            Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source timed out"),
+        match self.close().await {
+            Ok(n) => report.released += n,
+            Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
         }
         ended.map(|()| report)
+    }
+
+    /// Closes the source: gives back what the broker delivered but was never fetched, makes
+    /// final commits, closes channels; returns how many messages it gave back. [`run`](Self::run)
+    /// does it when it ends; call it after driving [`poll`](Self::poll) or the steps yourself.
+    /// The source cannot be used afterwards.
+    ///
+    /// # Errors
+    /// The source's error ([`Error::Settle`]), or [`Error::BrokerTimeout`].
+    pub async fn close(&self) -> Result<u64, Error<S::Error>> {
+        self.bounded("closing the source", self.source.close()).await?.map_err(Error::Settle)
     }
 
     /// One round without closing anything: fetch a batch (waiting up to the idle wait), decide

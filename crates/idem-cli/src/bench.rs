@@ -252,7 +252,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     anyhow::ensure!(
                         matches!(out, Outcome::Processed(1)),
                         "message {i}: {}",
-                        out.label()
+                        out.kind().as_str()
                     );
                 }
                 Ok(())

@@ -38,6 +38,8 @@ pub use mysql::{MySqlInbox, MySqlStore};
 
 pub use inbox::{Tx, TxInbox};
 pub use row::{InboxError, InboxOutcome, Mark};
+/// The client these stores are built on, re-exported so callers use the same version.
+pub use sqlx;
 
 /// Default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";

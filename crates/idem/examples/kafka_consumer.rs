@@ -1,27 +1,29 @@
-//! A billing service consuming `OrderPlaced` from Kafka, idempotently.
+//! An order service consuming `OrderPlaced` from Kafka, idempotently.
 //!
-//! `cargo run -p idem --features kafka --example kafka_consumer`
+//! `cargo run -p idem --features kafka,postgres --example kafka_consumer`
 //! (brokers from `IDEM_TEST_KAFKA_BROKERS`, default `127.0.0.1:9092`; `.ci/services.sh up`
-//! starts tansu there).
+//! starts tansu there; PostgreSQL from `IDEM_POSTGRES_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`, in a schema of its own dropped at the end).
 //!
 //! It creates a topic of its own with 3 partitions and a dead-letter topic, produces five
 //! orders, two producer retries of them (the same `message-id`, new offsets) and one reused
-//! order id with a different body, then consumes in two-phase mode over the embedded SQLite
-//! store: each order is charged once (the retries are duplicates), the reused id goes to the
-//! dead-letter topic with its reason, and each partition's offset is committed only up to the
-//! last settled message. It exits non-zero if any of that does not hold.
+//! order id with a different body, then consumes with the transactional inbox on PostgreSQL:
+//! each batch's order rows commit with their dedup markers in one transaction (the retries are
+//! duplicates), the reused id goes to the dead-letter topic with its reason, and each
+//! partition's offset is committed only up to the last settled message. It exits non-zero if
+//! any of that does not hold.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem::consumer::HandlerError;
+use idem::driver::Action;
 use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;
 use idem::kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::{Action, KafkaConsumer, Settings};
-use idem::{Consumer, SqliteStore};
+use idem::kafka::{Kafka, KafkaConsumer};
+use idem::{PostgresStore, sqlx};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -65,33 +67,45 @@ async fn main() -> Result<()> {
         println!("produced {id} at partition {} offset {}", d.partition, d.offset);
     }
 
-    let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await?;
-    let dedup = Consumer::builder(store).scope("billing").build()?;
+    let pg = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("kafka_example_{sfx}");
     let mut config = ClientConfig::new();
-    config.set("bootstrap.servers", &brokers).set("group.id", format!("billing-{sfx}"));
+    config.set("bootstrap.servers", &brokers).set("group.id", format!("order-writer-{sfx}"));
     let (settled_tx, mut settled_rx) = tokio::sync::mpsc::unbounded_channel();
-    let kafka = KafkaConsumer::new(&config, &[topic.as_str()], dedup, Settings::new(&dlq))?
-        .with_hook(move |s| {
+
+    // The whole setup: a store, and a consumer of the topic with its inbox.
+    let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
+    store.migrate().await?;
+    let consumer = KafkaConsumer::builder(Kafka::new(&config, &[topic.as_str()], &dlq))
+        .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
+        .scope("order-writer")
+        .on_settle(move |s| {
+            let (m, id) = (s.message, idem::extract::Envelope::message_id(s.message));
             println!(
                 "  {} p{} @{}: {} → {:?}",
-                idem::extract::Envelope::message_id(s.delivery).unwrap_or("?"),
-                s.delivery.partition(),
-                s.delivery.offset(),
+                id.unwrap_or("?"),
+                m.partition(),
+                m.offset(),
                 s.outcome,
                 s.action
             );
-            let _ = settled_tx.send(s.action);
-        });
+            let _ = settled_tx.send(s.action.clone());
+        })
+        .build()
+        .await?;
 
-    let charged = Arc::new(Mutex::new(Vec::new()));
+    let orders = format!("\"{schema}\".orders");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE TABLE {orders} (id TEXT, cents BIGINT)")))
+        .execute(store.pool())
+        .await?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let total = sends.len();
     let waiter = tokio::spawn(async move {
         let mut done = 0;
         while done < total {
             match tokio::time::timeout(Duration::from_secs(60), settled_rx.recv()).await {
-                Ok(Some(Action::Retry)) => {}
+                Ok(Some(Action::Retry { .. })) => {}
                 Ok(Some(_)) => done += 1,
                 _ => return Err("not every message settled within 60 s"),
             }
@@ -99,20 +113,21 @@ async fn main() -> Result<()> {
         let _ = stop.send(());
         Ok(())
     });
-    let ledger = Arc::clone(&charged);
-    let report = kafka
+    let insert = format!("INSERT INTO {orders} (id, cents) VALUES ($1, $2)");
+    let report = consumer
         .run(
-            |ctx, msg| {
-                let (ledger, body) = (Arc::clone(&ledger), msg.payload_bytes().to_vec());
+            |mut tx: idem::Tx<sqlx::Postgres>, msg: idem::kafka::Delivery| {
+                let insert = insert.clone();
                 async move {
-                    // Charge here, passing ctx.downstream_key() as the payment's idempotency key.
-                    let order: serde_json::Value = serde_json::from_slice(&body)
+                    let order: serde_json::Value = serde_json::from_slice(msg.payload_bytes())
                         .map_err(|e| HandlerError::Permanent(e.to_string()))?;
-                    ledger
-                        .lock()
-                        .map_err(|e| HandlerError::Transient(e.to_string()))?
-                        .push(order["order"].as_str().unwrap_or("?").to_owned());
-                    Ok::<_, HandlerError<String>>(ctx.attempt())
+                    sqlx::query(sqlx::AssertSqlSafe(insert))
+                        .bind(order["order"].as_str())
+                        .bind(order["cents"].as_i64())
+                        .execute(&mut *tx) // the same transaction as the dedup marker
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    Ok(())
                 }
             },
             async {
@@ -122,15 +137,18 @@ async fn main() -> Result<()> {
         .await?;
     waiter.await??;
     println!("{report}");
-    if !kafka.close(Duration::from_secs(10)).await {
-        eprintln!("closing the consumer timed out");
-    }
     let _ = admin.delete_topics(&[&topic, &dlq], &AdminOptions::new()).await;
 
-    let charged = charged.lock().map_err(|e| e.to_string())?.clone();
-    println!("charged {} orders: {charged:?}", charged.len());
-    if charged.len() != 5 || report.duplicates != 2 || report.dead_lettered != 1 {
-        return Err("expected 5 charges, 2 duplicates and 1 dead letter".into());
+    let stored: Vec<(String, i64)> =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT id, cents FROM {orders} ORDER BY id")))
+            .fetch_all(store.pool())
+            .await?;
+    println!("stored {} orders: {stored:?}", stored.len());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(store.pool())
+        .await?;
+    if stored.len() != 5 || report.duplicates != 2 || report.dead_lettered != 1 {
+        return Err("expected 5 orders stored once, 2 duplicates and 1 dead letter".into());
     }
     Ok(())
 }

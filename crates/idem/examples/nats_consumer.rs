@@ -1,20 +1,24 @@
 //! An order service consuming `OrderPlaced` from NATS JetStream, idempotently.
 //!
-//! `cargo run -p idem --features nats --example nats_consumer`
-//! (server from `IDEM_TEST_NATS_URL`, default `127.0.0.1:4222`).
+//! `cargo run -p idem --features nats,postgres --example nats_consumer`
+//! (NATS from `IDEM_TEST_NATS_URL`, default `127.0.0.1:4222`; PostgreSQL from
+//! `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of its
+//! own dropped at the end).
 //!
 //! It creates its own stream and dead-letter stream, publishes five orders, two producer retries
 //! of them (sent after JetStream's 100 ms duplicate window, so the broker stores them again) and
-//! one reused order id with a different body, then consumes with the transactional inbox: each
-//! order row commits with its dedup marker in one SQLite transaction, and only then is the
-//! message acked. It prints what each batch did, the orders stored and the dead letter.
+//! one reused order id with a different body, then consumes with the transactional inbox on
+//! PostgreSQL: each batch's order rows commit with their dedup markers in one transaction, and
+//! only then are the messages acked. It prints the orders stored and the dead letter, and exits
+//! non-zero if an order was stored twice or the conflict was not dead-lettered.
 
 use std::time::Duration;
 
-use idem::SqliteStore;
+use idem::PostgresStore;
 use idem::consumer::HandlerError;
+use idem::driver::headers;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
-use idem::nats::{InboxConsumer, Settings, headers};
+use idem::nats::{JetStream, JetStreamConsumer};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -82,65 +86,82 @@ async fn main() -> Result<()> {
     }
     publish("order-3".into(), r#"{"order":"order-3","cents":999999}"#.into()).await?;
 
-    let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("shop.sqlite")).await?;
-    sqlx::query("CREATE TABLE orders (id TEXT NOT NULL, body TEXT NOT NULL)")
-        .execute(store.pool())
+    let pg = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("nats_example_{sfx}");
+
+    // The whole setup: a store, and a consumer over the pull consumer with its inbox.
+    let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
+    store.migrate().await?;
+    let consumer = JetStreamConsumer::builder(JetStream::new(js.clone(), pull, &dlq))
+        .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
+        .scope("order-writer")
+        .idle_wait(Duration::from_millis(500))
+        .build()
         .await?;
-    let inbox = InboxConsumer::new(
-        js.clone(),
-        pull,
-        &store,
-        "order-writer",
-        Duration::from_secs(7 * 86_400),
-        Settings::new(&dlq),
-    )
-    .await?;
     println!(
         "redelivery window to cover: {} (retention 7 days)",
-        idem::retention::human(inbox.redelivery_window().minimum())
+        idem::retention::human(consumer.source().redelivery_window().minimum())
     );
 
-    let mut total = idem::nats::Report::default();
+    let orders_table = format!("\"{schema}\".orders");
+    idem::sqlx::raw_sql(idem::sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {orders_table} (id TEXT NOT NULL, body TEXT NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await?;
+    let insert = format!("INSERT INTO {orders_table} (id, body) VALUES ($1, $2)");
+    let handler = |mut tx: idem::Tx<idem::sqlx::Postgres>, msg: idem::nats::Delivery| {
+        let insert = insert.clone();
+        async move {
+            let id = idem::extract::Envelope::message_id(&msg).unwrap_or_default().to_owned();
+            let body = String::from_utf8_lossy(&msg.payload_bytes()).into_owned();
+            idem::sqlx::query(idem::sqlx::AssertSqlSafe(insert))
+                .bind(&id)
+                .bind(body)
+                .execute(&mut *tx) // the same transaction as the dedup marker
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            Ok(format!("stored {id}"))
+        }
+    };
+    let mut total = idem::driver::Report::default();
     loop {
-        let batch = inbox.fetch().await?;
-        if batch.is_empty() {
+        let report = consumer.poll(&handler).await?;
+        if report.fetched == 0 {
             break; // nothing arrived within the idle wait: all consumed
         }
-        let verdicts = inbox
-            .process(&batch, |conn, msg| {
-                Box::pin(async move {
-                    let id =
-                        idem::extract::Envelope::message_id(msg).unwrap_or_default().to_owned();
-                    let body =
-                        String::from_utf8_lossy(idem::extract::Envelope::payload(msg)).into_owned();
-                    sqlx::query("INSERT INTO orders (id, body) VALUES (?, ?)")
-                        .bind(&id)
-                        .bind(body)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                    Ok(format!("stored {id}"))
-                })
-            })
-            .await;
-        let report = inbox.settle(batch, verdicts).await;
         println!("batch: {report}");
         total += report;
     }
+    consumer.close().await?;
     println!("total: {total}");
 
-    let orders: Vec<(String, String)> =
-        sqlx::query_as("SELECT id, body FROM orders ORDER BY id").fetch_all(store.pool()).await?;
+    let orders: Vec<(String, String)> = idem::sqlx::query_as(idem::sqlx::AssertSqlSafe(format!(
+        "SELECT id, body FROM {orders_table} ORDER BY id"
+    )))
+    .fetch_all(store.pool())
+    .await?;
     println!("orders stored ({}), each once:", orders.len());
     for (id, body) in &orders {
         println!("  {id}: {body}");
     }
     let dead = js.get_stream(&dlq_stream).await?.get_raw_message(1).await?;
     let h = |n: &str| dead.headers.get(n).map_or("", |v| v.as_str()).to_owned();
-    println!("dead letter on {dlq}: {} — {}", h(headers::ORIGINAL_MSG_ID), h(headers::REASON));
+    println!(
+        "dead letter on {dlq}: {} ({}) — {}",
+        h(headers::ORIGINAL_MESSAGE_ID),
+        h(headers::OUTCOME),
+        h(headers::REASON)
+    );
 
     js.delete_stream(&stream).await?;
     js.delete_stream(&dlq_stream).await?;
+    idem::sqlx::raw_sql(idem::sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(store.pool())
+        .await?;
+    if orders.len() != 5 || total.processed != 5 || total.dead_lettered != 1 {
+        return Err(format!("expected 5 orders once and 1 dead letter: {total}").into());
+    }
     Ok(())
 }

@@ -38,15 +38,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let key = DedupKey::new("order-writer", id)?;
         let fp = Fingerprint::of_json(&serde_json::json!({ "id": id, "cents": cents }));
         let outcome = inbox
-            .process(&pool, &key, Some(fp), |conn| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO idem_example.orders VALUES ($1, $2)")
-                        .bind(id)
-                        .bind(cents)
-                        .execute(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(format!("stored {id} for {cents} cents"))
-                })
+            .process(&key, Some(fp), |mut tx| async move {
+                sqlx::query("INSERT INTO idem_example.orders VALUES ($1, $2)")
+                    .bind(id)
+                    .bind(cents)
+                    .execute(&mut *tx) // the transaction the marker is in
+                    .await?;
+                Ok::<_, sqlx::Error>(format!("stored {id} for {cents} cents"))
             })
             .await;
         match outcome {

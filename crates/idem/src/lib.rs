@@ -12,6 +12,15 @@ pub mod sqlite {
 #[cfg(feature = "sqlite")]
 pub use idem_sqlx::{SqliteInbox, SqliteStore};
 
+/// The SQL client the stores and inboxes are built on, re-exported so handlers use the same
+/// version for their own writes (`sqlx::query(…).execute(&mut *tx)`).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub use idem_sqlx::sqlx;
+
+/// The batch transaction an inbox handler gets, and the inbox contract.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub use idem_sqlx::{Tx, TxInbox};
+
 /// PostgreSQL store, transactional inbox and entity-as-marker helper (feature `postgres`).
 #[cfg(feature = "postgres")]
 pub mod postgres {

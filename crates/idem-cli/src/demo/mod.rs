@@ -437,10 +437,8 @@ impl Worker {
                 let (table, id, cents) = (self.table.clone(), o.id.clone(), o.cents);
                 let stored = self
                     .inbox
-                    .process(&self.pool, &key, fp, move |conn| {
-                        Box::pin(
-                            async move { insert(conn, &table, &Order { id, cents }, charge).await },
-                        )
+                    .process(&key, fp, move |mut tx| async move {
+                        insert(&mut tx, &table, &Order { id, cents }, charge).await
                     })
                     .await
                     .map_err(|e| HandlerError::Transient(e.to_string()))?;

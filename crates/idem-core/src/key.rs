@@ -37,6 +37,15 @@ pub enum KeyError {
     },
 }
 
+fn hash_of(scope: &str, id: &str) -> KeyHash {
+    let mut h = Sha256::new();
+    for part in [scope, id] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    KeyHash(h.finalize().into())
+}
+
 /// The identity of one logical message within one consumer's scope.
 ///
 /// `scope` is the consumer's identity (a consumer group, a handler name, a route and principal);
@@ -54,10 +63,27 @@ pub enum KeyError {
 /// assert_ne!(DedupKey::new("s", "a")?.hash(), DedupKey::new("s", "a ")?.hash());
 /// # Ok::<(), idem_core::KeyError>(())
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct DedupKey {
     scope: String,
     id: String,
+    /// Computed once: stores, batches and lock orders all read it.
+    hash: KeyHash,
+}
+
+/// Keys are equal when their hashes are: the hash is of the length-prefixed `(scope, id)`.
+impl PartialEq for DedupKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash
+    }
+}
+
+impl Eq for DedupKey {}
+
+impl std::hash::Hash for DedupKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.hash.hash(state);
+    }
 }
 
 impl DedupKey {
@@ -82,7 +108,8 @@ impl DedupKey {
         let id = id.into();
         validate("scope", &scope, limit)?;
         validate("id", &id, limit)?;
-        Ok(Self { scope, id })
+        let hash = hash_of(&scope, &id);
+        Ok(Self { scope, id, hash })
     }
 
     /// The consumer's identity.
@@ -99,12 +126,7 @@ impl DedupKey {
     ///
     /// Length prefixes make the encoding unambiguous: `("ab", "c")` and `("a", "bc")` differ.
     pub fn hash(&self) -> KeyHash {
-        let mut h = Sha256::new();
-        for part in [&self.scope, &self.id] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part.as_bytes());
-        }
-        KeyHash(h.finalize().into())
+        self.hash
     }
 
     /// A key for calls to other services (a payment API's `Idempotency-Key`), derived from

@@ -310,3 +310,35 @@ async fn a_run_can_be_spawned() {
         tokio::spawn(async move { c.run(|_, m| handle(m), drained).await }).await.unwrap().unwrap();
     assert_eq!(report.processed, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_batches_in_flight_handle_each_message_once() {
+    let q = MemoryQueue::new();
+    for i in 0..200 {
+        q.push(format!("o-{}", i % 150), "{}"); // 50 duplicates
+    }
+    let c = Driver::builder(q.clone())
+        .store(MemoryStore::new())
+        .scope("orders")
+        .batch(7)
+        .concurrency(3)
+        .idle_wait(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let report = c
+        .run(
+            move |_, m| {
+                r.fetch_add(1, Ordering::SeqCst);
+                handle(m)
+            },
+            q.drained(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 150, "each key's handler ran once");
+    assert_eq!((report.processed, report.acked), (150, 200), "{report}");
+    assert!(report.batches >= 29, "batches of at most 7: {report:?}");
+}

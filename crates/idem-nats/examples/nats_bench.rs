@@ -2,7 +2,7 @@
 //! no dedup at all, measured in one run on one stream (each mode reads it with its own durable
 //! consumer).
 //!
-//! `cargo run --release -p idem-nats --example nats_bench -- [messages] [batch]`
+//! `cargo run --release -p idem-nats --example nats_bench -- [messages] [batch] [in flight]`
 //! (server from `IDEM_TEST_NATS_URL`, default `127.0.0.1:4222`; PostgreSQL from
 //! `IDEM_TEST_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of
 //! its own that is dropped at the end; MariaDB from `IDEM_TEST_MYSQL_URL`, default
@@ -28,6 +28,8 @@ async fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(20_000);
     let batch: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(64);
+    // Batches in flight at once, for the ack-only loop and the adapter alike.
+    let lanes: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);
     let url = std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
     let client = async_nats::connect(&url).await?;
     let js = jetstream::new(client.clone());
@@ -41,7 +43,7 @@ async fn main() -> Result<()> {
     })
     .await?;
     let version = client.server_info().version;
-    println!("NATS {version}; {n} messages, batch {batch}");
+    println!("NATS {version}; {n} messages, batch {batch}, {lanes} batch(es) in flight");
 
     let t = Instant::now();
     let mut acks = Vec::with_capacity(1024);
@@ -78,38 +80,51 @@ async fn main() -> Result<()> {
         modes.push("inbox MySQL");
     }
     modes.push("ack-only (again)");
+    // IDEM_BENCH_MODES=inbox,two-phase Post… keeps the modes whose names contain one of these
+    // (for profiling one path); the ack-only rows stay, as the baseline.
+    if let Ok(only) = std::env::var("IDEM_BENCH_MODES") {
+        let only: Vec<&str> = only.split(',').collect();
+        modes.retain(|m| m.starts_with("ack-only") || only.iter().any(|o| m.contains(o)));
+    }
     for (i, mode) in modes.into_iter().enumerate() {
         let consumer = new_consumer(&js, &name, &sfx, &format!("bench{i}")).await?;
         let config = JetStream::new(js.clone(), consumer.clone(), &dlq);
         let t = Instant::now();
         let done = match mode {
-            "ack-only" | "ack-only (again)" => ack_only(&consumer, n, batch).await?,
-            "two-phase MemoryStore" => driven(config, MemoryStore::new(), batch, n).await?,
+            "ack-only" | "ack-only (again)" => {
+                let done = std::sync::atomic::AtomicUsize::new(0);
+                let loops = (0..lanes).map(|_| ack_only(&consumer, n, batch, &done));
+                for r in futures_util::future::join_all(loops).await {
+                    r?;
+                }
+                done.into_inner()
+            }
+            "two-phase MemoryStore" => driven(config, lanes, MemoryStore::new(), batch, n).await?,
             "two-phase SqliteStore" => {
                 let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await?;
-                driven(config, store, batch, n).await?
+                driven(config, lanes, store, batch, n).await?
             }
             "two-phase PostgresStore" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_a"))?;
                 store.migrate().await?;
-                driven(config, store, batch, n).await?
+                driven(config, lanes, store, batch, n).await?
             }
             "inbox PostgreSQL" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
                 store.migrate().await?;
-                driven(config, store.inbox(DAY), batch, n).await?
+                driven(config, lanes, store.inbox(DAY), batch, n).await?
             }
             "inbox MySQL" => {
                 let (pool, table) = my.as_ref().ok_or("no MySQL")?;
                 let store = MySqlStore::new(pool.clone()).with_table_name(table)?;
                 store.migrate().await?;
-                driven(config, store.inbox(DAY), batch, n).await?
+                driven(config, lanes, store.inbox(DAY), batch, n).await?
             }
             _ => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
-                driven(config, store.inbox(DAY), batch, n).await?
+                driven(config, lanes, store.inbox(DAY), batch, n).await?
             }
         };
         let secs = t.elapsed().as_secs_f64();
@@ -147,6 +162,7 @@ const DAY: Duration = Duration::from_secs(86_400);
 /// handler, polled until `n` messages are acknowledged.
 async fn driven<B: Backend>(
     config: JetStream,
+    lanes: usize,
     backend: B,
     batch: usize,
     n: usize,
@@ -154,15 +170,33 @@ async fn driven<B: Backend>(
     let c = JetStreamConsumer::builder(config)
         .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
         .batch(batch)
+        .concurrency(lanes)
         .idle_wait(Duration::from_millis(200))
         .build()
         .await?;
-    let mut done = 0;
-    while done < n {
-        let r = c.poll(|_, _| async { Ok::<_, HandlerError<String>>(()) }).await?;
-        done += usize::try_from(r.acked)?;
-    }
-    Ok(done)
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stop = std::sync::Mutex::new(Some(stop));
+    let report = c
+        .run(
+            |_, _| {
+                // Counted as handled; the run stops once every message was.
+                if done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= n
+                    && let Some(s) = stop.lock().ok().and_then(|mut s| s.take())
+                {
+                    let _ = s.send(());
+                }
+                async { Ok::<_, HandlerError<String>>(()) }
+            },
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await?;
+    #[allow(clippy::cast_precision_loss)]
+    let mean = report.fetched as f64 / report.batches.max(1) as f64;
+    println!("  ({} batches, {mean:.1} messages each)", report.batches);
+    Ok(usize::try_from(report.acked)?)
 }
 
 /// A MariaDB pool and a table name for the inbox row, or `None` when the server does not
@@ -218,10 +252,15 @@ async fn new_consumer(
 }
 
 /// The baseline: the same fetch strategy (up to `batch` pending now, else wait for one) and an
-/// ack per message, with no dedup at all.
-async fn ack_only(consumer: &PullConsumer, n: usize, batch: usize) -> Result<usize> {
-    let mut done = 0;
-    while done < n {
+/// ack per message, with no dedup at all, until `done` (shared by the lanes) reaches `n`.
+async fn ack_only(
+    consumer: &PullConsumer,
+    n: usize,
+    batch: usize,
+    done: &std::sync::atomic::AtomicUsize,
+) -> Result<()> {
+    use std::sync::atomic::Ordering::SeqCst;
+    while done.load(SeqCst) < n {
         let mut msgs = consumer.fetch().max_messages(batch).messages().await?;
         let mut got = Vec::with_capacity(batch);
         while let Some(m) = msgs.next().await {
@@ -242,7 +281,7 @@ async fn ack_only(consumer: &PullConsumer, n: usize, batch: usize) -> Result<usi
         for r in futures_util::future::join_all(acks).await {
             r?;
         }
-        done += got.len();
+        done.fetch_add(got.len(), SeqCst);
     }
-    Ok(done)
+    Ok(())
 }

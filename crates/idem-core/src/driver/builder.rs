@@ -55,6 +55,7 @@ pub(crate) struct Settings {
     pub(crate) idle_wait: Duration,
     pub(crate) fetch_failures: FetchFailures,
     pub(crate) broker_timeout: Duration,
+    pub(crate) concurrency: usize,
 }
 
 enum Mode<B> {
@@ -66,8 +67,8 @@ enum Mode<B> {
 /// Builds a [`Driver`]: the broker side first ([`Driver::builder`]), then either a store
 /// (two-phase) or an inbox (transactional), then the scope.
 ///
-/// Defaults: batches of up to 64 messages, wait up to 1 s for a first message, broker calls
-/// bounded at 30 s, [`FetchFailures::default`].
+/// Defaults: batches of up to 64 messages, one batch in flight, wait up to 1 s for a first
+/// message, broker calls bounded at 30 s, [`FetchFailures::default`].
 ///
 /// ```
 /// use idem_core::{Driver, MemoryStore, driver::MemoryQueue};
@@ -102,6 +103,7 @@ impl<C: SourceConfig> Builder<C, ()> {
                 idle_wait: Duration::from_secs(1),
                 fetch_failures: FetchFailures::default(),
                 broker_timeout: Duration::from_secs(30),
+                concurrency: 1,
             },
             hook: None,
         }
@@ -150,6 +152,17 @@ impl<C: SourceConfig, B> Builder<C, B> {
     /// The most messages fetched, claimed and committed together (at least 1).
     pub fn batch(mut self, n: usize) -> Self {
         self.settings.batch = n.max(1);
+        self
+    }
+
+    /// How many batches are in flight at once (default 1, at least 1): each is its own
+    /// fetch → decide → settle loop over the same source and engine, so one batch's broker round
+    /// trips and database commit overlap another's. Above 1 the order of messages between
+    /// batches is lost (on Kafka: the order within a partition) — keys still run exactly once;
+    /// in inbox mode each batch holds its own connection (SQLite's single writer serializes
+    /// them).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.settings.concurrency = n.max(1);
         self
     }
 

@@ -21,6 +21,9 @@
 //! | conflict, permanent failure, missing key | dead-letter copy with [`headers`], then `DeadLettered` (the original is removed) |
 //! | fetched while shutting down | `Release` |
 //!
+//! With [`Builder::concurrency`] above 1, that many of these loops run at once on one source
+//! and one engine, so one batch's broker round trips and commit overlap another's.
+//!
 //! Every broker call is bounded by [`Builder::broker_timeout`]. Shutdown is checked between
 //! batches: the batch in flight is finished and settled, a fetch in progress is awaited (never
 //! dropped) and its messages released, then the source is closed.
@@ -36,6 +39,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -52,6 +56,7 @@ use crate::consumer::{Backend, Disposition, HandlerError, Outcome};
 use builder::Settings;
 
 type Hook<M> = Arc<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A broker consumer made idempotent: a [`Source`] driven through a [`Consumer`] engine.
 ///
@@ -132,9 +137,30 @@ impl<S: Source, B: Backend> Driver<S, B> {
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
     {
+        // Every lane watches the same shutdown; a lane that fails stops the others.
+        let shutdown: BoxFuture<'_, ()> = Box::pin(shutdown);
+        let shutdown = futures_util::FutureExt::shared(shutdown);
+        let failed = AtomicBool::new(false);
+        let lanes = (0..self.settings.concurrency).map(|_| {
+            let (shutdown, failed) = (shutdown.clone(), &failed);
+            let handler = &handler;
+            async move {
+                let mut report = Report::default();
+                let ended = self.drive(handler, shutdown, failed, &mut report).await;
+                if ended.is_err() {
+                    failed.store(true, Ordering::SeqCst);
+                }
+                (ended, report)
+            }
+        });
         let mut report = Report::default();
-        let mut shutdown = std::pin::pin!(shutdown);
-        let ended = self.drive(&handler, shutdown.as_mut(), &mut report).await;
+        let mut ended = Ok(());
+        for (e, r) in futures_util::future::join_all(lanes).await {
+            report += r;
+            if ended.is_ok() {
+                ended = e;
+            }
+        }
         match self.close().await {
             Ok(n) => report.released += n,
             Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
@@ -170,10 +196,12 @@ impl<S: Source, B: Backend> Driver<S, B> {
         self.settle(decided).await
     }
 
+    /// One lane: fetch, decide, settle, until shutdown (or another lane failed).
     async fn drive<H, Fut, T, E>(
         &self,
         handler: &H,
-        mut shutdown: Pin<&mut (impl Future<Output = ()> + Send)>,
+        mut shutdown: futures_util::future::Shared<BoxFuture<'_, ()>>,
+        failed: &AtomicBool,
         report: &mut Report,
     ) -> Result<(), Error<S::Error>>
     where
@@ -184,7 +212,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
     {
         let mut failures = 0u32;
         loop {
-            if is_ready(shutdown.as_mut()).await {
+            if failed.load(Ordering::SeqCst) || is_ready(Pin::new(&mut shutdown)).await {
                 return Ok(());
             }
             // A fetch in progress is never dropped (sources need not be cancel safe): on
@@ -196,7 +224,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
                     tokio::select! {
                         biased;
                         b = &mut fetch => break b,
-                        () = shutdown.as_mut(), if !stopping => stopping = true,
+                        () = &mut shutdown, if !stopping => stopping = true,
                     }
                 }
             };
@@ -215,7 +243,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
                         .increment(1);
                     tracing::warn!(target: "idem", error = %e, failures, "fetch failed; retrying");
                     tokio::select! {
-                        () = shutdown.as_mut() => return Ok(()),
+                        () = &mut shutdown => return Ok(()),
                         () = tokio::time::sleep(policy.backoff) => continue,
                     }
                 }
@@ -288,7 +316,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
         T: Serialize + DeserializeOwned + Send,
         E: Display + Send,
     {
-        let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
+        let mut report = Report { batches: 1, fetched: batch.len() as u64, ..Report::default() };
         let outcomes = {
             let decide = std::pin::pin!(self.consumer.decide_batch(&batch, handler));
             let beat = std::pin::pin!(self.source.keep_alive(&batch));

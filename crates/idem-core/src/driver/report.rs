@@ -19,6 +19,8 @@ use crate::consumer::OutcomeKind;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Report {
+    /// Batches decided (fetches that brought something).
+    pub batches: u64,
     /// Messages fetched.
     pub fetched: u64,
     /// Handlers that ran and committed.
@@ -93,6 +95,7 @@ impl Report {
 
 impl AddAssign for Report {
     fn add_assign(&mut self, o: Self) {
+        self.batches += o.batches;
         self.fetched += o.fetched;
         self.processed += o.processed;
         self.duplicates += o.duplicates;

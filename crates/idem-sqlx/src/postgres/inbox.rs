@@ -4,6 +4,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::HashMap;
+
+use idem_core::time::duration_micros;
 use idem_core::{ClaimRequest, DedupKey, Fingerprint, StoreError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -77,18 +80,47 @@ impl PostgresInbox {
             return Ok(Vec::new());
         }
         let s = &self.store;
-        let reqs: Vec<ClaimRequest> = items
-            .iter()
-            .map(|(k, fp)| ClaimRequest::new(k.clone(), *fp, Duration::ZERO, self.retain_for))
-            .collect();
-        let (first, found) = s.upsert_many(conn, &s.sql.mark_many, &reqs, false).await?;
+        // One row per distinct key, in key-hash order (one lock order for every batch).
+        let mut order: Vec<usize> = (0..items.len()).collect();
+        order.sort_by_key(|&n| (items[n].0.hash().0, n));
+        let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(items.len());
+        let (mut h, mut sc, mut id, mut fps) = (vec![], vec![], vec![], vec![]);
+        for n in order {
+            let (key, fp) = &items[n];
+            let hash = key.hash().0;
+            if first.contains_key(&hash) {
+                continue;
+            }
+            first.insert(hash, n);
+            h.push(hash.to_vec());
+            sc.push(key.scope());
+            id.push(key.id());
+            fps.push(fp.map(|f| f.0.to_vec()));
+        }
+        let keep = vec![duration_micros(self.retain_for); h.len()];
+        let won: Vec<Vec<u8>> = sqlx::query_scalar(AssertSqlSafe(Arc::clone(&s.sql.mark_many)))
+            .bind(&h)
+            .bind(&sc)
+            .bind(&id)
+            .bind(&fps)
+            .bind(s.skew())
+            .bind(&keep)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| backend("mark_many", e))?;
+        let won: std::collections::HashSet<Vec<u8>> = won.into_iter().collect();
+        let mut found = HashMap::new();
+        let taken: Vec<&[u8; 32]> = first.keys().filter(|k| !won.contains(&k[..])).collect();
+        s.read_losers(conn, &taken, &mut found).await?;
         let mut out = Vec::with_capacity(items.len());
         for (n, (key, fp)) in items.iter().enumerate() {
             let hash = key.hash().0;
-            let mark = match found.get(&hash) {
-                Some((true, _, _)) if first.get(&hash) == Some(&n) => Some(Mark::First),
-                Some((_, rec, now)) => crate::row::mark_of(rec.clone(), *fp, *now),
-                None => None,
+            let mark = if won.contains(&hash[..]) && first.get(&hash) == Some(&n) {
+                Some(Mark::First)
+            } else {
+                found
+                    .get(&hash)
+                    .and_then(|(_, rec, now)| crate::row::mark_of(rec.clone(), *fp, *now))
             };
             match mark {
                 Some(m) => out.push(m),

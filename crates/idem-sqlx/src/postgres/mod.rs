@@ -302,9 +302,7 @@ impl PostgresStore {
     async fn upsert_many(
         &self,
         conn: &mut PgConnection,
-        stmt: &Arc<str>,
         reqs: &[ClaimRequest],
-        leased: bool,
     ) -> Result<(HashMap<[u8; 32], usize>, HashMap<[u8; 32], (bool, Record, Timestamp)>), StoreError>
     {
         let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
@@ -323,10 +321,10 @@ impl PostgresStore {
             s.push(r.key.scope().to_owned());
             i.push(r.key.id().to_owned());
             fp.push(r.fingerprint.map(|f| f.0.to_vec()));
-            lease.push(leased.then(|| duration_micros(r.lease_for)));
+            lease.push(duration_micros(r.lease_for));
             keep.push(duration_micros(r.retain_for.max(r.lease_for)));
         }
-        let rows = sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many)))
             .bind(&h)
             .bind(&s)
             .bind(&i)
@@ -339,20 +337,32 @@ impl PostgresStore {
             .map_err(|e| backend("claim_many", e))?;
         let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
         decode_claimed(&rows, &mut found)?;
-        if found.len() < first.len() {
-            // Some keys were taken: read their records (a second round trip, only then).
-            let losers: Vec<Vec<u8>> =
-                first.keys().filter(|k| !found.contains_key(*k)).map(|k| k.to_vec()).collect();
-            let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
-                .bind(&losers)
-                .bind(self.skew())
-                .persistent(false)
-                .fetch_all(&mut *conn)
-                .await
-                .map_err(|e| backend("claim_many", e))?;
-            decode_claimed(&rows, &mut found)?;
-        }
+        let taken: Vec<&[u8; 32]> = first.keys().filter(|k| !found.contains_key(*k)).collect();
+        self.read_losers(conn, &taken, &mut found).await?;
         Ok((first, found))
+    }
+
+    /// Reads the records of keys an upsert did not win (a second round trip, only when some).
+    /// Run unprepared, so it is planned with its array every time: as a cached generic plan made
+    /// while the table was tiny it scanned the whole table once grown.
+    pub(crate) async fn read_losers(
+        &self,
+        conn: &mut PgConnection,
+        losers: &[&[u8; 32]],
+        found: &mut HashMap<[u8; 32], (bool, Record, Timestamp)>,
+    ) -> Result<(), StoreError> {
+        if losers.is_empty() {
+            return Ok(());
+        }
+        let losers: Vec<&[u8]> = losers.iter().map(|k| &k[..]).collect();
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
+            .bind(&losers)
+            .bind(self.skew())
+            .persistent(false)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| backend("claim_many", e))?;
+        decode_claimed(&rows, found)
     }
 
     async fn finish(
@@ -480,7 +490,7 @@ impl DedupStore for PostgresStore {
             return Ok(Vec::new());
         }
         let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
-        let (first, found) = self.upsert_many(&mut conn, &self.sql.claim_many, reqs, true).await?;
+        let (first, found) = self.upsert_many(&mut conn, reqs).await?;
         drop(conn);
         let mut out = Vec::with_capacity(reqs.len());
         for (n, req) in reqs.iter().enumerate() {

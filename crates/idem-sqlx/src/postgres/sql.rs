@@ -71,22 +71,7 @@ impl Sql {
         let s = |x: String| -> Arc<str> { x.into() };
         let prefixed =
             COLUMNS.split(", ").map(|c| format!("ins.{c}")).collect::<Vec<_>>().join(", ");
-        // Rows come in key-hash order (the caller sorts), so concurrent batches lock shared keys
-        // in one order. $1 hashes, $2 scopes, $3 ids, $4 fingerprints, $5 skew, $6 lease µs
-        // (NULL: no lease), $7 keep µs.
-        let upsert_many = |state: u8| {
-            format!(
-                "WITH n AS (SELECT {now} AS now), \
-                 ins AS (\
-                   INSERT INTO {t} AS r ({COLUMNS}) \
-                   SELECT q.h, q.s, q.i, {state}, q.fp, NULL, 1, n.now, NULL, n.now, n.now, n.now + q.lease, n.now + q.keep \
-                   FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[], $7::bigint[]) \
-                        AS q(h, s, i, fp, lease, keep), n \
-                   {on_conflict} RETURNING {COLUMNS}) \
-                 SELECT true, {prefixed}, (SELECT now FROM n) FROM ins",
-                now = now(5)
-            )
-        };
+
         Self {
             ddl: vec![
                 format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""),
@@ -119,9 +104,27 @@ impl Sql {
             mark: s(upsert(1)),
             // Keys are unique within the arrays (the caller folds repeats). Only the winners
             // come back; the losers are read by `claim_many_losers` when there are any.
-            claim_many: s(upsert_many(0)),
-            // The inbox's batch mark: the same upsert, completed at once (NULL leases).
-            mark_many: s(upsert_many(1)),
+            claim_many: s(format!(
+                "WITH n AS (SELECT {now} AS now), \
+                 ins AS (\
+                   INSERT INTO {t} AS r ({COLUMNS}) \
+                   SELECT q.h, q.s, q.i, 0, q.fp, NULL, 1, n.now, NULL, n.now, n.now, n.now + q.lease, n.now + q.keep \
+                   FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[], $7::bigint[]) \
+                        AS q(h, s, i, fp, lease, keep), n \
+                   {on_conflict} RETURNING {COLUMNS}) \
+                 SELECT true, {prefixed}, (SELECT now FROM n) FROM ins",
+                now = now(5)
+            )),
+            // The inbox's batch mark: the same upsert, completed at once (NULL leases), answering
+            // only the winners' hashes (a winner needs nothing else; losers are read apart).
+            mark_many: s(format!(
+                "INSERT INTO {t} AS r ({COLUMNS}) \
+                 SELECT q.h, q.s, q.i, 1, q.fp, NULL, 1, n.now, NULL, n.now, n.now, NULL, n.now + q.keep \
+                 FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[]) \
+                      AS q(h, s, i, fp, keep), (SELECT {now} AS now) n \
+                 {on_conflict} RETURNING r.key_hash",
+                now = now(5)
+            )),
             // Run unprepared, so it is planned with its array every time: as a cached generic
             // plan made while the table was tiny it scanned the whole table once grown.
             claim_many_losers: s(format!(

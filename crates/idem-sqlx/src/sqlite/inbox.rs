@@ -62,8 +62,9 @@ impl SqliteInbox {
         self.retain_for
     }
 
-    /// Marks distinct keys on the caller's connection, in key-hash order (an embedded database:
-    /// each mark is a function call, not a round trip); answers in input order.
+    /// Marks distinct keys on the caller's connection with one multi-row upsert, rows in
+    /// key-hash order, then one read of the keys it did not win; answers in input order, each as
+    /// [`mark`](Self::mark) would.
     ///
     /// # Errors
     /// Backend errors (the caller should roll back).
@@ -72,12 +73,71 @@ impl SqliteInbox {
         conn: &mut SqliteConnection,
         items: &[(DedupKey, Option<Fingerprint>)],
     ) -> Result<Vec<Mark>, StoreError> {
+        let mut out: Vec<Option<Mark>> = items.iter().map(|_| None).collect();
+        // At most 500 rows (2,000 parameters) per statement.
         let mut order: Vec<usize> = (0..items.len()).collect();
         order.sort_by_key(|&i| items[i].0.hash().0);
-        let mut out: Vec<Option<Mark>> = items.iter().map(|_| None).collect();
-        for i in order {
-            let (key, fp) = &items[i];
-            out[i] = Some(self.mark(conn, key, *fp).await?);
+        order.dedup_by_key(|i| items[*i].0.hash().0);
+        for chunk in order.chunks(500) {
+            let s = &self.store;
+            let now = s.now();
+            let mut q =
+                sqlx::query_scalar::<_, Vec<u8>>(AssertSqlSafe(s.sql.mark_many(chunk.len())))
+                    .bind(now.as_micros())
+                    .bind(now.plus(self.retain_for).as_micros())
+                    .bind(i64_of(next_token(None, now), "token")?);
+            for &i in chunk {
+                let (key, fp) = &items[i];
+                q = q
+                    .bind(key.hash().0.to_vec())
+                    .bind(key.scope())
+                    .bind(key.id())
+                    .bind(fp.as_ref().map(|f| &f.0[..]));
+            }
+            let won: std::collections::HashSet<Vec<u8>> = q
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| backend("mark_many", e))?
+                .into_iter()
+                .collect();
+            let lost: Vec<usize> = chunk
+                .iter()
+                .copied()
+                .filter(|&i| !won.contains(&items[i].0.hash().0[..]))
+                .collect();
+            for &i in chunk {
+                if won.contains(&items[i].0.hash().0[..]) {
+                    out[i] = Some(Mark::First);
+                }
+            }
+            if !lost.is_empty() {
+                let mut sel = sqlx::query(AssertSqlSafe(s.sql.select_many(lost.len())));
+                for &i in &lost {
+                    sel = sel.bind(items[i].0.hash().0.to_vec());
+                }
+                let rows = sel.fetch_all(&mut *conn).await.map_err(|e| backend("mark_many", e))?;
+                let mut recs = std::collections::HashMap::new();
+                for row in &rows {
+                    let rec = crate::row::decode_row(row)?;
+                    recs.insert(rec.key_hash.0, rec);
+                }
+                for i in lost {
+                    let (key, fp) = &items[i];
+                    let mark =
+                        recs.remove(&key.hash().0).and_then(|r| crate::row::mark_of(r, *fp, now));
+                    // Claimable again, or purged, by the time it was read: decide it alone.
+                    out[i] = Some(match mark {
+                        Some(m) => m,
+                        None => self.mark(conn, key, *fp).await?,
+                    });
+                }
+            }
+        }
+        // A key given twice answers as its first copy's mark would for a second one.
+        for (i, (key, fp)) in items.iter().enumerate() {
+            if out[i].is_none() {
+                out[i] = Some(self.mark(conn, key, *fp).await?);
+            }
         }
         Ok(out.into_iter().flatten().collect())
     }

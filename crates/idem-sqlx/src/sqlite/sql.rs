@@ -14,6 +14,7 @@ const TAKEOVER: &str = "((state IN (2, 3) OR (state = 0 AND lease_until <= ?5)) 
      AND (fingerprint IS NULL OR ?4 IS NULL OR fingerprint = ?4))";
 
 pub(super) struct Sql {
+    pub t: String,
     pub ddl: Vec<String>,
     pub claim: Arc<str>,
     pub mark: Arc<str>,
@@ -54,6 +55,7 @@ impl Sql {
         };
         let s = |x: String| -> Arc<str> { x.into() };
         Self {
+            t: t.to_owned(),
             ddl: vec![
                 format!(
                     "CREATE TABLE IF NOT EXISTS {t} (\
@@ -123,5 +125,50 @@ impl Sql {
             )),
             version_of: s(format!("SELECT version FROM {t}_versions WHERE entity_hash = ?1")),
         }
+    }
+
+    /// The inbox's batch mark: one multi-row upsert of `n` rows, in the order bound, answering
+    /// the winners' hashes. ?1 now, ?2 expiry, ?3 token; then per row (hash, scope, id, fp). The
+    /// takeover tests read `excluded`, since each row has its own fingerprint.
+    pub(super) fn mark_many(&self, n: usize) -> String {
+        let t = &self.t;
+        let rows: Vec<String> = (0..n)
+            .map(|i| {
+                let p = 4 + i * 4;
+                format!(
+                    "(?{p}, ?{}, ?{}, 1, ?{}, NULL, 1, ?3, NULL, ?1, ?1, NULL, ?2)",
+                    p + 1,
+                    p + 2,
+                    p + 3
+                )
+            })
+            .collect();
+        let now = "excluded.updated_at";
+        let dead = format!("(expires_at <= {now} AND NOT (state = 0 AND lease_until > {now}))");
+        let takeover = format!(
+            "((state IN (2, 3) OR (state = 0 AND lease_until <= {now})) \
+             AND (fingerprint IS NULL OR excluded.fingerprint IS NULL OR fingerprint = excluded.fingerprint))"
+        );
+        format!(
+            "INSERT INTO {t} ({COLUMNS}) VALUES {} \
+             ON CONFLICT (key_hash) DO UPDATE SET \
+               attempt = CASE WHEN {dead} THEN 1 ELSE attempt + 1 END, \
+               prev_state = CASE WHEN {dead} THEN NULL ELSE state END, \
+               created_at = CASE WHEN {dead} THEN excluded.created_at ELSE created_at END, \
+               expires_at = CASE WHEN {dead} THEN excluded.expires_at ELSE max(expires_at, excluded.expires_at) END, \
+               fingerprint = CASE WHEN {dead} THEN excluded.fingerprint ELSE coalesce(fingerprint, excluded.fingerprint) END, \
+               token = max(token + 1, excluded.token), \
+               state = excluded.state, result = NULL, updated_at = excluded.updated_at, \
+               lease_until = excluded.lease_until \
+             WHERE {dead} OR {takeover} \
+             RETURNING key_hash",
+            rows.join(", ")
+        )
+    }
+
+    /// The records of `n` keys (bound in order).
+    pub(super) fn select_many(&self, n: usize) -> String {
+        let marks = vec!["?"; n].join(", ");
+        format!("SELECT {COLUMNS} FROM {} WHERE key_hash IN ({marks})", self.t)
     }
 }

@@ -351,7 +351,16 @@ where
                 }
                 decided.push((*i, Outcome::Processed(v)));
             }
-            Err(error) => return Fast::HandlerFailed { at: *i, error },
+            Err(error) => {
+                // Roll back now rather than on drop: the next transaction (a SQLite writer above
+                // all) must not wait for it.
+                if let Ok(tx) = lender.take()
+                    && let Err(e) = tx.rollback().await
+                {
+                    tracing::warn!(target: "idem", error = %e, "rolling back the inbox batch failed");
+                }
+                return Fast::HandlerFailed { at: *i, error };
+            }
         }
     }
     let mut tx = match lender.take() {

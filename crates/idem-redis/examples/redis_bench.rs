@@ -9,6 +9,12 @@
 //! connection: `RedisStore` claim + complete; raw `SET k v NX PX 60000`; raw `SET NX` then
 //! `SET XX` (the two writes a claim + complete needs); then the same with 16 messages per task
 //! per round trip (`claim_many` + 16 completes; explicit pipelines of 16 for the raw commands).
+//! `streams`: a stream of `N` entries (default 20,000) read by a consumer group, timed from
+//! the first read to the last acknowledgement: the bare `XREADGROUP COUNT batch` + `XACK` loop,
+//! then the adapter (no-op handler) two-phase over `MemoryStore`, `RedisStore` and
+//! `PostgresStore`, and inbox mode over SQLite, PostgreSQL and MariaDB, each with its own group;
+//! the bare loop again; each row's ratio to the mean of the two bare rows. `IN FLIGHT` batches
+//! at once for both (PostgreSQL from `IDEM_TEST_POSTGRES_URL`, MariaDB from `IDEM_TEST_MYSQL_URL`).
 //! `workload`: `/tmp/peers/workload.jsonl` (from `../shared/peers/setup_peers.sh`) through
 //! `Consumer::process` at 1, 16 and 64 tasks, and through `Consumer::process_batch` (one
 //! `claim_many` per batch of 16 or 64), key = JSON `/message_id`, with the peers' handler and
@@ -46,7 +52,14 @@ async fn main() -> Result<(), BoxErr> {
             let repeats = args.get(2).map_or(Ok(3), |s| s.parse())?;
             workload(&url, file, repeats).await
         }
-        _ => Err("usage: redis_bench primitives [N] | workload [FILE] [REPEATS]".into()),
+        Some("streams") => {
+            let n = args.get(1).map_or(Ok(20_000), |s| s.parse())?;
+            let batch = args.get(2).map_or(Ok(64), |s| s.parse())?;
+            let lanes = args.get(3).map_or(Ok(1), |s| s.parse())?;
+            streams::run(&url, n, batch, lanes).await
+        }
+        _ => Err("usage: redis_bench primitives [N] | workload [FILE] [REPEATS] | streams [N] [BATCH] [IN FLIGHT]"
+            .into()),
     }
 }
 
@@ -360,4 +373,226 @@ async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
         );
     }
     Ok(())
+}
+
+mod streams {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use idem_core::consumer::HandlerError;
+    use idem_core::{Backend, Consumer, MemoryStore};
+    use idem_redis::{RedisStore, StreamConfig, StreamConsumer};
+    use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+    use redis::aio::ConnectionManager;
+
+    use super::BoxErr;
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    async fn fill(conn: &mut ConnectionManager, stream: &str, n: usize) -> Result<(), BoxErr> {
+        for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+            let mut pipe = redis::pipe();
+            for i in chunk {
+                pipe.cmd("XADD")
+                    .arg(stream)
+                    .arg("*")
+                    .arg("message_id")
+                    .arg(format!("m-{i}"))
+                    .arg("payload")
+                    .arg(format!(r#"{{"order":{i}}}"#))
+                    .ignore();
+            }
+            let () = pipe.query_async(conn).await?;
+        }
+        Ok(())
+    }
+
+    /// `lanes` loops of `XREADGROUP COUNT batch` + one `XACK`, until `n` are acked.
+    async fn bare(
+        client: &redis::Client,
+        stream: &str,
+        n: usize,
+        batch: usize,
+        lanes: usize,
+    ) -> Result<(), BoxErr> {
+        let mut conn = client.get_connection_manager().await?;
+        let () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(stream)
+            .arg("bare")
+            .arg("0")
+            .query_async(&mut conn)
+            .await?;
+        let done = AtomicUsize::new(0);
+        let lane = |k: usize| {
+            let (mut conn, done) = (conn.clone(), &done);
+            async move {
+                while done.load(Ordering::SeqCst) < n {
+                    let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+                        .arg("GROUP")
+                        .arg("bare")
+                        .arg(format!("c{k}"))
+                        .arg("COUNT")
+                        .arg(batch)
+                        .arg("BLOCK")
+                        .arg(100)
+                        .arg("STREAMS")
+                        .arg(stream)
+                        .arg(">")
+                        .query_async(&mut conn)
+                        .await?;
+                    let ids: Vec<String> = reply
+                        .keys
+                        .into_iter()
+                        .flat_map(|k| k.ids.into_iter().map(|e| e.id))
+                        .collect();
+                    if ids.is_empty() {
+                        continue;
+                    }
+                    let _: i64 = redis::cmd("XACK")
+                        .arg(stream)
+                        .arg("bare")
+                        .arg(&ids)
+                        .query_async(&mut conn)
+                        .await?;
+                    done.fetch_add(ids.len(), Ordering::SeqCst);
+                }
+                Ok::<_, BoxErr>(())
+            }
+        };
+        for r in futures_util::future::join_all((0..lanes).map(lane)).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    /// The adapter over `backend` with a no-op handler, until every entry was handled.
+    async fn driven<B: Backend>(
+        client: &redis::Client,
+        stream: &str,
+        group: &str,
+        backend: B,
+        n: usize,
+        batch: usize,
+        lanes: usize,
+    ) -> Result<(), BoxErr> {
+        let c = StreamConsumer::builder(StreamConfig::new(client.clone(), stream, group, "c"))
+            .engine(Consumer::builder(backend).scope(group).retain(DAY).build()?)
+            .batch(batch)
+            .concurrency(lanes)
+            .idle_wait(Duration::from_millis(100))
+            .build()
+            .await?;
+        let done = AtomicUsize::new(0);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stop = std::sync::Mutex::new(Some(stop));
+        c.run(
+            |_, _| {
+                if done.fetch_add(1, Ordering::SeqCst) + 1 >= n
+                    && let Some(s) = stop.lock().ok().and_then(|mut s| s.take())
+                {
+                    let _ = s.send(());
+                }
+                async { Ok::<_, HandlerError<String>>(()) }
+            },
+            async {
+                let _ = stopped.await;
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    pub(super) async fn run(url: &str, n: usize, batch: usize, lanes: usize) -> Result<(), BoxErr> {
+        let client = redis::Client::open(url)?;
+        let mut conn = client.get_connection_manager().await?;
+        let sfx = super::run_id();
+        let stream = format!("{sfx}-stream");
+        fill(&mut conn, &stream, n).await?;
+        let pg_url = std::env::var("IDEM_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let my_url = std::env::var("IDEM_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let schema = sfx.replace('-', "_");
+        let pg = PostgresStore::connect(&pg_url).await?.with_schema(&schema)?;
+        pg.migrate().await?;
+        let my = MySqlStore::connect(&my_url).await?.with_table_name(&schema)?;
+        my.migrate().await?;
+        let dir = tempfile::tempdir()?;
+        println!("{n} entries, batch {batch}, {lanes} batch(es) in flight");
+        let modes = [
+            "bare",
+            "two-phase MemoryStore",
+            "two-phase RedisStore",
+            "two-phase PostgresStore",
+            "inbox SQLite",
+            "inbox PostgreSQL",
+            "inbox MySQL",
+            "bare (again)",
+        ];
+        let mut rows = Vec::new();
+        for (i, mode) in modes.into_iter().enumerate() {
+            let group = format!("g{i}");
+            let t;
+            match mode {
+                "bare" | "bare (again)" => {
+                    let s = format!("{sfx}-bare{i}");
+                    fill(&mut conn, &s, n).await?;
+                    t = Instant::now();
+                    bare(&client, &s, n, batch, lanes).await?;
+                }
+                "two-phase MemoryStore" => {
+                    t = Instant::now();
+                    driven(&client, &stream, &group, MemoryStore::new(), n, batch, lanes).await?;
+                }
+                "two-phase RedisStore" => {
+                    let store = RedisStore::builder(url)?
+                        .namespace(&format!("{sfx}-ns"))?
+                        .connect()
+                        .await?;
+                    t = Instant::now();
+                    driven(&client, &stream, &group, store, n, batch, lanes).await?;
+                }
+                "two-phase PostgresStore" => {
+                    t = Instant::now();
+                    driven(&client, &stream, &group, pg.clone(), n, batch, lanes).await?;
+                }
+                "inbox SQLite" => {
+                    let inbox =
+                        SqliteStore::open(dir.path().join("inbox.sqlite")).await?.inbox(DAY);
+                    t = Instant::now();
+                    driven(&client, &stream, &group, inbox, n, batch, lanes).await?;
+                }
+                "inbox PostgreSQL" => {
+                    t = Instant::now();
+                    driven(&client, &stream, &group, pg.inbox(DAY), n, batch, lanes).await?;
+                }
+                _ => {
+                    t = Instant::now();
+                    driven(&client, &stream, &group, my.inbox(DAY), n, batch, lanes).await?;
+                }
+            }
+            #[allow(clippy::cast_precision_loss)]
+            let rate = n as f64 / t.elapsed().as_secs_f64();
+            println!("{mode:<26} {rate:>9.0} entries/s");
+            rows.push((mode, rate));
+        }
+        let base = (rows[0].1 + rows[rows.len() - 1].1) / 2.0;
+        println!("\n| mode | entries/s | vs bare (mean of both runs) |\n| --- | ---: | ---: |");
+        for (mode, rate) in &rows {
+            println!("| {mode} | {rate:.0} | {:.2} |", rate / base);
+        }
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(format!("*{sfx}*")).query_async(&mut conn).await?;
+        for chunk in keys.chunks(500) {
+            let _: i64 = redis::cmd("DEL").arg(chunk).query_async(&mut conn).await?;
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+            .execute(pg.pool())
+            .await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{schema}`")))
+            .execute(my.pool())
+            .await?;
+        Ok(())
+    }
 }

@@ -1,7 +1,8 @@
-//! Errors from setting up the Redis store and the streams adapter.
+//! Errors of the Redis store's setup and of the streams source.
 
-/// Why a [`RedisStore`](crate::RedisStore) or [`StreamConsumer`](crate::StreamConsumer) could
-/// not be built. Errors of store operations are [`idem_core::StoreError`].
+/// Why a [`RedisStore`](crate::RedisStore) could not be built, or what the streams source
+/// could not do. Errors of store operations are [`idem_core::StoreError`]; per-entry failures
+/// of the streams source are outcomes, counted in the driver's report.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -33,6 +34,19 @@ pub enum Error {
         /// The rule it breaks.
         reason: &'static str,
     },
+    /// A command that failed for several entries at once (a dead-letter pipeline).
+    #[error("Redis `{op}` failed")]
+    Shared {
+        /// The command.
+        op: &'static str,
+        /// The client's error, shared by the entries it concerned.
+        #[source]
+        source: std::sync::Arc<redis::RedisError>,
+    },
+    /// The dedup retention is shorter than the stream's redelivery window
+    /// (`max_deliveries × reclaim_idle`).
+    #[error(transparent)]
+    Retention(#[from] idem_core::retention::RetentionTooShort),
     /// A setting of the streams adapter is missing or invalid.
     #[error("stream consumer setting `{field}` {problem}")]
     Config {

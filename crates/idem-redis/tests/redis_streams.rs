@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use idem_core::Consumer;
 use idem_core::consumer::HandlerError;
+use idem_core::driver::Report;
 use idem_core::extract::Envelope;
-use idem_redis::{RedisStore, StreamConsumer, StreamEntry};
+use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use redis::AsyncCommands;
@@ -91,13 +92,12 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         .build()
         .expect("engine");
     let consumer = |name: &str| {
-        StreamConsumer::builder(client.clone(), engine.clone())
-            .stream(&stream)
-            .group("billing")
-            .consumer_name(name)
-            .batch_size(50)
-            .block(Duration::from_millis(200))
-            .reclaim_idle(Duration::from_millis(500))
+        let config = StreamConfig::new(client.clone(), &stream, "billing", name)
+            .reclaim_idle(Duration::from_millis(500));
+        StreamConsumer::builder(config)
+            .engine(engine.clone())
+            .batch(50)
+            .idle_wait(Duration::from_millis(200))
             .build()
     };
     let ledger: Ledger = Arc::default();
@@ -105,24 +105,26 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     // The one that dies: two full rounds, then a batch processed but never acked, then a batch
     // read and never processed. Dropped with both pending.
     {
-        let mut doomed = consumer("doomed").await.expect("consumer");
+        let doomed = consumer("doomed").await.expect("consumer");
         let l = ledger.clone();
         let h = move |_ctx, e: StreamEntry| handler(l.clone(), e);
         for _ in 0..2 {
             doomed.poll(&h).await.expect("poll");
         }
-        let batch = doomed.read().await.expect("read");
+        let batch = doomed.fetch().await.expect("fetch");
         assert!(!batch.is_empty());
-        let outcomes = doomed.handle(&batch, |ctx, e: &StreamEntry| h(ctx, e.clone())).await;
-        assert_eq!(outcomes.len(), batch.len());
-        let unprocessed = doomed.read().await.expect("read");
+        let n = batch.len();
+        let decided = doomed.decide(batch, &h).await.expect("decide");
+        assert_eq!(decided.items().len(), n);
+        drop(decided); // processed, never acked
+        let unprocessed = doomed.fetch().await.expect("fetch");
         assert!(!unprocessed.is_empty());
     }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     for n in 0..3 {
-        let mut c = consumer(&format!("survivor-{n}")).await.expect("consumer");
+        let c = consumer(&format!("survivor-{n}")).await.expect("consumer");
         let l = ledger.clone();
         let mut rx = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
@@ -145,7 +147,7 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_tx.send(true).expect("stop");
-    let mut total = idem_redis::Settled::default();
+    let mut total = Report::default();
     for t in tasks {
         total += t.await.expect("task").expect("run");
     }
@@ -170,7 +172,9 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     let mut sources = HashSet::new();
     for e in &dead.ids {
         let reason: String = e.get("idem-reason").expect("reason");
-        let source: String = e.get("idem-source-id").expect("source id");
+        let source: String = e.get("idem-source-position").expect("source entry id");
+        let outcome: String = e.get("idem-outcome").expect("outcome");
+        assert!(outcome == "conflict" || outcome == "failed_permanent", "{outcome}");
         assert!(sources.insert(source), "an entry was dead-lettered twice");
         let kind = if reason.starts_with("conflict:") {
             "conflict"
@@ -193,10 +197,15 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
 async fn missing_settings_are_refused() {
     let Some(url) = common::url() else { return };
     let store = RedisStore::connect(&url).await.expect("connect");
-    let engine = Consumer::builder(store).scope("s").build().expect("engine");
     let client = redis::Client::open(url.as_str()).expect("client");
-    let err = StreamConsumer::builder(client, engine).group("g").build().await.unwrap_err();
-    assert!(err.to_string().contains("`stream` is not set"), "{err}");
+    let err = StreamConsumer::builder(StreamConfig::new(client, "", "g", "c"))
+        .store(store)
+        .scope("s")
+        .build()
+        .await
+        .unwrap_err();
+    let idem_core::driver::Error::Open(err) = err else { panic!("{err}") };
+    assert!(err.to_string().contains("`stream` is empty"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,14 +218,13 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
     let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
     let _: String =
         conn.xadd(&stream, "*", &[("message_id", "m-1"), ("payload", "{}")]).await.expect("xadd");
-    let engine = Consumer::builder(store).scope("s").build().expect("engine");
-    let mut c = StreamConsumer::builder(client.clone(), engine)
-        .stream(&stream)
-        .group("g")
-        .consumer_name("c")
-        .block(Duration::from_millis(50))
+    let config = StreamConfig::new(client.clone(), &stream, "g", "c")
         .reclaim_idle(Duration::from_millis(100))
-        .max_deliveries(2)
+        .max_deliveries(2);
+    let c = StreamConsumer::builder(config)
+        .store(store)
+        .scope("s")
+        .idle_wait(Duration::from_millis(50))
         .build()
         .await
         .expect("consumer");
@@ -241,13 +249,14 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
         }
         assert!(Instant::now() < deadline, "never dead-lettered");
     }
-    // First delivery plus one redelivery ran the handler; the third delivery dead-lettered it.
+    // The first delivery and the redelivery ran the handler; the retry the second one asked
+    // for would have been the third delivery, so it was dead-lettered instead.
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
     let dead: redis::streams::StreamRangeReply =
         conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
     assert_eq!(dead.ids.len(), 1);
     let reason: String = dead.ids[0].get("idem-reason").expect("reason");
-    assert!(reason.contains("delivered 3 times"), "{reason}");
+    assert!(reason.starts_with("gave up after 2 deliveries (max_deliveries)"), "{reason}");
     let id: String = dead.ids[0].get("message_id").expect("original fields kept");
     assert_eq!(id, "m-1");
 }

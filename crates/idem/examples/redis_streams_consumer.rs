@@ -1,29 +1,32 @@
-//! Two competing consumers of a Redis stream, made idempotent by `RedisStore`.
+//! Two competing consumers of a Redis stream writing orders to PostgreSQL, idempotently: each
+//! batch's order rows commit with their dedup markers in one transaction (the transactional
+//! inbox), and only then are the entries acknowledged.
 //!
 //! The producer writes 100 orders, 20 of them twice (a retried send) and one reusing an order
-//! id with other content. Each order is charged exactly once, the reused id goes to the
+//! id with other content. Each order is stored exactly once, the reused id goes to the
 //! dead-letter stream with its reason, and every entry ends acknowledged.
 //!
 //! ```text
-//! cargo run -p idem --features redis --example redis_streams_consumer
+//! cargo run -p idem --features redis,postgres --example redis_streams_consumer
 //! ```
-//! Reads `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379/`); deletes what it wrote.
+//! Reads `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379/`) and `IDEM_POSTGRES_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`); deletes what it wrote (a schema of its own).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::Consumer;
 use idem::consumer::HandlerError;
 use idem::extract::Envelope;
 use idem::redis::redis::{self as client, AsyncCommands};
-use idem::redis::{RedisStore, StreamConsumer, StreamEntry};
+use idem::redis::{StreamConfig, StreamConsumer, StreamEntry};
+use idem::{PostgresStore, sqlx};
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tracing_subscriber::fmt().with_target(false).init();
     let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
-    let run = format!("example-{}", std::process::id());
+    let pg = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let run = format!("example_{}", std::process::id());
     let stream = format!("idem-example:{run}:orders");
     let client = client::Client::open(url.as_str())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
@@ -45,41 +48,44 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     sent += 1;
 
-    // Startup refuses an evicting maxmemory-policy and warns when persistence is off.
-    let store = RedisStore::builder(&url)?.namespace(&run)?.connect().await?;
-    let engine = Consumer::builder(store.clone())
-        .scope("billing")
-        .lease(Duration::from_secs(10))
-        .retain(Duration::from_secs(3600))
-        .build()?;
+    // The store, and a table for the orders beside its markers.
+    let store = PostgresStore::connect(&pg).await?.with_schema(&run)?;
+    store.migrate().await?;
+    let orders = format!("\"{run}\".orders");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE TABLE {orders} (id TEXT, body TEXT)")))
+        .execute(store.pool())
+        .await?;
+    let insert = format!("INSERT INTO {orders} (id, body) VALUES ($1, $2)");
+    let write = move |mut tx: idem::Tx<sqlx::Postgres>, entry: StreamEntry| {
+        let insert = insert.clone();
+        async move {
+            let id = entry.message_id().unwrap_or_default().to_owned();
+            let body = String::from_utf8_lossy(entry.payload()).into_owned();
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(id)
+                .bind(body)
+                .execute(&mut *tx) // the same transaction as the dedup marker
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            Ok(())
+        }
+    };
 
-    let charges: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = Vec::new();
     for n in 0..2 {
-        let mut consumer = StreamConsumer::builder(client.clone(), engine.clone())
-            .stream(&stream)
-            .group("billing")
-            .consumer_name(format!("billing-{n}"))
-            .reclaim_idle(Duration::from_millis(500))
-            .block(Duration::from_millis(200))
+        // The whole consumer setup: the stream and group, the inbox, the scope.
+        let config = StreamConfig::new(client.clone(), &stream, "order-writer", format!("w-{n}"));
+        let consumer = StreamConsumer::builder(config.reclaim_idle(Duration::from_millis(500)))
+            .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
+            .scope("order-writer")
+            .idle_wait(Duration::from_millis(200))
             .build()
             .await?;
-        let charges = charges.clone();
-        let mut stop = stop_rx.clone();
+        let (write, mut stop) = (write.clone(), stop_rx.clone());
         workers.push(tokio::spawn(async move {
-            let charge = move |ctx: idem::consumer::Context, entry: StreamEntry| {
-                let charges = charges.clone();
-                async move {
-                    // A real handler would call the payment API with ctx.downstream_key() as
-                    // its idempotency key.
-                    let id = entry.message_id().unwrap_or_default().to_owned();
-                    *charges.lock().expect("charges").entry(id).or_default() += 1;
-                    Ok::<_, HandlerError<String>>(format!("charged at attempt {}", ctx.attempt()))
-                }
-            };
             consumer
-                .run(charge, async move {
+                .run(write, async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })
                 .await
@@ -101,20 +107,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_tx.send(true)?;
-    let mut settled = idem::redis::Settled::default();
+    let mut report = idem::driver::Report::default();
     for w in workers {
-        settled += w.await??;
+        report += w.await??;
     }
 
-    let (charged, twice) = {
-        let charges = charges.lock().expect("charges");
-        (charges.len(), charges.values().filter(|&&n| n > 1).count())
-    };
-    println!("entries sent: {sent}; orders charged: {charged}; charged twice: {twice}");
-    println!(
-        "acked {} (processed or duplicate), dead-lettered {}",
-        settled.acked, settled.dead_lettered
-    );
+    let (stored, distinct): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT id) FROM {orders}"
+    )))
+    .fetch_one(store.pool())
+    .await?;
+    println!("entries sent: {sent}; orders stored: {stored} ({distinct} distinct)");
+    println!("{report}");
     let dead: client::streams::StreamRangeReply =
         conn.xrange_all(format!("{stream}:dead-letter")).await?;
     for e in &dead.ids {
@@ -123,12 +127,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let _: i64 = conn.del(&[stream.clone(), format!("{stream}:dead-letter")]).await?;
-    let keys: Vec<String> = conn.keys(format!("{}*", store.namespace().key_prefix())).await?;
-    if !keys.is_empty() {
-        let _: i64 = conn.del(keys).await?;
-    }
-    if twice > 0 || charged != 100 {
-        return Err("exactly-once violated".into());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{run}\" CASCADE")))
+        .execute(store.pool())
+        .await?;
+    if stored != 100 || distinct != 100 || dead.ids.len() != 1 {
+        return Err("exactly-once violated, or the conflict was not dead-lettered".into());
     }
     Ok(())
 }

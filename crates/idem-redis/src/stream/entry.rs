@@ -12,14 +12,15 @@ pub(crate) struct Fields {
     pub(crate) id: String,
 }
 
-/// One entry read from a stream: its id and fields.
+/// One entry read from a stream: its id and fields. Cheap to clone (shared), so each handler
+/// gets its own copy.
 ///
 /// As an [`Envelope`]: the payload is the field named by
-/// [`payload_field`](crate::StreamConsumerBuilder::payload_field) (default `payload`), the
-/// message id the field named by [`id_field`](crate::StreamConsumerBuilder::id_field) (default
-/// `message_id`), and every field is a header. So the consumer's key extractor chooses the
-/// key: the default reads the id field; `Header::new("order_id")` another field;
-/// `JsonPointer::new("/order/id")` a value inside the payload.
+/// [`payload_field`](crate::StreamConfig::payload_field) (default `payload`), the message id the
+/// field named by [`id_field`](crate::StreamConfig::id_field) (default `message_id`), and every
+/// field is a header. So the consumer's key extractor chooses the key: the default reads the id
+/// field; `Header::new("order_id")` another field; `JsonPointer::new("/order/id")` a value
+/// inside the payload.
 ///
 /// ```
 /// use idem_core::extract::Envelope;
@@ -33,6 +34,12 @@ pub(crate) struct Fields {
 /// ```
 #[derive(Debug, Clone)]
 pub struct StreamEntry {
+    inner: Arc<Inner>,
+    deliveries: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
     id: String,
     fields: Vec<(String, Vec<u8>)>,
     roles: Arc<Fields>,
@@ -42,13 +49,14 @@ impl StreamEntry {
     /// An entry with the default field roles (`payload`, `message_id`).
     pub fn new(id: impl Into<String>, fields: Vec<(String, Vec<u8>)>) -> Self {
         let roles = Arc::new(Fields { payload: "payload".into(), id: "message_id".into() });
-        Self { id: id.into(), fields, roles }
+        Self { inner: Arc::new(Inner { id: id.into(), fields, roles }), deliveries: 1 }
     }
 
     pub(crate) fn from_reply(
         id: String,
         map: std::collections::HashMap<String, Value>,
         roles: &Arc<Fields>,
+        deliveries: u64,
     ) -> Self {
         let mut fields: Vec<(String, Vec<u8>)> = map
             .into_iter()
@@ -63,32 +71,47 @@ impl StreamEntry {
             })
             .collect();
         fields.sort_by(|a, b| a.0.cmp(&b.0));
-        Self { id, fields, roles: Arc::clone(roles) }
+        Self { inner: Arc::new(Inner { id, fields, roles: Arc::clone(roles) }), deliveries }
+    }
+
+    pub(crate) fn set_deliveries(&mut self, n: u64) {
+        self.deliveries = n;
     }
 
     /// The entry id (`<ms>-<seq>`): a delivery position, never a dedup key.
     pub fn id(&self) -> &str {
-        &self.id
+        &self.inner.id
     }
 
     /// All fields.
     pub fn fields(&self) -> &[(String, Vec<u8>)] {
-        &self.fields
+        &self.inner.fields
     }
 
     /// A field's raw value.
     pub fn field(&self, name: &str) -> Option<&[u8]> {
-        self.fields.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
+        self.inner
+            .fields
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// How many times the group has delivered it, this time included: 1 for a new entry; for
+    /// one taken over with `XAUTOCLAIM`, the pending list's count when a delivery limit is set,
+    /// else at least 2.
+    pub fn deliveries(&self) -> u64 {
+        self.deliveries
     }
 }
 
 impl Envelope for StreamEntry {
     fn payload(&self) -> &[u8] {
-        self.field(&self.roles.payload).unwrap_or_default()
+        self.field(&self.inner.roles.payload).unwrap_or_default()
     }
 
     fn message_id(&self) -> Option<&str> {
-        self.header(&self.roles.id)
+        self.header(&self.inner.roles.id)
     }
 
     fn header(&self, name: &str) -> Option<&str> {

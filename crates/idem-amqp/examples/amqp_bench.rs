@@ -1,164 +1,222 @@
-//! Messages per second through the adapter against the local broker, beside an ack-only loop,
-//! in one run.
+//! Messages/s end to end through the RabbitMQ adapter, beside a bare lapin loop (same prefetch,
+//! same batches, acks sent together, no dedup), measured in one run.
 //!
-//! ```text
-//! cargo run --release -p idem-amqp --features sqlite,postgres --example amqp_bench -- 10000
-//! ```
+//! `cargo run --release -p idem-amqp --example amqp_bench -- [messages] [batch] [in flight]`
 //!
-//! For each mode a fresh queue is filled with N unique messages (publishing is not timed), then
-//! the clock runs from the first delivery until the last is settled. Same prefetch (64) and
-//! batch (32) everywhere; the handler does nothing, so the figures are the price of the
-//! broker round trips and of idempotency. Broker: `IDEM_AMQP_URL`; PostgreSQL:
-//! `IDEM_POSTGRES_URL` (each PostgreSQL mode gets a schema of its own, dropped afterwards).
-#![allow(clippy::unwrap_used, clippy::cast_precision_loss)]
+//! For each mode a fresh queue is filled with N unique messages (publishing is not timed),
+//! then the clock runs until every message is acknowledged. The handler does nothing, so the
+//! figures are the price of the broker round trips and of idempotency. The prefetch is twice
+//! the batch per batch in flight. Broker: `IDEM_TEST_AMQP_URL` (default
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`); PostgreSQL: `IDEM_TEST_POSTGRES_URL`, in a schema
+//! of its own dropped at the end; MariaDB: `IDEM_TEST_MYSQL_URL`, in a table of its own (rows of
+//! a server that is down are left out).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use idem_amqp::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use idem_amqp::{AmqpConsumer, AmqpMessage, Report, Topology};
+use idem_amqp::{AmqpConfig, AmqpConsumer, Topology};
 use idem_core::consumer::HandlerError;
-use idem_core::{BatchConfig, Batched, Consumer, DedupStore, MemoryStore};
-use idem_sqlx::postgres::PgWrites;
-use idem_sqlx::{PostgresStore, SqliteStore, Writes};
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
-use sqlx::sqlite::SqliteConnection;
-use tokio::sync::Notify;
+use idem_core::{Backend, Consumer, MemoryStore};
+use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 
-const PREFETCH: u16 = 64;
-const BATCH: usize = 32;
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const DAY: Duration = Duration::from_secs(86_400);
 
 #[tokio::main]
-async fn main() {
-    let n: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(10_000);
-    let url = std::env::var("IDEM_AMQP_URL")
+async fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10_000);
+    let batch: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(64);
+    let lanes: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);
+    let prefetch = u16::try_from(2 * batch * lanes).unwrap_or(u16::MAX);
+    let url = std::env::var("IDEM_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
-    let conn = Connection::connect(&url, ConnectionProperties::default()).await.unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    let pg_url = std::env::var("IDEM_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    let pg = PgPoolOptions::new().max_connections(16).connect(&pg_url).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    println!("| mode | messages | seconds | msgs/s | vs ack-only |");
-    println!("| --- | ---: | ---: | ---: | ---: |");
-    let mut base = 0.0;
-    for mode in [
-        "ack-only (lapin, no dedup)",
-        "adapter + MemoryStore",
-        "adapter two-phase + SqliteStore",
-        "adapter inbox + SqliteInbox",
-        "adapter two-phase + PostgresStore",
-        "adapter two-phase + Batched<PostgresStore>",
-        "adapter inbox + PostgresInbox",
-    ] {
-        let queue = fill(&ch, n).await;
-        let secs = match mode {
-            "ack-only (lapin, no dedup)" => ack_only(&conn, &queue, n).await,
-            "adapter + MemoryStore" => adapter(&conn, &queue, n, MemoryStore::new(), None).await,
-            "adapter two-phase + SqliteStore" => {
-                let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await.unwrap();
-                adapter(&conn, &queue, n, store, None).await
+    let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let sfx = format!("{:08x}", rand::random::<u32>());
+    println!(
+        "RabbitMQ; {n} messages, batch {batch}, {lanes} batch(es) in flight, prefetch {prefetch}"
+    );
+
+    let dir = tempfile::tempdir()?;
+    let pg = postgres(&sfx).await?;
+    let my = mysql(&sfx).await?;
+    // The baseline runs first and last, so warm-up and machine noise show in the same table.
+    let mut modes = vec!["ack-only", "two-phase MemoryStore", "two-phase SqliteStore"];
+    if pg.is_some() {
+        modes.push("two-phase PostgresStore");
+    }
+    modes.push("inbox SQLite");
+    if pg.is_some() {
+        modes.push("inbox PostgreSQL");
+    }
+    if my.is_some() {
+        modes.push("inbox MySQL");
+    }
+    modes.push("ack-only (again)");
+    if let Ok(only) = std::env::var("IDEM_BENCH_MODES") {
+        let only: Vec<&str> = only.split(',').collect();
+        modes.retain(|m| m.starts_with("ack-only") || only.iter().any(|o| m.contains(o)));
+    }
+    let mut rows = Vec::new();
+    for mode in modes {
+        let queue = fill(&ch, n).await?;
+        let config = AmqpConfig::new(&conn, &queue).prefetch(prefetch);
+        let run = Run { batch, lanes, n };
+        let t = Instant::now();
+        let done = match mode {
+            "ack-only" | "ack-only (again)" => ack_only(&conn, &queue, n, batch, prefetch).await?,
+            "two-phase MemoryStore" => run.driven(config, MemoryStore::new()).await?,
+            "two-phase SqliteStore" => {
+                let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await?;
+                run.driven(config, store).await?
             }
-            "adapter inbox + SqliteInbox" => {
-                let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await.unwrap();
-                sqlx::query("CREATE TABLE effects (id TEXT)").execute(store.pool()).await.unwrap();
-                adapter(&conn, &queue, n, store.clone(), Some(Inbox::Sqlite(store))).await
+            "two-phase PostgresStore" => {
+                let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
+                let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_a"))?;
+                store.migrate().await?;
+                run.driven(config, store).await?
             }
-            "adapter two-phase + PostgresStore" => {
-                let store = pg_store(&pg, "two_phase").await;
-                let secs = adapter(&conn, &queue, n, store.clone(), None).await;
-                drop_schema(&pg, store.schema()).await;
-                secs
+            "inbox PostgreSQL" => {
+                let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
+                let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
+                store.migrate().await?;
+                run.driven(config, store.inbox(DAY)).await?
             }
-            "adapter two-phase + Batched<PostgresStore>" => {
-                let store = pg_store(&pg, "batched").await;
-                let batched = Batched::new(store.clone(), BatchConfig::default());
-                let secs = adapter(&conn, &queue, n, batched, None).await;
-                drop_schema(&pg, store.schema()).await;
-                secs
+            "inbox MySQL" => {
+                let (pool, table) = my.as_ref().ok_or("no MySQL")?;
+                let store = MySqlStore::new(pool.clone()).with_table_name(table)?;
+                store.migrate().await?;
+                run.driven(config, store.inbox(DAY)).await?
             }
             _ => {
-                let store = pg_store(&pg, "inbox").await;
-                let sql = format!("CREATE TABLE {}.effects (id TEXT)", store.schema());
-                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pg).await.unwrap();
-                let secs =
-                    adapter(&conn, &queue, n, store.clone(), Some(Inbox::Postgres(store.clone())))
-                        .await;
-                drop_schema(&pg, store.schema()).await;
-                secs
+                let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
+                run.driven(config, store.inbox(DAY)).await?
             }
         };
-        let rate = n as f64 / secs;
-        if base == 0.0 {
-            base = rate;
-        }
-        println!("| {mode} | {n} | {secs:.2} | {rate:.0} | {:.2}× |", rate / base);
+        let secs = t.elapsed().as_secs_f64();
+        #[allow(clippy::cast_precision_loss)]
+        let rate = done as f64 / secs;
+        println!("{mode:<34} {done} msgs in {secs:>6.2} s = {rate:>8.0} msgs/s");
+        rows.push((mode, rate));
         cleanup(&ch, &queue).await;
     }
-    conn.close(200, "".into()).await.unwrap();
+    let base = (rows[0].1 + rows[rows.len() - 1].1) / 2.0;
+    println!("\n| mode | msgs/s | vs ack-only (mean of both runs) |\n| --- | ---: | ---: |");
+    for (mode, rate) in &rows {
+        println!("| {mode} | {rate:.0} | {:.2} |", rate / base);
+    }
+    if let Some((pool, schema)) = pg {
+        for s in ["a", "c"] {
+            let sql = format!("DROP SCHEMA IF EXISTS {schema}_{s} CASCADE");
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
+        }
+    }
+    if let Some((pool, table)) = my {
+        let sql = format!("DROP TABLE IF EXISTS `{table}`");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await?;
+    }
+    conn.close(200, "".into()).await?;
+    Ok(())
 }
 
-/// A store in a fresh schema `idem_bench_<tag>_<pid>`.
-async fn pg_store(pool: &PgPool, tag: &str) -> PostgresStore {
-    let schema = format!("idem_bench_{tag}_{}", std::process::id());
-    drop_schema(pool, &schema).await;
-    let store = PostgresStore::new(pool.clone()).with_schema(&schema).unwrap();
-    store.migrate().await.unwrap();
-    store
+struct Run {
+    batch: usize,
+    lanes: usize,
+    n: usize,
 }
 
-async fn drop_schema(pool: &PgPool, schema: &str) {
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
-        .execute(pool)
-        .await
-        .unwrap();
+impl Run {
+    /// The adapter over `backend` (a store: two-phase; an inbox: transactional) with a no-op
+    /// handler, until `n` messages are acknowledged.
+    async fn driven<B: Backend>(&self, config: AmqpConfig<'_>, backend: B) -> Result<usize> {
+        let c = AmqpConsumer::builder(config)
+            .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+            .batch(self.batch)
+            .concurrency(self.lanes)
+            .idle_wait(Duration::from_millis(200))
+            .build()
+            .await?;
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stop = std::sync::Mutex::new(Some(stop));
+        let report = c
+            .run(
+                |_, _| {
+                    // Counted as handled; the run stops once every message was.
+                    if done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= self.n
+                        && let Some(s) = stop.lock().ok().and_then(|mut s| s.take())
+                    {
+                        let _ = s.send(());
+                    }
+                    async { Ok::<_, HandlerError<String>>(()) }
+                },
+                async {
+                    let _ = stopped.await;
+                },
+            )
+            .await?;
+        #[allow(clippy::cast_precision_loss)]
+        let mean = report.fetched as f64 / report.batches.max(1) as f64;
+        println!("  ({} batches, {mean:.1} messages each)", report.batches);
+        Ok(usize::try_from(report.acked)?)
+    }
 }
 
-async fn fill(ch: &Channel, n: u64) -> String {
+/// A fresh durable queue holding `n` unique persistent messages (publisher confirms awaited).
+async fn fill(ch: &Channel, n: usize) -> Result<String> {
     let queue = format!("idem-bench-{:016x}", rand::random::<u64>());
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
-        .await
-        .unwrap();
+        .await?;
     let mut confirms = Vec::new();
     for i in 0..n {
         let props = BasicProperties::default()
             .with_delivery_mode(2)
             .with_message_id(format!("m-{i}").into());
         let body = format!(r#"{{"order":{i},"cents":1200}}"#);
-        let c = ch
-            .basic_publish(
+        confirms.push(
+            ch.basic_publish(
                 "".into(),
                 queue.as_str().into(),
                 BasicPublishOptions::default(),
                 body.as_bytes(),
                 props,
             )
-            .await
-            .unwrap();
-        confirms.push(c);
+            .await?,
+        );
         if confirms.len() == 1000 {
             for c in confirms.drain(..) {
-                c.await.unwrap();
+                c.await?;
             }
         }
     }
     for c in confirms {
-        c.await.unwrap();
+        c.await?;
     }
-    queue
+    Ok(queue)
 }
 
-async fn ack_only(conn: &Connection, queue: &str, n: u64) -> f64 {
-    let ch = conn.create_channel().await.unwrap();
-    ch.basic_qos(PREFETCH, BasicQosOptions::default()).await.unwrap();
+/// The baseline: the same prefetch, batches of what has arrived (up to `batch`, waiting for
+/// the first), the batch's acks sent together; no dedup.
+async fn ack_only(
+    conn: &Connection,
+    queue: &str,
+    n: usize,
+    batch: usize,
+    prefetch: u16,
+) -> Result<usize> {
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
     let mut stream = ch
         .basic_consume(
             queue.into(),
@@ -166,100 +224,24 @@ async fn ack_only(conn: &Connection, queue: &str, n: u64) -> f64 {
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
-        .await
-        .unwrap();
-    let mut start = None;
-    for _ in 0..n {
-        let d = stream.next().await.unwrap().unwrap();
-        start.get_or_insert_with(Instant::now);
-        d.ack(BasicAckOptions::default()).await.unwrap();
-    }
-    let secs = start.unwrap().elapsed().as_secs_f64();
-    ch.close(200, "".into()).await.unwrap();
-    secs
-}
-
-async fn adapter<S: DedupStore + Clone + Send + Sync + 'static>(
-    conn: &Connection,
-    queue: &str,
-    n: u64,
-    store: S,
-    inbox: Option<Inbox>,
-) -> f64 {
-    let settled = Arc::new(AtomicU64::new(0));
-    let first = Arc::new(std::sync::Mutex::new(None::<Instant>));
-    let done = Arc::new(Notify::new());
-    let (s, f, d) = (Arc::clone(&settled), Arc::clone(&first), Arc::clone(&done));
-    let engine = Consumer::builder(store).scope("bench").build().unwrap();
-    let c = AmqpConsumer::builder(engine, queue)
-        .prefetch(PREFETCH)
-        .batch(BATCH, Duration::from_millis(1))
-        .on_settle(move |_r: &Report<'_>| {
-            f.lock().unwrap().get_or_insert_with(Instant::now);
-            if s.fetch_add(1, Ordering::SeqCst) + 1 == n {
-                d.notify_one();
+        .await?;
+    let mut done = 0;
+    while done < n {
+        let mut got = vec![stream.next().await.ok_or("stream ended")??];
+        while got.len() < batch {
+            match stream.next().now_or_never() {
+                Some(d) => got.push(d.ok_or("stream ended")??),
+                None => break,
             }
-        })
-        .connect(conn)
-        .await
-        .unwrap();
-    let shutdown = async move { done.notified().await };
-    let stats = match inbox {
-        None => {
-            c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, shutdown).await.unwrap()
         }
-        Some(Inbox::Sqlite(store)) => {
-            let inbox = store.inbox(Duration::from_secs(86_400));
-            c.run_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
+        let acks = got.iter().map(|d| d.ack(BasicAckOptions::default()));
+        for r in futures_util::future::join_all(acks).await {
+            r?;
         }
-        Some(Inbox::Postgres(store)) => {
-            let inbox = store.inbox(Duration::from_secs(86_400));
-            let effect = pg_effect(format!("{}.effects", store.schema()));
-            c.run_postgres_inbox(&inbox, store.pool(), effect, shutdown).await.unwrap()
-        }
-    };
-    // The last batch's acks are sent once run returns.
-    let secs = first.lock().unwrap().unwrap().elapsed().as_secs_f64();
-    assert_eq!(stats.processed, n, "{stats:?}");
-    secs
-}
-
-/// The PostgreSQL inbox's effect: one row in `table`.
-fn pg_effect(
-    table: String,
-) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<sqlx::Error>>
-{
-    move |conn: &mut PgConnection, m: AmqpMessage| {
-        let sql = format!("INSERT INTO {table} VALUES ($1)");
-        Box::pin(async move {
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(m.properties().message_id().as_ref().map(|s| s.to_string()))
-                .execute(&mut *conn)
-                .await
-                .map_err(HandlerError::Transient)?;
-            Ok(())
-        }) as PgWrites<'_, (), HandlerError<sqlx::Error>>
+        done += got.len();
     }
-}
-
-/// The inbox mode's database.
-enum Inbox {
-    Sqlite(SqliteStore),
-    Postgres(PostgresStore),
-}
-
-fn effect(
-    conn: &mut SqliteConnection,
-    m: AmqpMessage,
-) -> Writes<'_, (), HandlerError<sqlx::Error>> {
-    Box::pin(async move {
-        sqlx::query("INSERT INTO effects VALUES (?)")
-            .bind(m.properties().message_id().as_ref().map(|s| s.to_string()))
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::Transient)?;
-        Ok(())
-    })
+    ch.close(200, "".into()).await?;
+    Ok(done)
 }
 
 async fn cleanup(ch: &Channel, queue: &str) {
@@ -269,4 +251,31 @@ async fn cleanup(ch: &Channel, queue: &str) {
     }
     let _ =
         ch.exchange_delete(t.dead_letter_exchange().into(), ExchangeDeleteOptions::default()).await;
+}
+
+/// A MariaDB pool and a table name, or `None` when the server does not answer.
+async fn mysql(sfx: &str) -> Result<Option<(MySqlPool, String)>> {
+    let Some(url) = idem_testkit::service::require(
+        "MySQL",
+        "IDEM_TEST_MYSQL_URL",
+        "mysql://root@127.0.0.1:3306/test",
+    ) else {
+        return Ok(None);
+    };
+    let pool = MySqlPoolOptions::new().max_connections(16).connect(&url).await?;
+    Ok(Some((pool, format!("idem_amqp_bench_{sfx}"))))
+}
+
+/// A pool on PostgreSQL (16 connections) and the prefix of the bench's schemas, or `None` when
+/// the server does not answer.
+async fn postgres(sfx: &str) -> Result<Option<(PgPool, String)>> {
+    let Some(url) = idem_testkit::service::require(
+        "PostgreSQL",
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+    ) else {
+        return Ok(None);
+    };
+    let pool = PgPoolOptions::new().max_connections(16).connect(&url).await?;
+    Ok(Some((pool, format!("idem_amqp_bench_{sfx}"))))
 }

@@ -1,23 +1,20 @@
 //! Errors of the adapter.
 
-use idem_core::consumer::ConfigError;
 use idem_core::retention::RetentionTooShort;
 
-/// What stops the adapter. Per-message failures are never errors: they are outcomes mapped
-/// to broker verbs. An error means the adapter cannot go on (the connection or channel is
-/// gone); every message it had not acked is redelivered by the broker.
+/// Errors of the RabbitMQ source. Per-message failures are not errors: they end in a verb
+/// (ack, nack, a delay or dead-letter copy) and are counted in the driver's
+/// [`Report`](idem_core::driver::Report). An error from a running consumer means its channel
+/// is gone; every message it had not acked is redelivered by the broker.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The consumer's retention is shorter than the broker's redelivery window.
     #[error(transparent)]
     Retention(#[from] RetentionTooShort),
-    /// Invalid adapter configuration.
-    #[error("invalid configuration: {0}")]
-    Config(&'static str),
-    /// Invalid engine configuration.
-    #[error(transparent)]
-    Engine(#[from] ConfigError),
+    /// A setting is unusable (the message names it and the limit).
+    #[error("invalid RabbitMQ settings: {0}")]
+    Config(String),
     /// Declaring or checking a queue or exchange failed.
     #[error("declaring the {what} failed")]
     Topology {
@@ -39,8 +36,14 @@ pub enum Error {
     /// The delivery stream failed (connection or channel lost).
     #[error("the delivery stream failed; unacked messages will be redelivered")]
     Stream(#[source] lapin::Error),
-    /// An ack, nack or reject could not be sent: the channel is gone and the broker will
-    /// redeliver the message.
+    /// The consuming channel is no longer connected while the consumer waited for deliveries.
+    #[error("the consuming channel is closed; unacked messages will be redelivered")]
+    ChannelClosed,
+    /// The broker cancelled the consumer (queue deleted, node down).
+    #[error("the broker cancelled the consumer")]
+    Cancelled,
+    /// An ack or nack could not be sent: the channel is gone and the broker will redeliver the
+    /// message.
     #[error("could not {verb} delivery {tag}; the broker will redeliver it")]
     Settle {
         /// `ack` or `nack`.
@@ -51,18 +54,21 @@ pub enum Error {
         #[source]
         source: Option<lapin::Error>,
     },
-    /// A broker verb (ack, nack, a dead-letter or delay publish and its confirm) did not finish
-    /// within the consumer's `broker_timeout`, or the channel stopped being connected while
-    /// the consumer waited for deliveries: the connection is taken for lost, and every
-    /// message not acked is redelivered by the broker.
-    #[error("the broker connection looks lost: {what} did not finish within {timeout:?}")]
-    BrokerTimeout {
-        /// What was waited for.
-        what: &'static str,
-        /// The limit (`AmqpConsumerBuilder::broker_timeout`).
-        timeout: std::time::Duration,
+    /// Publishing a dead-letter or delay copy failed; the original is not acked.
+    #[error("publishing a copy to exchange `{exchange}` failed")]
+    Copy {
+        /// The exchange (empty: the default exchange, for the delay queue).
+        exchange: String,
+        /// The broker's answer.
+        #[source]
+        source: lapin::Error,
     },
-    /// The broker cancelled the consumer (queue deleted, node down).
-    #[error("the broker cancelled the consumer")]
-    Cancelled,
+    /// The broker did not take a dead-letter or delay copy; the original is not acked.
+    #[error("the copy to exchange `{exchange}` was not stored: {why}")]
+    CopyRefused {
+        /// The exchange (empty: the default exchange, for the delay queue).
+        exchange: String,
+        /// Nacked, or returned as unroutable.
+        why: &'static str,
+    },
 }

@@ -1,58 +1,85 @@
-//! RabbitMQ consumer adapter for **idem**, on [`lapin`].
+//! RabbitMQ for **idem**, on [`lapin`]: a queue as a source for the shared consumer driver
+//! ([`AmqpConsumer`]).
 //!
-//! [`AmqpConsumer`] owns the loop: receive (manual acks, a prefetch) → extract the key (the AMQP
-//! `message_id` by default; any [`KeyExtractor`](idem_core::extract::KeyExtractor) set on the
-//! engine replaces it) → claim the batch with one `claim_many` → run the handler → record →
-//! settle. The ack is always last. Two modes:
+//! [`AmqpConfig`] names the queue and what is RabbitMQ's own (prefetch, delay queue,
+//! dead-letter exchange, retention window); the [`Driver`](idem_core::Driver) does the rest —
+//! batches, one claim or one transaction per batch, handlers, the order of the verbs — in
+//! two-phase mode over any store or in inbox mode over a SQL inbox. Manual acks only, and the
+//! ack is always the last step: after the effect is committed (or was already), after a
+//! dead-letter or delay copy is confirmed.
 //!
-//! - **two-phase** ([`AmqpConsumer::run`]): the engine's store holds a lease while the handler
-//!   runs, for effects that cannot join a transaction (pass [`Context::downstream_key`] to the
-//!   callee). A crash after the effect but before its completion is recorded reruns the
-//!   handler with the same downstream key.
-//! - **transactional inbox** ([`AmqpConsumer::run_inbox`], feature `sqlite`;
-//!   [`AmqpConsumer::run_postgres_inbox`], feature `postgres`): the marker commits with the
-//!   handler's writes on the caller's connection; commit, then ack.
+//! | idem outcome | RabbitMQ |
+//! | --- | --- |
+//! | processed, duplicate | `basic.ack` |
+//! | in progress elsewhere | a copy to the delay queue with a per-message TTL (the other lease's remaining time, clamped to [`AmqpConfig::retry_delay`]), confirmed, then `basic.ack`; it dead-letters back to the work queue when it expires |
+//! | transient failure | `basic.nack(requeue)` |
+//! | conflict, permanent failure, missing key | a copy to the dead-letter exchange with the `idem-*` headers (reason, outcome, scope, `idem-source` = the queue), confirmed, then `basic.ack` |
+//! | fetched while the consumer shuts down | `basic.nack(requeue)`, untouched |
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idem_amqp::{AmqpConfig, AmqpConsumer};
+//! use idem_core::consumer::HandlerError;
+//! use idem_sqlx::PostgresStore;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! let conn = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;
+//! let consumer = AmqpConsumer::builder(AmqpConfig::new(&conn, "orders"))
+//!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
+//!     .scope("order-writer")
+//!     .build()
+//!     .await?;
+//! consumer
+//!     .run(|mut tx, msg| async move {
+//!         sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!             .bind(msg.payload().to_vec())
+//!             .execute(&mut *tx) // commits with the dedup marker, then basic.ack
+//!             .await
+//!             .map_err(HandlerError::Transient)?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! # Ok(()) }
+//! ```
 //!
 //! # Redelivery window
 //! RabbitMQ redelivers an unacked message when its channel closes and after `consumer_timeout`
 //! (30 min by default); quorum queues stop after `x-delivery-limit` deliveries. Records must
-//! outlive that: give the builder a [`RabbitWindow`] and `connect` refuses a shorter retention.
-//! RabbitMQ has no per-delivery "still working" signal: a handler longer than
-//! `consumer_timeout` gets its channel closed and its message redelivered, so keep handlers
-//! shorter (the engine's `heartbeat` extends only the idem lease, which the redelivery then
-//! finds in progress and sends round the delay queue until the first attempt finishes).
+//! outlive that: give the config a [`RabbitWindow`] and the consumer refuses a shorter
+//! retention when it is built. RabbitMQ has no per-delivery "still working" signal: a handler
+//! longer than `consumer_timeout` gets its channel closed and its message redelivered, so keep
+//! handlers shorter (the engine's `heartbeat` extends only the idem lease, which the
+//! redelivery then finds in progress and sends round the delay queue until the first attempt
+//! finishes).
 //!
 //! # Failure modes
 //! - A dead-letter or delay copy that is not confirmed (nacked, unroutable, channel gone) is
 //!   never followed by an ack: the original is requeued instead.
 //! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
 //!   again: the dead-letter queue is at least once.
-//! - No broker verb waits forever: an ack, nack or copy that has not finished within
-//!   [`AmqpConsumerBuilder::broker_timeout`] (30 s), or a delivery stream whose channel has
-//!   been disconnected that long, ends the run with [`Error::BrokerTimeout`] (lapin was seen
-//!   to leave an ack pending forever after its connection failed).
-//! - Any broker error ends [`AmqpConsumer::run`] with an [`Error`]; reconnect and build a new
-//!   consumer. Unacked messages are redelivered by the broker; the store turns them into
-//!   duplicates.
-//!
-//! [`Context::downstream_key`]: idem_core::consumer::Context::downstream_key
+//! - No broker verb waits forever: an ack, nack or copy that has not finished within the
+//!   driver's `broker_timeout` (30 s), or a consuming channel found disconnected, ends the run
+//!   (lapin was seen to leave an ack pending forever after its connection failed).
+//! - Any broker error ends the run with an error; reconnect and build a new consumer. Unacked
+//!   messages are redelivered by the broker; the store turns them into duplicates.
 
-mod builder;
-mod consumer;
+mod config;
 mod error;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-mod inbox;
 mod message;
-mod settle;
+mod source;
 pub mod topology;
 mod window;
 
-pub use builder::AmqpConsumerBuilder;
-pub use consumer::AmqpConsumer;
+pub use config::AmqpConfig;
 pub use error::Error;
 pub use message::AmqpMessage;
-pub use settle::{Action, Report, Stats};
+pub use source::AmqpSource;
 pub use topology::Topology;
 pub use window::{DEFAULT_CONSUMER_TIMEOUT, RabbitWindow};
+
+/// A RabbitMQ consumer made idempotent: the shared driver over an [`AmqpSource`], in two-phase
+/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
+pub type AmqpConsumer<B> = idem_core::Driver<AmqpSource, B>;
 
 pub use lapin;

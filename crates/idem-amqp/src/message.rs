@@ -59,7 +59,7 @@ impl AmqpMessage {
     }
 
     /// How many times this adapter has sent the message through its delay queue (header
-    /// `x-idem-delays`).
+    /// `idem-delays`).
     pub fn delays(&self) -> u32 {
         match header_value(&self.inner.properties, crate::topology::DELAYS_HEADER) {
             Some(AMQPValue::LongUInt(n)) => *n,
@@ -126,7 +126,7 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert("Idempotency-Key".into(), AMQPValue::LongString(LongString::from("k-1")));
         h.insert("n".into(), AMQPValue::LongInt(5));
-        h.insert("x-idem-delays".into(), AMQPValue::LongUInt(2));
+        h.insert("idem-delays".into(), AMQPValue::LongUInt(2));
         let m = msg(BasicProperties::default()
             .with_message_id("m-1".into())
             .with_correlation_id("c-1".into())

@@ -6,16 +6,8 @@ use lapin::{Channel, ExchangeKind};
 
 use crate::Error;
 
-/// Header counting trips through the delay queue.
-pub const DELAYS_HEADER: &str = "x-idem-delays";
-/// Header with the reason a message was dead-lettered.
-pub const REASON_HEADER: &str = "x-idem-reason";
-/// Header with the outcome that dead-lettered it (`conflict`, `failed_permanent`).
-pub const OUTCOME_HEADER: &str = "x-idem-outcome";
-/// Header with the consumer scope that dead-lettered it.
-pub const SCOPE_HEADER: &str = "x-idem-scope";
-/// Header with the queue it was consumed from.
-pub const QUEUE_HEADER: &str = "x-idem-queue";
+/// Header counting a message's trips through the delay queue.
+pub const DELAYS_HEADER: &str = "idem-delays";
 
 /// Names of the work queue and its companions.
 ///
@@ -27,8 +19,9 @@ pub const QUEUE_HEADER: &str = "x-idem-queue";
 ///   `[min_delay, max_delay]` to keep them alike.
 /// - **dead-letter exchange** (`<queue>.idem.dlx`, direct) bound to the **dead-letter queue**
 ///   (`<queue>.idem.dlq`) with the work queue's name as routing key. Conflicts and permanent
-///   failures are republished there with the reason in headers, under publisher confirms,
-///   before the original is acked.
+///   failures are republished there with the `idem-*` headers of
+///   [`idem_core::driver::headers`] (reason, outcome, scope, `idem-source` = the work queue),
+///   under publisher confirms, before the original is acked.
 ///
 /// ```
 /// use idem_amqp::Topology;

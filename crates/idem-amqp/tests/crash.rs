@@ -17,7 +17,6 @@
 //!
 //! On PostgreSQL every run gets a schema of its own (`idem_amqp_crash_<mode>_<pid>`) holding
 //! both the store's table and the ledger; it is dropped afterwards, also when the test fails.
-#![cfg(all(feature = "sqlite", feature = "postgres"))]
 #![allow(clippy::unwrap_used, clippy::too_many_lines)]
 
 mod common;
@@ -31,14 +30,13 @@ use std::time::Duration;
 use common::{Broker, DEFAULT_URL, PG_DEFAULT_URL, PgSchema};
 use idem_amqp::lapin::options::BasicPublishOptions;
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem_amqp::{Action, AmqpConsumer, AmqpMessage, Report, Stats};
+use idem_amqp::{AmqpConfig, AmqpConsumer, AmqpMessage};
+use idem_core::OutcomeKind;
 use idem_core::consumer::{Context, HandlerError};
-use idem_core::{Consumer, DedupStore};
-use idem_sqlx::postgres::PgWrites;
-use idem_sqlx::{PostgresStore, SqliteStore, Writes};
+use idem_core::driver::{self, Action, Report, Settlement};
+use idem_sqlx::{PostgresInbox, PostgresStore, SqliteInbox, SqliteStore, Tx};
 use rand::seq::{IndexedRandom, SliceRandom};
-use sqlx::postgres::{PgConnection, PgPoolOptions};
-use sqlx::sqlite::SqliteConnection;
+use sqlx::postgres::PgPoolOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -63,63 +61,56 @@ fn body(i: usize) -> Vec<u8> {
     format!(r#"{{"order":"order-{i:04}","cents":{}}}"#, 100 + i).into_bytes()
 }
 
-/// Each delivery's effect: one ledger row (no unique constraint, so a second effect shows).
-fn ledger_writes(
+/// Each delivery's effect in inbox mode on SQLite: one ledger row (no unique constraint, so a
+/// second effect shows), written in the batch's transaction.
+async fn sqlite_ledger_write(
+    mut tx: Tx<sqlx::Sqlite>,
+    m: AmqpMessage,
     who: &'static str,
     cut: Cut,
-) -> impl for<'c> Fn(&'c mut SqliteConnection, AmqpMessage) -> Writes<'c, (), HandlerError<String>>
-{
-    move |conn: &mut SqliteConnection, m: AmqpMessage| {
-        let cut = cut.clone();
-        Box::pin(async move {
-            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
-            sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
-                .bind(&key)
-                .bind(m.payload())
-                .bind(who)
-                .execute(&mut *conn)
-                .await
-                .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            if let Some((n, tell, go)) = cut
-                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
-            {
-                // Mid-handler: the row is written, nothing committed or acked yet.
-                tell.send(key).unwrap();
-                go.notified().await;
-            }
-            Ok(())
-        }) as Writes<'_, (), HandlerError<String>>
-    }
+) -> Result<(), HandlerError<String>> {
+    let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+    sqlx::query("INSERT INTO ledger (key, body, who) VALUES (?, ?, ?)")
+        .bind(&key)
+        .bind(m.payload())
+        .bind(who)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+    hold_at_cut(cut, key).await;
+    Ok(())
 }
 
 /// The same effect on PostgreSQL, in `<schema>.ledger`, inside the inbox's batch transaction.
-fn pg_ledger_writes(
+async fn pg_ledger_write(
+    mut tx: Tx<sqlx::Postgres>,
+    m: AmqpMessage,
     schema: String,
     who: &'static str,
     cut: Cut,
-) -> impl for<'c> Fn(&'c mut PgConnection, AmqpMessage) -> PgWrites<'c, (), HandlerError<String>> {
-    move |conn: &mut PgConnection, m: AmqpMessage| {
-        let cut = cut.clone();
-        let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
-        Box::pin(async move {
-            let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
-            sqlx::query(sqlx::AssertSqlSafe(sql))
-                .bind(&key)
-                .bind(m.payload())
-                .bind(who)
-                .execute(&mut *conn)
-                .await
-                .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            if let Some((n, tell, go)) = cut
-                && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
-            {
-                // Mid-handler: the row is written, nothing committed or acked yet (and the
-                // batch's marks hold their row locks, so a redelivery waits for the commit).
-                tell.send(key).unwrap();
-                go.notified().await;
-            }
-            Ok(())
-        }) as PgWrites<'_, (), HandlerError<String>>
+) -> Result<(), HandlerError<String>> {
+    let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
+    let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&key)
+        .bind(m.payload())
+        .bind(who)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+    hold_at_cut(cut, key).await;
+    Ok(())
+}
+
+/// At the `DROP_AT`th effect: tells the test (which cuts the connection) and waits for its go.
+/// The row is written, nothing committed or acked yet (on PostgreSQL the batch's marks hold
+/// their row locks, so a redelivery waits for the commit).
+async fn hold_at_cut(cut: Cut, key: String) {
+    if let Some((n, tell, go)) = cut
+        && n.fetch_add(1, Ordering::SeqCst) + 1 == DROP_AT
+    {
+        tell.send(key).unwrap();
+        go.notified().await;
     }
 }
 
@@ -260,23 +251,43 @@ impl Db {
         }
     }
 
-    async fn start(
-        &self,
-        conn: &Connection,
-        queue: &str,
-        hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
-    ) -> Started {
-        match self {
-            Self::Sqlite(s) => Started::Sqlite(start(conn, s, queue, hook).await),
-            Self::Postgres(s) => Started::Postgres(start(conn, s, queue, hook).await),
+    async fn start(&self, conn: &Connection, queue: &str, mode: Mode, hook: Hook) -> Started {
+        // A verb pending on a lost connection ends the run after 5 s (lapin once left an ack
+        // pending forever after the cut: A never stopped).
+        let builder = AmqpConsumer::builder(
+            AmqpConfig::new(conn, queue)
+                .prefetch(16)
+                .retry_delay(Duration::from_millis(100), Duration::from_millis(500)),
+        )
+        .batch(8)
+        .broker_timeout(Duration::from_secs(5))
+        .on_settle(hook);
+        let day = Duration::from_secs(86_400);
+        match (self, mode) {
+            (Self::Sqlite(s), Mode::Inbox) => Started::SqliteInbox(
+                builder.inbox(s.inbox(day)).scope("crash").build().await.unwrap(),
+            ),
+            (Self::Postgres(s), Mode::Inbox) => {
+                Started::PgInbox(builder.inbox(s.inbox(day)).scope("crash").build().await.unwrap())
+            }
+            (Self::Sqlite(s), Mode::TwoPhase) => Started::SqliteTwoPhase(
+                builder.store(s.clone()).scope("crash").build().await.unwrap(),
+            ),
+            (Self::Postgres(s), Mode::TwoPhase) => {
+                Started::PgTwoPhase(builder.store(s.clone()).scope("crash").build().await.unwrap())
+            }
         }
     }
 }
 
-/// A connected consumer on one of the stores.
+type Hook = Box<dyn Fn(&Settlement<'_, AmqpMessage>) + Send + Sync>;
+
+/// A connected consumer in one of the modes, on one of the stores.
 enum Started {
-    Sqlite(AmqpConsumer<SqliteStore>),
-    Postgres(AmqpConsumer<PostgresStore>),
+    SqliteInbox(AmqpConsumer<SqliteInbox>),
+    PgInbox(AmqpConsumer<PostgresInbox>),
+    SqliteTwoPhase(AmqpConsumer<SqliteStore>),
+    PgTwoPhase(AmqpConsumer<PostgresStore>),
 }
 
 /// The two-phase handler: the ledger row is the effect, written under the lease.
@@ -309,63 +320,36 @@ type BoxedRun =
 
 async fn run_consumer(
     c: Started,
-    mode: Mode,
     db: Db,
     who: &'static str,
     cut: Cut,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<Stats, idem_amqp::Error> {
-    match (c, mode, db) {
-        (Started::Sqlite(c), Mode::Inbox, Db::Sqlite(store)) => {
-            let inbox = store.inbox(Duration::from_secs(86_400));
-            c.run_inbox(&inbox, store.pool(), ledger_writes(who, cut), shutdown).await
+) -> Result<Report, driver::Error<idem_amqp::Error>> {
+    match c {
+        Started::SqliteInbox(c) => {
+            let handler = |tx, m| sqlite_ledger_write(tx, m, who, cut.clone());
+            c.run(handler, shutdown).await
         }
-        (Started::Postgres(c), Mode::Inbox, Db::Postgres(store)) => {
-            let inbox = store.inbox(Duration::from_secs(86_400));
-            let writes = pg_ledger_writes(store.schema().to_owned(), who, cut);
-            c.run_postgres_inbox(&inbox, store.pool(), writes, shutdown).await
+        Started::PgInbox(c) => {
+            let Db::Postgres(store) = db else { panic!("a PostgreSQL inbox on {db:?}") };
+            let schema = store.schema().to_owned();
+            let handler = |tx, m| pg_ledger_write(tx, m, schema.clone(), who, cut.clone());
+            c.run(handler, shutdown).await
         }
-        (Started::Sqlite(c), Mode::TwoPhase, db) => {
-            c.run(two_phase_handler(db, who, cut), shutdown).await
-        }
-        (Started::Postgres(c), Mode::TwoPhase, db) => {
-            c.run(two_phase_handler(db, who, cut), shutdown).await
-        }
-        (_, mode, db) => panic!("no {mode:?} crash test on {db:?}"),
+        Started::SqliteTwoPhase(c) => c.run(two_phase_handler(db, who, cut), shutdown).await,
+        Started::PgTwoPhase(c) => c.run(two_phase_handler(db, who, cut), shutdown).await,
     }
 }
 
-async fn start<S: DedupStore + Clone>(
-    conn: &Connection,
-    store: &S,
-    queue: &str,
-    hook: impl Fn(&Report<'_>) + Send + Sync + 'static,
-) -> AmqpConsumer<S> {
-    AmqpConsumer::builder(Consumer::builder(store.clone()).scope("crash").build().unwrap(), queue)
-        .prefetch(16)
-        .batch(8, Duration::from_millis(2))
-        .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
-        // A verb pending on a lost connection ends the run after 5 s (lapin once left an ack
-        // pending forever after the cut: A never stopped).
-        .broker_timeout(Duration::from_secs(5))
-        .on_settle(hook)
-        .connect(conn)
-        .await
-        .unwrap()
-}
-
-fn seen_hook(
-    who: &'static str,
-    tx: mpsc::UnboundedSender<Seen>,
-) -> impl Fn(&Report<'_>) + Send + Sync + 'static {
-    move |r: &Report<'_>| {
+fn seen_hook(who: &'static str, tx: mpsc::UnboundedSender<Seen>) -> Hook {
+    Box::new(move |r: &Settlement<'_, AmqpMessage>| {
         let _ = tx.send(Seen {
             who,
-            key: r.key.unwrap_or_default().to_owned(),
-            outcome: r.outcome.to_owned(),
+            key: r.key.map(|k| k.id().to_owned()).unwrap_or_default(),
+            outcome: r.outcome.as_str().to_owned(),
             redelivered: r.message.redelivered(),
         });
-    }
+    })
 }
 
 /// A TCP proxy to the broker whose connections the test can cut.
@@ -478,12 +462,11 @@ async fn scenario(mode: Mode, kind: Kind) {
     )
     .await
     .unwrap();
-    let a = store_a.start(&conn_a, b.queue(), seen_hook("A", seen_tx.clone())).await;
+    let a = store_a.start(&conn_a, b.queue(), mode, seen_hook("A", seen_tx.clone())).await;
     let (cut_tx, mut cut_rx) = mpsc::unbounded_channel();
     let go = Arc::new(Notify::new());
     let cut = Some((Arc::new(AtomicUsize::new(0)), cut_tx, Arc::clone(&go)));
-    let task_a =
-        tokio::spawn(run_consumer(a, mode, store_a.clone(), "A", cut, std::future::pending()));
+    let task_a = tokio::spawn(run_consumer(a, store_a.clone(), "A", cut, std::future::pending()));
 
     // B: survives.
     let conn_b = b.connect().await;
@@ -634,8 +617,8 @@ async fn scenario(mode: Mode, kind: Kind) {
             && b.count(b.topology.delay_queue()).await == 0
         {
             let _ = stop_b.send(());
-            let stats: Stats = task_b.await.unwrap().unwrap();
-            if stats.returned_at_shutdown == 0 {
+            let stats: Report = task_b.await.unwrap().unwrap();
+            if stats.released == 0 {
                 break;
             }
             (stop_b, task_b) = spawn_b(&conn_b, &store_b, b.queue(), mode, seen_tx.clone()).await;
@@ -759,10 +742,10 @@ async fn spawn_b(
     queue: &str,
     mode: Mode,
     seen: mpsc::UnboundedSender<Seen>,
-) -> (oneshot::Sender<()>, JoinHandle<Result<Stats, idem_amqp::Error>>) {
-    let c = store.start(conn, queue, seen_hook("B", seen)).await;
+) -> (oneshot::Sender<()>, JoinHandle<Result<Report, driver::Error<idem_amqp::Error>>>) {
+    let c = store.start(conn, queue, mode, seen_hook("B", seen)).await;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(run_consumer(c, mode, store.clone(), "B", None, async move {
+    let task = tokio::spawn(run_consumer(c, store.clone(), "B", None, async move {
         let _ = stopped.await;
     }));
     (stop, task)
@@ -788,11 +771,11 @@ async fn child_main(url: &str, queue: &str, spec: &str, mode: Mode) {
     let store = Db::open(spec).await;
     let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
     let processed = AtomicUsize::new(0);
-    let hook = move |r: &Report<'_>| {
-        let key = r.key.unwrap_or_default();
+    let hook = move |r: &Settlement<'_, AmqpMessage>| {
+        let key = r.key.map(|k| k.id()).unwrap_or_default();
         eprintln!("SEEN\t{key}\t{}\t{}", r.outcome, r.message.redelivered());
         // The hook runs after the commit and before the ack: the crash window.
-        if r.outcome == "processed"
+        if r.outcome == OutcomeKind::Processed
             && r.action == &Action::Ack
             && processed.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AT
         {
@@ -800,8 +783,8 @@ async fn child_main(url: &str, queue: &str, spec: &str, mode: Mode) {
             std::process::abort();
         }
     };
-    let c = store.start(&conn, queue, hook).await;
+    let c = store.start(&conn, queue, mode, Box::new(hook)).await;
     eprintln!("READY");
-    let _ = run_consumer(c, mode, store, "C", None, std::future::pending()).await;
+    let _ = run_consumer(c, store, "C", None, std::future::pending()).await;
     unreachable!("the child aborts before its queue runs dry");
 }

@@ -8,43 +8,45 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Broker, Seen, reporter, wait_for};
-use idem_amqp::{Action, AmqpConsumer, Error, RabbitWindow};
+use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
 use idem_core::consumer::HandlerError;
+use idem_core::driver::{self, Action};
 use idem_core::extract::Header;
 use idem_core::{Consumer, MemoryStore};
 use tokio::sync::{Notify, oneshot};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
-fn engine(store: &MemoryStore, scope: &str) -> Consumer<MemoryStore> {
-    Consumer::builder(store.clone()).scope(scope).build().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processed_duplicate_conflict_and_missing_key() {
     let Some(b) = Broker::new("verbs").await else { return };
     let (hook, mut rx) = reporter();
     let store = MemoryStore::new();
-    let c = AmqpConsumer::builder(engine(&store, "verbs"), b.queue())
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()))
+        .store(store)
+        .scope("verbs")
         .on_settle(hook)
-        .connect(&b.conn)
+        .build()
         .await
         .unwrap();
     let runs = Arc::new(AtomicU32::new(0));
     let (stop, stopped) = oneshot::channel::<()>();
     let r = Arc::clone(&runs);
-    let task = tokio::spawn(c.run(
-        move |_ctx, _m| {
-            let r = Arc::clone(&r);
+    let task = tokio::spawn(async move {
+        c.run(
+            move |_ctx, _m| {
+                let r = Arc::clone(&r);
+                async move {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, HandlerError<String>>("done".to_owned())
+                }
+            },
             async move {
-                r.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, HandlerError<String>>("done".to_owned())
-            }
-        },
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+                let _ = stopped.await;
+            },
+        )
+        .await
+    });
     b.publish(Some("a"), br#"{"n":1}"#, &[]).await;
     b.publish(Some("a"), br#"{ "n" : 1 }"#, &[]).await; // same canonical JSON: a duplicate
     b.publish(Some("a"), br#"{"n":2}"#, &[]).await; // reused id, other body: a conflict
@@ -55,11 +57,11 @@ async fn processed_duplicate_conflict_and_missing_key() {
     assert_eq!(outcomes, ["processed", "duplicate", "conflict", "failed_permanent"]);
     assert_eq!(seen[0].action, Action::Ack);
     assert_eq!(seen[1].action, Action::Ack);
-    assert!(matches!(seen[2].action, Action::DeadLetter { .. }));
+    assert!(matches!(seen[2].action, Action::DeadLettered { .. }));
     stop.send(()).unwrap();
     let stats = task.await.unwrap().unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-    assert_eq!((stats.received, stats.acked, stats.dead_lettered), (4, 4, 2));
+    assert_eq!((stats.fetched, stats.acked, stats.dead_lettered), (4, 2, 2), "{stats}");
     assert_eq!(b.count(b.queue()).await, 0, "nothing left unacked");
     let dlq = b.drain_dlq().await;
     assert_eq!(dlq.len(), 2, "{dlq:?}");
@@ -75,38 +77,43 @@ async fn transient_failure_releases_and_requeues_then_permanent_dead_letters() {
     let Some(b) = Broker::new("fail").await else { return };
     let (hook, mut rx) = reporter();
     let store = MemoryStore::new();
-    let c = AmqpConsumer::builder(engine(&store, "fail"), b.queue())
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()))
+        .store(store)
+        .scope("fail")
         .on_settle(hook)
-        .connect(&b.conn)
+        .build()
         .await
         .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(c.run(
-        |ctx, m| async move {
-            match (m.payload(), ctx.attempt()) {
-                (b"flaky", 1) => Err(HandlerError::Transient("503 from upstream".to_owned())),
-                (b"flaky", _) => Ok(ctx.attempt()),
-                _ => Err(HandlerError::Permanent("invalid order".to_owned())),
-            }
-        },
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let task = tokio::spawn(async move {
+        c.run(
+            |ctx, m| async move {
+                match (m.payload(), ctx.attempt()) {
+                    (b"flaky", 1) => Err(HandlerError::Transient("503 from upstream".to_owned())),
+                    (b"flaky", _) => Ok(ctx.attempt()),
+                    _ => Err(HandlerError::Permanent("invalid order".to_owned())),
+                }
+            },
+            async move {
+                let _ = stopped.await;
+            },
+        )
+        .await
+    });
     b.publish(Some("t"), b"flaky", &[]).await;
     b.publish(Some("p"), b"bad", &[]).await;
     let mut seen = Vec::new();
     wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 3).await;
     let t: Vec<_> = seen.iter().filter(|s| s.key.as_deref() == Some("t")).collect();
     assert_eq!(t[0].outcome, "failed_transient");
-    assert_eq!(t[0].action, Action::Requeue);
+    assert_eq!(t[0].action, Action::Retry { after: None }, "a plain requeue");
     assert_eq!(t[1].outcome, "processed");
     assert!(t[1].redelivered, "the requeued copy is flagged redelivered");
     let p = seen.iter().find(|s| s.key.as_deref() == Some("p")).unwrap();
     assert_eq!(p.outcome, "failed_permanent");
     stop.send(()).unwrap();
     let stats = task.await.unwrap().unwrap();
-    assert_eq!((stats.requeued, stats.processed, stats.dead_lettered), (1, 1, 1));
+    assert_eq!((stats.retried, stats.processed, stats.dead_lettered), (1, 1, 1), "{stats}");
     assert_eq!(b.count(b.queue()).await, 0);
     let dlq = b.drain_dlq().await;
     assert_eq!(dlq.len(), 1);
@@ -121,50 +128,65 @@ async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
     let (hook_a, mut rx_a) = reporter();
     let (hook_b, mut rx_b) = reporter();
     let conn_b = b.connect().await;
-    let build = |hook| {
-        AmqpConsumer::builder(engine(&store, "delay"), b.queue())
-            .prefetch(1)
-            .batch(1, Duration::from_millis(1))
-            .retry_delay(Duration::from_millis(200), Duration::from_millis(500))
-            .on_settle(hook)
+    let build = |conn, hook| {
+        AmqpConsumer::builder(
+            AmqpConfig::new(conn, b.queue())
+                .prefetch(1)
+                .retry_delay(Duration::from_millis(200), Duration::from_millis(500)),
+        )
+        .store(store.clone())
+        .scope("delay")
+        .batch(1)
+        .on_settle(hook)
+        .build()
     };
-    let a = build(hook_a).connect(&b.conn).await.unwrap();
+    let a = build(&b.conn, hook_a).await.unwrap();
     let started = Arc::new(Notify::new());
     let release = Arc::new(Notify::new());
     let (stop_a, stopped_a) = oneshot::channel::<()>();
     let (s, r) = (Arc::clone(&started), Arc::clone(&release));
-    let task_a = tokio::spawn(a.run(
-        move |_ctx, _m| {
-            let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+    let task_a = tokio::spawn(async move {
+        a.run(
+            move |_ctx, _m| {
+                let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+                async move {
+                    s.notify_one();
+                    r.notified().await;
+                    Ok::<_, HandlerError<String>>(())
+                }
+            },
             async move {
-                s.notify_one();
-                r.notified().await;
-                Ok::<_, HandlerError<String>>(())
-            }
-        },
-        async move {
-            let _ = stopped_a.await;
-        },
-    ));
+                let _ = stopped_a.await;
+            },
+        )
+        .await
+    });
     b.publish(Some("x"), b"slow", &[]).await;
     tokio::time::timeout(LIMIT, started.notified()).await.expect("A starts the handler");
     // A holds the lease; B gets the producer's duplicate copy.
-    let b_consumer = build(hook_b).connect(&conn_b).await.unwrap();
+    let b_consumer = Arc::new(build(&conn_b, hook_b).await.unwrap());
     let (stop_b, stopped_b) = oneshot::channel::<()>();
-    let task_b = tokio::spawn(b_consumer.run(
-        |_ctx, _m| async { Ok::<_, HandlerError<String>>(()) },
+    let task_b = tokio::spawn({
+        let b_consumer = Arc::clone(&b_consumer);
         async move {
-            let _ = stopped_b.await;
-        },
-    ));
+            b_consumer
+                .run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+                    let _ = stopped_b.await;
+                })
+                .await
+        }
+    });
     b.publish(Some("x"), b"slow", &[]).await;
     let mut seen_b = Vec::new();
     wait_for(&mut rx_b, &mut seen_b, LIMIT, |s| !s.is_empty()).await;
     assert_eq!(seen_b[0].outcome, "in_progress_elsewhere");
-    assert!(
-        matches!(seen_b[0].action, Action::Delay(d) if d == Duration::from_millis(500)),
-        "the 30 s lease is clamped to the max delay: {:?}",
-        seen_b[0].action
+    let Action::Retry { after: Some(after) } = seen_b[0].action else {
+        panic!("a delayed retry: {:?}", seen_b[0].action)
+    };
+    assert_eq!(
+        b_consumer.source().delay_for(Some(after)),
+        Some(Duration::from_millis(500)),
+        "the 30 s lease ({after:?} left) is clamped to the max delay"
     );
     release.notify_one();
     // The copy returns from the delay queue; whoever gets it sees the completed record.
@@ -198,10 +220,11 @@ async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
 async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() {
     let Some(b) = Broker::new("drain").await else { return };
     let store = MemoryStore::new();
-    let c = AmqpConsumer::builder(engine(&store, "drain"), b.queue())
-        .prefetch(3)
-        .batch(1, Duration::from_millis(1))
-        .connect(&b.conn)
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).prefetch(3))
+        .store(store)
+        .scope("drain")
+        .batch(1)
+        .build()
         .await
         .unwrap();
     for id in ["1", "2", "3"] {
@@ -211,25 +234,28 @@ async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() 
     let release = Arc::new(Notify::new());
     let (stop, stopped) = oneshot::channel::<()>();
     let (s, r) = (Arc::clone(&started), Arc::clone(&release));
-    let task = tokio::spawn(c.run(
-        move |_ctx, _m| {
-            let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+    let task = tokio::spawn(async move {
+        c.run(
+            move |_ctx, _m| {
+                let (s, r) = (Arc::clone(&s), Arc::clone(&r));
+                async move {
+                    s.notify_one();
+                    r.notified().await;
+                    Ok::<_, HandlerError<String>>(())
+                }
+            },
             async move {
-                s.notify_one();
-                r.notified().await;
-                Ok::<_, HandlerError<String>>(())
-            }
-        },
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+                let _ = stopped.await;
+            },
+        )
+        .await
+    });
     tokio::time::timeout(LIMIT, started.notified()).await.expect("handler starts");
     stop.send(()).unwrap();
     assert!(!task.is_finished(), "shutdown waits for the handler in flight");
     release.notify_one();
     let stats = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap().unwrap();
-    assert_eq!((stats.processed, stats.acked), (1, 1), "{stats:?}");
+    assert_eq!((stats.processed, stats.acked, stats.released), (1, 1, 2), "{stats:?}");
     // The two prefetched deliveries went back to the queue, unprocessed.
     b.wait_count(b.queue(), 2, LIMIT).await;
     b.cleanup().await;
@@ -244,13 +270,19 @@ async fn a_header_extractor_replaces_the_message_id() {
         .key(Header::new("idempotency-key"))
         .build()
         .unwrap();
-    let c =
-        AmqpConsumer::builder(engine, b.queue()).on_settle(hook).connect(&b.conn).await.unwrap();
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()))
+        .engine(engine)
+        .on_settle(hook)
+        .build()
+        .await
+        .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task =
-        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+    let task = tokio::spawn(async move {
+        c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
             let _ = stopped.await;
-        }));
+        })
+        .await
+    });
     b.publish(Some("m-1"), b"pay", &[("Idempotency-Key", "k-1")]).await;
     b.publish(Some("m-2"), b"pay", &[("Idempotency-Key", "k-1")]).await;
     let mut seen = Vec::new();
@@ -270,17 +302,18 @@ async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
         .retain(Duration::from_secs(3600))
         .build()
         .unwrap();
-    let err = AmqpConsumer::builder(engine, b.queue())
-        .retention_window(RabbitWindow::new().delivery_limit(20))
-        .connect(&b.conn)
+    let window = RabbitWindow::new().delivery_limit(20);
+    let err = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).retention_window(window))
+        .engine(engine)
+        .build()
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::Retention(_)), "{err}");
-    assert!(err.to_string().contains("20 deliveries × 30m"), "{err}");
-    let ok = Consumer::builder(MemoryStore::new()).scope("window").build().unwrap();
-    let c = AmqpConsumer::builder(ok, b.queue())
-        .retention_window(RabbitWindow::new().delivery_limit(20))
-        .connect(&b.conn)
+    let driver::Error::Open(inner @ Error::Retention(_)) = &err else { panic!("{err:?}") };
+    assert!(inner.to_string().contains("20 deliveries × 30m"), "{inner}");
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).retention_window(window))
+        .store(MemoryStore::new())
+        .scope("window")
+        .build()
         .await;
     assert!(c.is_ok(), "7 days cover 10 h");
     b.cleanup().await;
@@ -293,20 +326,24 @@ async fn messages_fetched_together_are_claimed_together() {
         b.publish(Some(&format!("k-{i}")), b"{}", &[]).await;
     }
     let store = idem_testkit::faults::FaultyStore::new(MemoryStore::new());
-    let engine = Consumer::builder(store.clone()).scope("batch").build().unwrap();
     let (hook, mut rx) = reporter();
-    let c = AmqpConsumer::builder(engine, b.queue())
-        .prefetch(16)
-        .batch(10, Duration::from_secs(2))
-        .on_settle(hook)
-        .connect(&b.conn)
-        .await
-        .unwrap();
+    let c = AmqpConsumer::builder(
+        AmqpConfig::new(&b.conn, b.queue()).prefetch(16).batch_wait(Duration::from_secs(2)),
+    )
+    .store(store.clone())
+    .scope("batch")
+    .batch(10)
+    .on_settle(hook)
+    .build()
+    .await
+    .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let task =
-        tokio::spawn(c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
+    let task = tokio::spawn(async move {
+        c.run(|_ctx, _m| async { Ok::<_, HandlerError<String>>(()) }, async move {
             let _ = stopped.await;
-        }));
+        })
+        .await
+    });
     let mut seen = Vec::new();
     wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 10).await;
     assert!(seen.iter().all(|s| s.outcome == "processed"));
@@ -316,4 +353,50 @@ async fn messages_fetched_together_are_claimed_together() {
     let stats = task.await.unwrap().unwrap();
     assert_eq!(stats.acked, 10);
     b.cleanup().await;
+}
+
+#[tokio::test]
+async fn unusable_settings_are_refused_with_the_setting_named() {
+    let Some(b) = Broker::new("settings").await else { return };
+    let err = build(AmqpConfig::new(&b.conn, b.queue()).prefetch(16), 32).await.unwrap_err();
+    assert!(err.source_message().contains("batch (32) exceeds the prefetch (16)"), "{err:?}");
+    let err = build(AmqpConfig::new(&b.conn, b.queue()).prefetch(0), 1).await.unwrap_err();
+    assert!(err.source_message().contains("prefetch must be at least 1"), "{err:?}");
+    let backwards = AmqpConfig::new(&b.conn, b.queue())
+        .retry_delay(Duration::from_secs(10), Duration::from_secs(1));
+    let err = build(backwards, 8).await.unwrap_err();
+    assert!(err.source_message().contains("retry_delay needs 0 < min <= max"), "{err:?}");
+    let long_tag = AmqpConfig::new(&b.conn, b.queue()).consumer_tag("t".repeat(256));
+    let err = build(long_tag, 8).await.unwrap_err();
+    assert!(err.source_message().contains("consumer_tag must be 1 to 255 bytes"), "{err:?}");
+    let missing = AmqpConfig::new(&b.conn, format!("{}-missing", b.queue()));
+    let err = build(missing, 8).await.unwrap_err();
+    assert!(err.source_message().contains("work queue"), "{err:?}");
+    b.cleanup().await;
+}
+
+async fn build(
+    config: AmqpConfig<'_>,
+    batch: usize,
+) -> Result<AmqpConsumer<MemoryStore>, driver::Error<Error>> {
+    AmqpConsumer::builder(config)
+        .store(MemoryStore::new())
+        .scope("settings")
+        .batch(batch)
+        .build()
+        .await
+}
+
+/// The error's own message and its source's, for assertions.
+trait SourceMessage {
+    fn source_message(&self) -> String;
+}
+
+impl SourceMessage for driver::Error<Error> {
+    fn source_message(&self) -> String {
+        match self {
+            driver::Error::Open(e) => e.to_string(),
+            other => other.to_string(),
+        }
+    }
 }

@@ -1,30 +1,30 @@
-//! An idempotent RabbitMQ consumer against the local broker, printing what it does.
+//! An order service consuming `OrderPlaced` from RabbitMQ, idempotently, printing what it does.
 //!
-//! ```text
-//! cargo run -p idem --features amqp --example rabbitmq_consumer
-//! ```
+//! `cargo run -p idem --features amqp,postgres --example rabbitmq_consumer`
+//! (broker from `IDEM_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`; PostgreSQL
+//! from `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of
+//! its own dropped at the end).
 //!
-//! It declares a queue of its own, publishes six `OrderPlaced` messages — four orders, a
-//! producer retry of one of them, and an order id reused with other content — and consumes
-//! them in transactional-inbox mode: each order row commits with its dedup marker in SQLite,
-//! then the message is acked. The retry is acked as a duplicate without a second row; the
-//! reused id goes to the dead-letter queue with its reason. Broker address: `IDEM_AMQP_URL`
-//! (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//! It declares a queue of its own, publishes six orders — four orders, a producer retry of one
+//! of them, and an order id reused with other content — and consumes them with the
+//! transactional inbox on PostgreSQL: each batch's order rows commit with their dedup markers
+//! in one transaction, and only then are the messages acked. The retry is acked as a duplicate
+//! without a second row; the reused id goes to the dead-letter queue with its reason. Exits
+//! non-zero if an order was stored twice or the conflict was not dead-lettered.
 
 use std::time::Duration;
 
-use idem::Consumer;
-use idem::SqliteStore;
+use idem::PostgresStore;
 use idem::amqp::lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem::amqp::{Action, AmqpConsumer, RabbitWindow, Report};
+use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, RabbitWindow};
 use idem::consumer::HandlerError;
-use idem::sqlite::Writes;
-use sqlx::sqlite::SqliteConnection;
+use idem::driver::{Action, Settlement, headers};
+use idem::sqlx::{self, AssertSqlSafe};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -34,7 +34,8 @@ async fn main() -> Result<(), Error> {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
     let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    let queue = format!("idem-example-orders-{}", std::process::id());
+    let sfx = std::process::id();
+    let queue = format!("idem-example-orders-{sfx}");
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
         .await?;
     println!("queue {queue} on {url}");
@@ -51,53 +52,66 @@ async fn main() -> Result<(), Error> {
     ];
     for (id, body) in orders {
         let props = BasicProperties::default().with_delivery_mode(2).with_message_id(id.into());
-        ch.basic_publish(
-            "".into(),
-            queue.as_str().into(),
-            BasicPublishOptions::default(),
-            body.as_bytes(),
-            props,
-        )
-        .await?
-        .await?;
+        let publish = BasicPublishOptions::default();
+        ch.basic_publish("".into(), queue.as_str().into(), publish, body.as_bytes(), props)
+            .await?
+            .await?;
         println!("published {id}: {body}");
     }
 
-    // The consumer: SQLite holds the orders and the dedup markers, in one transaction each.
-    let dir = tempfile::tempdir()?;
-    let store = SqliteStore::open(dir.path().join("orders.sqlite")).await?;
-    sqlx::query("CREATE TABLE orders (id TEXT NOT NULL, body TEXT NOT NULL)")
-        .execute(store.pool())
+    let pg = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let schema = format!("amqp_example_{sfx}");
+
+    // The whole setup: a store, and a consumer over the queue with its inbox.
+    let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
+    store.migrate().await?;
+    let config =
+        AmqpConfig::new(&conn, &queue).retention_window(RabbitWindow::new().delivery_limit(20));
+    let consumer = AmqpConsumer::builder(config)
+        .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
+        .scope("order-writer")
+        .idle_wait(Duration::from_millis(500))
+        .on_settle(print_settlement)
+        .build()
         .await?;
-    let inbox = store.inbox(Duration::from_secs(7 * 86_400));
-    let engine = Consumer::builder(store.clone()).scope("order-writer").build()?;
-    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
-    let consumer = AmqpConsumer::builder(engine, queue.as_str())
-        .retention_window(RabbitWindow::new().delivery_limit(20))
-        .on_settle(move |r: &Report<'_>| {
-            let verb = match r.action {
-                Action::Ack => "ack".to_owned(),
-                Action::Requeue => "nack, requeue".to_owned(),
-                Action::Delay(d) => format!("delay {d:?}, then ack"),
-                Action::DeadLetter { reason } => format!("dead-letter ({reason}), then ack"),
-                _ => "other".to_owned(),
-            };
-            println!("consumed {:<8} → {:<16} → {verb}", r.key.unwrap_or("-"), r.outcome);
-            let _ = done_tx.send(());
-        })
-        .connect(&conn)
-        .await?;
-    let topology = consumer.topology().clone();
-    let shutdown = async move {
-        for _ in 0..orders.len() {
-            let _ = done_rx.recv().await;
+
+    let orders_table = format!("\"{schema}\".orders");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {orders_table} (id TEXT NOT NULL, body TEXT NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await?;
+    let insert = format!("INSERT INTO {orders_table} (id, body) VALUES ($1, $2)");
+    let handler = |mut tx: idem::Tx<sqlx::Postgres>, msg: AmqpMessage| {
+        let insert = insert.clone();
+        async move {
+            let id = idem::extract::Envelope::message_id(&msg).unwrap_or_default().to_owned();
+            sqlx::query(AssertSqlSafe(insert))
+                .bind(&id)
+                .bind(String::from_utf8_lossy(msg.payload()).into_owned())
+                .execute(&mut *tx) // the same transaction as the dedup marker
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            Ok(())
         }
     };
-    let stats = consumer.run_inbox(&inbox, store.pool(), store_order, shutdown).await?;
-    println!("{stats:?}");
+    let mut total = idem::driver::Report::default();
+    loop {
+        let report = consumer.poll(&handler).await?;
+        if report.fetched == 0 {
+            break; // nothing arrived within the idle wait: all consumed
+        }
+        total += report;
+    }
+    let topology = consumer.source().topology().clone();
+    consumer.close().await?;
+    println!("total: {total}");
 
     let rows: Vec<(String, String)> =
-        sqlx::query_as("SELECT id, body FROM orders ORDER BY id").fetch_all(store.pool()).await?;
+        sqlx::query_as(AssertSqlSafe(format!("SELECT id, body FROM {orders_table} ORDER BY id")))
+            .fetch_all(store.pool())
+            .await?;
     println!("orders table ({} rows, one per order):", rows.len());
     for (id, body) in &rows {
         println!("  {id}: {body}");
@@ -106,7 +120,7 @@ async fn main() -> Result<(), Error> {
     while let Some(m) = ch.basic_get(dlq.into(), BasicGetOptions { no_ack: true }).await? {
         let d = m.delivery;
         let reason =
-            d.properties.headers().as_ref().and_then(|h| match h.inner().get("x-idem-reason") {
+            d.properties.headers().as_ref().and_then(|h| match h.inner().get(headers::REASON) {
                 Some(AMQPValue::LongString(s)) => Some(s.to_string()),
                 _ => None,
             });
@@ -123,23 +137,24 @@ async fn main() -> Result<(), Error> {
     }
     ch.exchange_delete(topology.dead_letter_exchange().into(), ExchangeDeleteOptions::default())
         .await?;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(store.pool())
+        .await?;
     conn.close(200, "bye".into()).await?;
+    if rows.len() != 4 || total.processed != 4 || total.dead_lettered != 1 {
+        return Err(format!("expected 4 orders once and 1 dead letter: {total}").into());
+    }
     Ok(())
 }
 
-/// The business write, on the inbox's transaction.
-fn store_order(
-    conn: &mut SqliteConnection,
-    msg: idem::amqp::AmqpMessage,
-) -> Writes<'_, (), HandlerError<sqlx::Error>> {
-    Box::pin(async move {
-        let id = msg.properties().message_id().as_ref().map(|s| s.to_string()).unwrap_or_default();
-        sqlx::query("INSERT INTO orders VALUES (?, ?)")
-            .bind(id)
-            .bind(String::from_utf8_lossy(msg.payload()).into_owned())
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::Transient)?;
-        Ok(())
-    })
+/// Each delivery's fate, once its outcome is committed and before the broker is told.
+fn print_settlement(s: &Settlement<'_, AmqpMessage>) {
+    let verb = match s.action {
+        Action::Ack => "ack".to_owned(),
+        Action::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
+        Action::DeadLettered { reason } => format!("dead-lettered ({reason}), then ack"),
+        _ => "nack, requeue".to_owned(),
+    };
+    let key = s.key.map_or("-", |k| k.id());
+    println!("consumed {key:<8} → {:<16} → {verb}", s.outcome.as_str());
 }

@@ -9,7 +9,8 @@ use idem_amqp::lapin::options::{
 };
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use idem_amqp::{Action, Report, Topology};
+use idem_amqp::{AmqpMessage, Topology};
+use idem_core::driver::{Action, Settlement, headers};
 use tokio::sync::mpsc;
 
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -33,19 +34,21 @@ pub struct Seen {
     pub payload: Vec<u8>,
 }
 
-pub fn reporter() -> (impl Fn(&Report<'_>) + Send + Sync + 'static, mpsc::UnboundedReceiver<Seen>) {
+pub type Hook = Box<dyn Fn(&Settlement<'_, AmqpMessage>) + Send + Sync>;
+
+pub fn reporter() -> (Hook, mpsc::UnboundedReceiver<Seen>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let hook = move |r: &Report<'_>| {
+    let hook = move |r: &Settlement<'_, AmqpMessage>| {
         let _ = tx.send(Seen {
-            key: r.key.map(str::to_owned),
-            outcome: r.outcome,
+            key: r.key.map(|k| k.id().to_owned()),
+            outcome: r.outcome.as_str(),
             action: r.action.clone(),
             redelivered: r.message.redelivered(),
             delays: r.message.delays(),
             payload: r.message.payload().to_vec(),
         });
     };
-    (hook, rx)
+    (Box::new(hook), rx)
 }
 
 /// Collects reports until `done` holds over all of them, or panics after `limit`.
@@ -129,6 +132,10 @@ impl Broker {
         self.topology.queue()
     }
 
+    pub fn dead_letter_queue(&self) -> &str {
+        self.topology.dead_letter_queue().unwrap()
+    }
+
     /// Publishes to the work queue and waits for the broker's confirm.
     pub async fn publish(&self, id: Option<&str>, body: &[u8], headers: &[(&str, &str)]) {
         let mut props = BasicProperties::default().with_delivery_mode(2);
@@ -195,7 +202,7 @@ impl Broker {
         {
             let d = m.delivery;
             let reason = d.properties.headers().as_ref().and_then(|h| {
-                h.inner().get("x-idem-reason").and_then(|v| match v {
+                h.inner().get(headers::REASON).and_then(|v| match v {
                     AMQPValue::LongString(s) => Some(s.to_string()),
                     _ => None,
                 })
@@ -228,11 +235,9 @@ impl Broker {
 
 pub const PG_DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
-#[cfg(feature = "postgres")]
 #[allow(unused_imports)] // not every test file uses it
 pub use pg::PgSchema;
 
-#[cfg(feature = "postgres")]
 mod pg {
     use idem_sqlx::PostgresStore;
     use sqlx::postgres::{PgPool, PgPoolOptions};

@@ -68,8 +68,8 @@ impl<'c> AmqpConfig<'c> {
     }
 
     /// How many unacked deliveries the broker may push to this consumer (`basic.qos`). At least
-    /// the driver's batch, or batches could never fill; twice the batch keeps the next batch
-    /// arriving while one is decided.
+    /// the driver's batch, or batches could never fill; `batch × concurrency` lets every batch in
+    /// flight fill, and twice that keeps the next batches arriving while those are decided.
     pub fn prefetch(mut self, n: u16) -> Self {
         self.prefetch = n;
         self
@@ -129,6 +129,11 @@ impl SourceConfig for AmqpConfig<'_> {
                 "the driver's batch ({}) exceeds the prefetch ({}): batches could never fill",
                 opening.batch, self.prefetch
             )));
+        }
+        if opening.batch * opening.concurrency > usize::from(self.prefetch) {
+            tracing::warn!(target: "idem", prefetch = self.prefetch, batch = opening.batch,
+                concurrency = opening.concurrency,
+                "the prefetch is below batch × concurrency: the batches in flight share fewer messages than they could take");
         }
         if self.min_delay.is_zero() || self.min_delay > self.max_delay {
             return Err(Error::Config(format!(

@@ -58,9 +58,11 @@
 //!   never followed by an ack: the original is requeued instead.
 //! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
 //!   again: the dead-letter queue is at least once.
-//! - No broker verb waits forever: an ack, nack or copy that has not finished within the
-//!   driver's `broker_timeout` (30 s), or a consuming channel found disconnected, ends the run
-//!   (lapin was seen to leave an ack pending forever after its connection failed).
+//! - No broker verb waits forever: a fetch, an ack, nack or copy that has not finished within
+//!   the driver's [`broker_timeout`](idem_core::driver::Builder::broker_timeout) (30 s) ends
+//!   the run with [`BrokerTimeout`](idem_core::driver::Error::BrokerTimeout) (lapin was seen to
+//!   leave an ack pending forever after its connection failed), and a fetch that finds the
+//!   consuming channel disconnected ends it at once ([`Error::ChannelClosed`]).
 //! - Any broker error ends the run with an error; reconnect and build a new consumer. Unacked
 //!   messages are redelivered by the broker; the store turns them into duplicates.
 

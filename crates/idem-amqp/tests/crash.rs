@@ -401,7 +401,7 @@ async fn two_phase_three_consumers_a_cut_connection_and_an_aborted_process() {
     scenario(Mode::TwoPhase, Kind::Sqlite).await;
 }
 
-/// The inbox scenario on `PostgresInbox` (`run_postgres_inbox`), the ledger in the test's
+/// The inbox scenario on `PostgresInbox`, the ledger in the test's
 /// own schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_on_postgres_three_consumers_a_cut_connection_and_an_aborted_process() {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::{Broker, Seen, reporter, wait_for};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
 use idem_core::consumer::HandlerError;
-use idem_core::driver::{self, Action};
+use idem_core::driver::{self, Action, headers};
 use idem_core::extract::Header;
 use idem_core::{Consumer, MemoryStore};
 use tokio::sync::{Notify, oneshot};
@@ -63,12 +63,21 @@ async fn processed_duplicate_conflict_and_missing_key() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!((stats.fetched, stats.acked, stats.dead_lettered), (4, 2, 2), "{stats}");
     assert_eq!(b.count(b.queue()).await, 0, "nothing left unacked");
-    let dlq = b.drain_dlq().await;
+    let dlq = b.drain_dlq_headers().await;
     assert_eq!(dlq.len(), 2, "{dlq:?}");
-    assert_eq!(dlq[0].0.as_deref(), Some("a"));
+    assert_eq!(dlq[0].0.as_deref(), Some("a"), "the copy keeps the AMQP message id");
     assert_eq!(dlq[0].2, br#"{"n":2}"#);
-    assert!(dlq[0].1.as_deref().unwrap().starts_with("conflict: key verbs/a reused"), "{dlq:?}");
-    assert!(dlq[1].1.as_deref().unwrap().contains("message id is missing"), "{dlq:?}");
+    let header = |i: usize, name: &str| dlq[i].1.get(name).map(String::as_str);
+    assert!(header(0, headers::REASON).unwrap().starts_with("conflict: key verbs/a reused"));
+    assert!(header(1, headers::REASON).unwrap().contains("message id is missing"), "{dlq:?}");
+    assert_eq!(
+        [header(0, headers::OUTCOME), header(1, headers::OUTCOME)],
+        [Some("conflict"), Some("failed_permanent")]
+    );
+    for i in 0..2 {
+        assert_eq!(header(i, headers::SCOPE), Some("verbs"), "{dlq:?}");
+        assert_eq!(header(i, headers::SOURCE), Some(b.queue()), "{dlq:?}");
+    }
     b.cleanup().await;
 }
 

@@ -1,6 +1,7 @@
 //! Shared helpers: a real broker, a queue of the test's own, and waiting on conditions.
 #![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use idem_amqp::lapin::options::{
@@ -208,6 +209,30 @@ impl Broker {
                 })
             });
             out.push((d.properties.message_id().as_ref().map(|s| s.to_string()), reason, d.data));
+        }
+        out
+    }
+
+    /// Takes every message of the dead-letter queue: (message id, its string headers — the
+    /// shared `idem-*` names among them —, body).
+    pub async fn drain_dlq_headers(
+        &self,
+    ) -> Vec<(Option<String>, HashMap<String, String>, Vec<u8>)> {
+        let mut out = Vec::new();
+        let dlq = self.topology.dead_letter_queue().unwrap();
+        while let Some(m) =
+            self.ch.basic_get(dlq.into(), BasicGetOptions { no_ack: true }).await.unwrap()
+        {
+            let d = m.delivery;
+            let mut h = HashMap::new();
+            for (k, v) in
+                d.properties.headers().as_ref().map(|h| h.inner().clone()).unwrap_or_default()
+            {
+                if let AMQPValue::LongString(s) = v {
+                    h.insert(k.to_string(), s.to_string());
+                }
+            }
+            out.push((d.properties.message_id().as_ref().map(|s| s.to_string()), h, d.data));
         }
         out
     }

@@ -233,6 +233,7 @@ impl<C: SourceConfig, B: Backend> Builder<C, B> {
             lease: B::lease(&consumer),
             heartbeat: consumer.heartbeat(),
             batch: self.settings.batch,
+            concurrency: self.settings.concurrency,
         };
         let source = self.config.open(opening).await.map_err(Error::Open)?;
         Ok(Driver { source, consumer, settings: self.settings, hook: self.hook })

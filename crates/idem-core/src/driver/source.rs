@@ -131,6 +131,9 @@ pub struct Opening<'a> {
     pub heartbeat: Option<Duration>,
     /// The most messages the driver fetches at once.
     pub batch: usize,
+    /// How many batches the driver keeps in flight at once (a source with a prefetch wants
+    /// room for `batch × concurrency` unsettled messages).
+    pub concurrency: usize,
 }
 
 /// The verb the driver asks for, once the outcome is durable.

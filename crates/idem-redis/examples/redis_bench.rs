@@ -1,24 +1,28 @@
-//! Throughput of `RedisStore` beside the raw Redis commands, in the same run, and the peers'
-//! 100,000-message workload through the idem engine.
+//! Throughput of `RedisStore` beside the raw Redis commands, of the Redis Streams adapter
+//! beside the bare consumer-group loop, and the peers' workload through the idem engine; each
+//! in one run, so the ratios compare like with like.
 //!
 //! ```text
 //! cargo run --release -p idem-redis --example redis_bench -- primitives [N]
+//! cargo run --release -p idem-redis --example redis_bench -- streams [N] [BATCH] [IN FLIGHT]
 //! cargo run --release -p idem-redis --example redis_bench -- workload [FILE] [REPEATS]
 //! ```
-//! `primitives` (median of 3 runs per cell): per message, at 1, 16 and 64 concurrent tasks sharing one multiplexed
-//! connection: `RedisStore` claim + complete; raw `SET k v NX PX 60000`; raw `SET NX` then
-//! `SET XX` (the two writes a claim + complete needs); then the same with 16 messages per task
-//! per round trip (`claim_many` + 16 completes; explicit pipelines of 16 for the raw commands).
-//! `streams`: a stream of `N` entries (default 20,000) read by a consumer group, timed from
-//! the first read to the last acknowledgement: the bare `XREADGROUP COUNT batch` + `XACK` loop,
-//! then the adapter (no-op handler) two-phase over `MemoryStore`, `RedisStore` and
-//! `PostgresStore`, and inbox mode over SQLite, PostgreSQL and MariaDB, each with its own group;
-//! the bare loop again; each row's ratio to the mean of the two bare rows. `IN FLIGHT` batches
-//! at once for both (PostgreSQL from `IDEM_TEST_POSTGRES_URL`, MariaDB from `IDEM_TEST_MYSQL_URL`).
-//! `workload`: `/tmp/peers/workload.jsonl` (from `../shared/peers/setup_peers.sh`) through
-//! `Consumer::process` at 1, 16 and 64 tasks, and through `Consumer::process_batch` (one
-//! `claim_many` per batch of 16 or 64), key = JSON `/message_id`, with the peers' handler and
-//! exactly-once check. Records carry a 60 s TTL, so nothing needs cleaning up.
+//! - `primitives` (median of 3 runs per cell): per message, at 1, 16 and 64 concurrent tasks
+//!   sharing one multiplexed connection: `RedisStore` claim + complete; raw `SET k v NX PX
+//!   60000`; raw `SET NX` then `SET XX` (the two writes a claim + complete needs); then the same
+//!   with 16 messages per task per round trip (`claim_many` + 16 completes; explicit pipelines of
+//!   16 for the raw commands).
+//! - `streams`: `N` entries (default 20,000) read through a consumer group, `BATCH` (default 64)
+//!   per read and `IN FLIGHT` (default 1) batches at once, timed from the first read to the last
+//!   acknowledgement: the bare `XREADGROUP COUNT batch` + `XACK` loop, then the adapter with a
+//!   no-op handler, two-phase over `MemoryStore`, `SqliteStore`, `PostgresStore` and
+//!   `RedisStore`, and in inbox mode over SQLite, PostgreSQL and MariaDB; then the bare loop
+//!   again. Each row shows its ratio to the mean of the two bare rows. PostgreSQL from
+//!   `IDEM_TEST_POSTGRES_URL`, MariaDB from `IDEM_TEST_MYSQL_URL`; what it creates is dropped.
+//! - `workload`: `/tmp/peers/workload.jsonl` (from `../shared/peers/setup_peers.sh`) through
+//!   `Consumer::process` at 1, 16 and 64 tasks, and through `Consumer::process_batch` (one
+//!   `claim_many` per batch of 16 or 64), key = JSON `/message_id`, with the peers' handler and
+//!   exactly-once check. Records carry a 60 s TTL, so nothing needs cleaning up.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -383,13 +387,27 @@ mod streams {
     use idem_core::{Backend, Consumer, MemoryStore};
     use idem_redis::{RedisStore, StreamConfig, StreamConsumer};
     use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
-    use redis::aio::ConnectionManager;
+    use redis::aio::MultiplexedConnection;
 
     use super::BoxErr;
 
     const DAY: Duration = Duration::from_secs(86_400);
+    /// The block time of both loops' reads (the adapter's idle wait).
+    const BLOCK: Duration = Duration::from_millis(100);
 
-    async fn fill(conn: &mut ConnectionManager, stream: &str, n: usize) -> Result<(), BoxErr> {
+    const MODES: [&str; 9] = [
+        "bare XREADGROUP + XACK",
+        "two-phase MemoryStore",
+        "two-phase SqliteStore",
+        "two-phase PostgresStore",
+        "two-phase RedisStore",
+        "inbox SQLite",
+        "inbox PostgreSQL",
+        "inbox MySQL",
+        "bare (again)",
+    ];
+
+    async fn fill(conn: &mut MultiplexedConnection, stream: &str, n: usize) -> Result<(), BoxErr> {
         for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
             let mut pipe = redis::pipe();
             for i in chunk {
@@ -407,15 +425,16 @@ mod streams {
         Ok(())
     }
 
-    /// `lanes` loops of `XREADGROUP COUNT batch` + one `XACK`, until `n` are acked.
+    /// `lanes` loops, each on its own connection, of `XREADGROUP COUNT batch BLOCK` + one
+    /// `XACK`, until `n` are acknowledged.
     async fn bare(
         client: &redis::Client,
         stream: &str,
         n: usize,
         batch: usize,
         lanes: usize,
-    ) -> Result<(), BoxErr> {
-        let mut conn = client.get_connection_manager().await?;
+    ) -> Result<Duration, BoxErr> {
+        let mut conn = client.get_multiplexed_async_connection().await?;
         let () = redis::cmd("XGROUP")
             .arg("CREATE")
             .arg(stream)
@@ -423,26 +442,31 @@ mod streams {
             .arg("0")
             .query_async(&mut conn)
             .await?;
+        let mut conns = Vec::new();
+        for _ in 0..lanes {
+            conns.push(client.get_multiplexed_async_connection().await?);
+        }
         let done = AtomicUsize::new(0);
-        let lane = |k: usize| {
-            let (mut conn, done) = (conn.clone(), &done);
+        let lane = |(k, mut conn): (usize, MultiplexedConnection)| {
+            let done = &done;
             async move {
                 while done.load(Ordering::SeqCst) < n {
-                    let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+                    let reply: Option<redis::streams::StreamReadReply> = redis::cmd("XREADGROUP")
                         .arg("GROUP")
                         .arg("bare")
                         .arg(format!("c{k}"))
                         .arg("COUNT")
                         .arg(batch)
                         .arg("BLOCK")
-                        .arg(100)
+                        .arg(BLOCK.as_millis().to_string())
                         .arg("STREAMS")
                         .arg(stream)
                         .arg(">")
                         .query_async(&mut conn)
                         .await?;
                     let ids: Vec<String> = reply
-                        .keys
+                        .map(|r| r.keys)
+                        .unwrap_or_default()
                         .into_iter()
                         .flat_map(|k| k.ids.into_iter().map(|e| e.id))
                         .collect();
@@ -460,13 +484,15 @@ mod streams {
                 Ok::<_, BoxErr>(())
             }
         };
-        for r in futures_util::future::join_all((0..lanes).map(lane)).await {
+        let t = Instant::now();
+        for r in futures_util::future::join_all(conns.into_iter().enumerate().map(lane)).await {
             r?;
         }
-        Ok(())
+        Ok(t.elapsed())
     }
 
-    /// The adapter over `backend` with a no-op handler, until every entry was handled.
+    /// The adapter over `backend` with a no-op handler, from its first read until every entry
+    /// was handled and the last batch settled.
     async fn driven<B: Backend>(
         client: &redis::Client,
         stream: &str,
@@ -475,124 +501,136 @@ mod streams {
         n: usize,
         batch: usize,
         lanes: usize,
-    ) -> Result<(), BoxErr> {
+    ) -> Result<Duration, BoxErr> {
         let c = StreamConsumer::builder(StreamConfig::new(client.clone(), stream, group, "c"))
             .engine(Consumer::builder(backend).scope(group).retain(DAY).build()?)
             .batch(batch)
             .concurrency(lanes)
-            .idle_wait(Duration::from_millis(100))
+            .idle_wait(BLOCK)
             .build()
             .await?;
         let done = AtomicUsize::new(0);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let stop = std::sync::Mutex::new(Some(stop));
-        c.run(
-            |_, _| {
-                if done.fetch_add(1, Ordering::SeqCst) + 1 >= n
-                    && let Some(s) = stop.lock().ok().and_then(|mut s| s.take())
-                {
-                    let _ = s.send(());
-                }
-                async { Ok::<_, HandlerError<String>>(()) }
-            },
-            async {
-                let _ = stopped.await;
-            },
-        )
-        .await?;
-        Ok(())
+        let t = Instant::now();
+        let report = c
+            .run(
+                |_, _| {
+                    if done.fetch_add(1, Ordering::SeqCst) + 1 >= n
+                        && let Some(s) = stop.lock().ok().and_then(|mut s| s.take())
+                    {
+                        let _ = s.send(());
+                    }
+                    async { Ok::<_, HandlerError<String>>(()) }
+                },
+                async {
+                    let _ = stopped.await;
+                },
+            )
+            .await?;
+        let elapsed = t.elapsed();
+        if report.processed != n as u64 || report.acked != n as u64 {
+            return Err(
+                format!("{group}: not every entry processed once and acked: {report}").into()
+            );
+        }
+        if report.retried > 0 {
+            // Redis cannot redeliver sooner: each retry waited for reclaim_idle (30 s).
+            println!(
+                "  ({group}: {} retried after {} transient failures; each waits reclaim_idle)",
+                report.retried, report.failed_transient
+            );
+        }
+        Ok(elapsed)
     }
 
     pub(super) async fn run(url: &str, n: usize, batch: usize, lanes: usize) -> Result<(), BoxErr> {
         let client = redis::Client::open(url)?;
-        let mut conn = client.get_connection_manager().await?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
         let sfx = super::run_id();
-        let stream = format!("{sfx}-stream");
-        fill(&mut conn, &stream, n).await?;
         let pg_url = std::env::var("IDEM_TEST_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         let my_url = std::env::var("IDEM_TEST_MYSQL_URL")
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
         let schema = sfx.replace('-', "_");
         let pg = PostgresStore::connect(&pg_url).await?.with_schema(&schema)?;
-        pg.migrate().await?;
         let my = MySqlStore::connect(&my_url).await?.with_table_name(&schema)?;
-        my.migrate().await?;
         let dir = tempfile::tempdir()?;
-        println!("{n} entries, batch {batch}, {lanes} batch(es) in flight");
-        let modes = [
-            "bare",
-            "two-phase MemoryStore",
-            "two-phase RedisStore",
-            "two-phase PostgresStore",
-            "inbox SQLite",
-            "inbox PostgreSQL",
-            "inbox MySQL",
-            "bare (again)",
-        ];
-        let mut rows = Vec::new();
-        for (i, mode) in modes.into_iter().enumerate() {
-            let group = format!("g{i}");
-            let t;
-            match mode {
-                "bare" | "bare (again)" => {
-                    let s = format!("{sfx}-bare{i}");
-                    fill(&mut conn, &s, n).await?;
-                    t = Instant::now();
-                    bare(&client, &s, n, batch, lanes).await?;
-                }
-                "two-phase MemoryStore" => {
-                    t = Instant::now();
-                    driven(&client, &stream, &group, MemoryStore::new(), n, batch, lanes).await?;
-                }
-                "two-phase RedisStore" => {
-                    let store = RedisStore::builder(url)?
-                        .namespace(&format!("{sfx}-ns"))?
-                        .connect()
-                        .await?;
-                    t = Instant::now();
-                    driven(&client, &stream, &group, store, n, batch, lanes).await?;
-                }
-                "two-phase PostgresStore" => {
-                    t = Instant::now();
-                    driven(&client, &stream, &group, pg.clone(), n, batch, lanes).await?;
-                }
-                "inbox SQLite" => {
-                    let inbox =
-                        SqliteStore::open(dir.path().join("inbox.sqlite")).await?.inbox(DAY);
-                    t = Instant::now();
-                    driven(&client, &stream, &group, inbox, n, batch, lanes).await?;
-                }
-                "inbox PostgreSQL" => {
-                    t = Instant::now();
-                    driven(&client, &stream, &group, pg.inbox(DAY), n, batch, lanes).await?;
-                }
-                _ => {
-                    t = Instant::now();
-                    driven(&client, &stream, &group, my.inbox(DAY), n, batch, lanes).await?;
-                }
-            }
-            #[allow(clippy::cast_precision_loss)]
-            let rate = n as f64 / t.elapsed().as_secs_f64();
-            println!("{mode:<26} {rate:>9.0} entries/s");
-            rows.push((mode, rate));
-        }
-        let base = (rows[0].1 + rows[rows.len() - 1].1) / 2.0;
-        println!("\n| mode | entries/s | vs bare (mean of both runs) |\n| --- | ---: | ---: |");
-        for (mode, rate) in &rows {
-            println!("| {mode} | {rate:.0} | {:.2} |", rate / base);
-        }
+        let measured =
+            measure(&client, &mut conn, &sfx, url, &pg, &my, dir.path(), n, batch, lanes).await;
+        // Cleaned up whatever happened.
         let keys: Vec<String> =
             redis::cmd("KEYS").arg(format!("*{sfx}*")).query_async(&mut conn).await?;
         for chunk in keys.chunks(500) {
             let _: i64 = redis::cmd("DEL").arg(chunk).query_async(&mut conn).await?;
         }
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE")))
             .execute(pg.pool())
             .await?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE `{schema}`")))
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{schema}`")))
             .execute(my.pool())
             .await?;
+        let rows = measured?;
+        let base = (rows[0].1 + rows[rows.len() - 1].1) / 2.0;
+        println!("\n{n} entries, batch {batch}, {lanes} batch(es) in flight (no-op handler)\n");
+        println!("| mode | entries/s | vs bare (mean of both runs) |\n| --- | ---: | ---: |");
+        for (mode, rate) in &rows {
+            println!("| {mode} | {rate:.0} | {:.2} |", rate / base);
+        }
         Ok(())
+    }
+
+    /// Every mode in turn, each with its own group (the adapter's) or stream (the bare loop's).
+    #[allow(clippy::too_many_arguments)]
+    async fn measure(
+        client: &redis::Client,
+        conn: &mut MultiplexedConnection,
+        sfx: &str,
+        url: &str,
+        pg: &PostgresStore,
+        my: &MySqlStore,
+        dir: &std::path::Path,
+        n: usize,
+        batch: usize,
+        lanes: usize,
+    ) -> Result<Vec<(&'static str, f64)>, BoxErr> {
+        let stream = format!("{sfx}-stream");
+        fill(conn, &stream, n).await?;
+        pg.migrate().await?;
+        my.migrate().await?;
+        let mut rows = Vec::new();
+        for (i, mode) in MODES.into_iter().enumerate() {
+            let group = format!("g{i}");
+            let (s, g) = (stream.as_str(), group.as_str());
+            let took = match i {
+                0 | 8 => {
+                    let own = format!("{sfx}-bare{i}");
+                    fill(conn, &own, n).await?;
+                    bare(client, &own, n, batch, lanes).await?
+                }
+                1 => driven(client, s, g, MemoryStore::new(), n, batch, lanes).await?,
+                2 => {
+                    let store = SqliteStore::open(dir.join("two-phase.sqlite")).await?;
+                    driven(client, s, g, store, n, batch, lanes).await?
+                }
+                3 => driven(client, s, g, pg.clone(), n, batch, lanes).await?,
+                4 => {
+                    let ns = format!("{sfx}-ns");
+                    let store = RedisStore::builder(url)?.namespace(&ns)?.connect().await?;
+                    driven(client, s, g, store, n, batch, lanes).await?
+                }
+                5 => {
+                    let inbox = SqliteStore::open(dir.join("inbox.sqlite")).await?.inbox(DAY);
+                    driven(client, s, g, inbox, n, batch, lanes).await?
+                }
+                6 => driven(client, s, g, pg.inbox(DAY), n, batch, lanes).await?,
+                _ => driven(client, s, g, my.inbox(DAY), n, batch, lanes).await?,
+            };
+            #[allow(clippy::cast_precision_loss)]
+            let rate = n as f64 / took.as_secs_f64();
+            println!("{mode:<26} {rate:>9.0} entries/s");
+            rows.push((mode, rate));
+        }
+        Ok(rows)
     }
 }

@@ -6,17 +6,17 @@
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The server could not be reached or refused a command during setup.
-    #[error("Redis setup failed during `{op}`")]
+    /// The server could not be reached or refused a command.
+    #[error("Redis `{op}` failed")]
     Redis {
-        /// What was being done (`"connect"`, `"INFO memory"`, `"XGROUP CREATE"`).
+        /// What was being done (`"connect"`, `"INFO memory"`, `"XGROUP CREATE"`, `"XACK"`).
         op: &'static str,
         /// The client's error.
         #[source]
         source: redis::RedisError,
     },
     /// The server may evict keys under memory pressure, which would silently forget dedup
-    /// records and let duplicates through (R14).
+    /// records and let duplicates through.
     #[error(
         "Redis maxmemory-policy is `{policy}`, which can evict dedup records and let duplicates \
          through; run `CONFIG SET maxmemory-policy noeviction` (and persist it in redis.conf), or, \
@@ -43,8 +43,17 @@ pub enum Error {
         #[source]
         source: std::sync::Arc<redis::RedisError>,
     },
-    /// The dedup retention is shorter than the stream's redelivery window
-    /// (`max_deliveries × reclaim_idle`).
+    /// A blocking read got no answer within its block time and a margin: its connection is
+    /// dropped, and the next read opens another.
+    #[error("Redis `{op}` got no answer within {after:?}")]
+    Timeout {
+        /// The command.
+        op: &'static str,
+        /// How long it was given.
+        after: std::time::Duration,
+    },
+    /// The dedup retention is shorter than the stream's redelivery window (about
+    /// `max_deliveries × reclaim_idle`).
     #[error(transparent)]
     Retention(#[from] idem_core::retention::RetentionTooShort),
     /// A setting of the streams adapter is missing or invalid.

@@ -6,50 +6,93 @@
 //!   validated, hash-tagged [`Namespace`]. At connect it refuses an evicting
 //!   `maxmemory-policy` and warns when persistence is off.
 //! - [`StreamConsumer`] reads a stream through a consumer group ([`StreamConfig`]) with idem's
-//!   [`Driver`](idem_core::Driver), in two-phase mode over any store (this one included) or in
-//!   inbox mode over a SQL inbox, and turns each outcome into a verb:
+//!   [`Driver`](idem_core::Driver): in two-phase mode over any store (this one included;
+//!   `.store(store)`), or in inbox mode over a SQL inbox (`.inbox(store.inbox(retain))` of
+//!   `idem-sqlx`'s SQLite, PostgreSQL or MySQL store), where each batch's effects commit with
+//!   their dedup markers in one transaction.
 //!
+//! # Outcomes and verbs
 //! | idem outcome | Redis Streams |
 //! | --- | --- |
 //! | processed, duplicate | `XACK` |
-//! | in progress elsewhere, transient failure | nothing: the entry stays pending and `XAUTOCLAIM` hands it out again after [`StreamConfig::reclaim_idle`] (the retry delay cannot be honoured more precisely) |
-//! | conflict, permanent failure, missing key, a retry at [`StreamConfig::max_deliveries`] | `XADD` to the dead-letter stream (the entry's fields plus the `idem-*` headers, `idem-source` = stream, `idem-source-position` = entry id, `idem-group`), then `XACK` |
-//! | fetched while the consumer shuts down | nothing (pending, reclaimed after the idle time) |
+//! | in progress elsewhere, transient failure | none: the entry stays pending and `XAUTOCLAIM` hands it out again once it has been idle for [`reclaim_idle`](StreamConfig::reclaim_idle) |
+//! | conflict, permanent failure, missing key; a retry due at the [`max_deliveries`](StreamConfig::max_deliveries)-th delivery | `XADD` to the dead-letter stream, then `XACK` |
+//! | fetched while the consumer shuts down | none (pending; taken over after `reclaim_idle`) |
+//!
+//! A dead-letter entry carries the entry's fields, the shared
+//! [`headers`](idem_core::driver::headers) `idem-reason`, `idem-outcome`, `idem-scope`,
+//! `idem-source` (the stream), `idem-source-position` (the entry id), `idem-delivered`, and
+//! [`idem-group`](GROUP_FIELD).
+//!
+//! **The retry delay** the driver suggests (another consumer's remaining lease) cannot be
+//! honoured: Redis has no delayed redelivery, so a retried entry comes back after
+//! `reclaim_idle` (plus up to a quarter of it, the scan period), whatever was asked.
+//!
+//! **The redelivery window** is `max_deliveries × reclaim_idle` (each gap up to a quarter
+//! longer): the handler runs at most `max_deliveries` times, and a retry due at the last
+//! delivery is dead-lettered instead. Opening the source refuses a retention shorter than that
+//! (plus [`dead_letter_allowance`](StreamConfig::dead_letter_allowance)). Without
+//! `max_deliveries` it is unbounded: an entry that never settles keeps coming back.
 //!
 //! ```no_run
 //! use std::time::Duration;
 //! use idem_core::consumer::HandlerError;
+//! use idem_core::extract::Envelope;
 //! use idem_redis::{StreamConfig, StreamConsumer};
 //! use idem_sqlx::PostgresStore;
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
 //! let client = redis::Client::open("redis://127.0.0.1/")?;
-//! let consumer = StreamConsumer::builder(StreamConfig::new(client, "orders", "order-writer", "w-1"))
+//! let config = StreamConfig::new(client, "orders", "order-writer", "w-1")
+//!     .reclaim_idle(Duration::from_secs(60))
+//!     .max_deliveries(5);
+//! let consumer = StreamConsumer::builder(config)
 //!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(redis_store): two-phase
 //!     .scope("order-writer")
 //!     .build()
 //!     .await?;
-//! consumer
+//! let report = consumer
 //!     .run(|mut tx, entry| async move {
-//!         sqlx::query("INSERT INTO orders (body) VALUES ($1)")
-//!             .bind(idem_core::extract::Envelope::payload(&entry).to_vec())
+//!         sqlx::query("INSERT INTO orders (id, body) VALUES ($1, $2)")
+//!             .bind(entry.message_id().unwrap_or_default().to_owned())
+//!             .bind(entry.payload().to_vec())
 //!             .execute(&mut *tx) // commits with the dedup marker, then XACK
 //!             .await
-//!             .map_err(HandlerError::Transient)?;
+//!             .map_err(|e| HandlerError::Transient(e.to_string()))?;
 //!         Ok(())
 //!     }, async { tokio::signal::ctrl_c().await.ok(); })
 //!     .await?;
+//! println!("{report}");
 //! # Ok(()) }
 //! ```
 //!
-//! # Failure modes and redelivery
-//! A consumer that dies leaves its entries pending; after `reclaim_idle` any consumer of the
-//! group takes them over and the store makes the copies duplicates. A failed `XACK` leaves
-//! entries pending the same way (counted in the report's `settle_failures`). Dead letters are
-//! written before the `XACK`, so a crash in between dead-letters an entry twice, never zero
-//! times. With a delivery limit, records must outlive `max_deliveries × reclaim_idle`
-//! (checked when the source opens); without one, an entry that never settles keeps coming back.
+//! # Failure modes
+//! - **A consumer dies** (crash, kill, lost host) with entries read: they stay pending in its
+//!   name; once idle for `reclaim_idle` any member of the group takes them over. Effects
+//!   committed before the crash make the copies duplicates (acknowledged, not run again); a
+//!   two-phase key still under the dead consumer's lease is left pending until the lease runs
+//!   out. Each takeover counts a delivery.
+//! - **Between commit and `XACK`** (crash, failed `XACK`): the entries come back after
+//!   `reclaim_idle` and are found done. A failed `XACK` is counted in the report's
+//!   `settle_failures`; the run goes on (the connection manager reconnects).
+//! - **Dead letters** are written and confirmed before the `XACK`: a crash in between
+//!   dead-letters an entry twice, never zero times. A copy that fails (the dead-letter stream
+//!   unwritable) is not acknowledged; it is counted in `dead_letter_failures` and the entry comes
+//!   back.
+//! - **A batch slower than `reclaim_idle`**: other consumers take its entries over while they
+//!   are handled; two-phase, they find the keys in progress and leave them pending; in inbox mode
+//!   they wait on the marker and find them duplicates. Effects still happen once, but deliveries
+//!   are spent: keep `reclaim_idle` above the longest batch, and
+//!   `(max_deliveries − 1) × reclaim_idle` above the engine's lease (opening warns otherwise).
+//! - **Connection trouble**: a failed fetch is retried per the driver's
+//!   [`FetchFailures`](idem_core::driver::FetchFailures); a blocking read with no answer 5 s
+//!   after its block time is dropped with its connection; any broker call hanging past the
+//!   driver's broker timeout ends the run, and whatever was not acknowledged comes back.
+//! - **The group or stream is deleted** (`NOGROUP`): the run ends at once.
+//! - **Redis loses writes** (failover, no persistence): a lost `XACK` is only a redelivery, found
+//!   done; lost dedup records of a [`RedisStore`] let duplicates through, hence its startup
+//!   checks, or a SQL store for the records.
 //!
 //! Needs Redis 6.2 or later (`XAUTOCLAIM`); tested on 7.0. No TLS features are enabled.
 
@@ -63,7 +106,7 @@ pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
 #[doc(hidden)]
 pub use store::ClockOffset;
 pub use store::{MAX_RESULT_BYTES, RedisStore, RedisStoreBuilder, ServerSettings};
-pub use stream::{StreamConfig, StreamEntry, StreamSource};
+pub use stream::{GROUP_FIELD, StreamConfig, StreamEntry, StreamSource};
 
 /// A Redis stream consumer made idempotent: the shared driver over a [`StreamSource`], in
 /// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).

@@ -1,36 +1,28 @@
 //! Every mode through the same builder calls on a real Redis: two-phase over a store (this
-//! crate's own) and the transactional inbox on SQLite, PostgreSQL and MariaDB. Each run: 20
-//! orders, 5 producer duplicates, one id reused with another body. Each order's effect exactly
-//! once, the reused id dead-lettered, nothing pending.
+//! crate's `RedisStore`, and `SqliteStore`) and the transactional inbox on SQLite, PostgreSQL and
+//! MariaDB. Each run: 20 orders, 5 producer duplicates, one id reused with another body. Each
+//! order's effect exactly once, the reused id dead-lettered, nothing pending.
 
 mod common;
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::{DropSql, fresh_sql_name, group_state, wait_for};
 use idem_core::consumer::HandlerError;
+use idem_core::driver::headers;
 use idem_core::extract::Envelope;
 use idem_core::{Backend, Consumer};
-use idem_redis::{StreamConfig, StreamConsumer, StreamEntry};
+use idem_redis::{GROUP_FIELD, StreamConfig, StreamConsumer, StreamEntry};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore, Tx};
 use redis::AsyncCommands;
 use sqlx::AssertSqlSafe;
 
 const ORDERS: usize = 20;
-const TOTAL: i64 = 26;
+const TOTAL: usize = 26;
 const DAY: Duration = Duration::from_secs(86_400);
-
-async fn group_state(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> (i64, i64) {
-    let groups: Vec<HashMap<String, redis::Value>> =
-        redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(conn).await.expect("xinfo");
-    let num = |k: &str| match groups[0].get(k) {
-        Some(redis::Value::Int(n)) => *n,
-        _ => -1,
-    };
-    (num("pending"), num("entries-read"))
-}
 
 /// Writes the workload to a stream of its own, runs a consumer over `backend` with `handler`
 /// until every entry was read and nothing is pending, then checks the effects (`effects()`:
@@ -73,11 +65,11 @@ where
         let _ = stopped.await;
     });
     let watch = async {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while group_state(&mut conn, &stream).await != (0, TOTAL) {
-            assert!(Instant::now() < deadline, "{name}: not drained");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_for("every entry read and acknowledged", Duration::from_secs(30), || {
+            let (mut conn, stream) = (conn.clone(), &stream);
+            async move { group_state(&mut conn, stream, name).await == Some((0, TOTAL)) }
+        })
+        .await;
         stop.send(()).expect("stop");
     };
     let (report, ()) = tokio::join!(run, watch);
@@ -85,12 +77,16 @@ where
     assert_eq!(effects().await, (ORDERS as i64, ORDERS as i64), "{name}: an effect ran twice");
     assert_eq!(report.processed, ORDERS as u64, "{name}: {report}");
     assert_eq!((report.duplicates, report.conflicts), (5, 1), "{name}: {report}");
+    assert_eq!((report.acked, report.dead_lettered), (25, 1), "{name}: {report}");
     let dead: redis::streams::StreamRangeReply =
         conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
     assert_eq!(dead.ids.len(), 1, "{name}");
-    let id: String = dead.ids[0].get("message_id").expect("id");
-    let outcome: String = dead.ids[0].get("idem-outcome").expect("outcome");
-    assert_eq!((id.as_str(), outcome.as_str()), ("o-7", "conflict"));
+    let field = |k: &str| dead.ids[0].get::<String>(k).unwrap_or_else(|| panic!("{name}: no {k}"));
+    assert_eq!(field("message_id"), "o-7");
+    assert_eq!(field(headers::OUTCOME), "conflict");
+    assert_eq!(field(headers::SCOPE), name);
+    assert_eq!(field(headers::SOURCE), stream);
+    assert_eq!(field(GROUP_FIELD), name);
 }
 
 fn id(e: &StreamEntry) -> String {
@@ -101,12 +97,19 @@ fn transient(e: sqlx::Error) -> HandlerError<String> {
     HandlerError::Transient(e.to_string())
 }
 
+/// An effect outside any store: a ledger that counts every run.
+type Ledger = Arc<Mutex<HashMap<String, i64>>>;
+
+fn counts(ledger: &Ledger) -> (i64, i64) {
+    let l = ledger.lock().expect("ledger");
+    (i64::try_from(l.len()).unwrap_or(-1), l.values().sum())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_phase_on_the_redis_store() {
     let Some(url) = common::url() else { return };
     let (store, _offset, _cleanup) = common::store(&url, "modes-2p").await;
-    // The effect lives outside the store: a ledger that counts every run.
-    let ledger: Arc<Mutex<HashMap<String, i64>>> = Arc::default();
+    let ledger = Ledger::default();
     let handler = |_ctx, e: StreamEntry| {
         let ledger = Arc::clone(&ledger);
         async move {
@@ -114,11 +117,23 @@ async fn two_phase_on_the_redis_store() {
             Ok(())
         }
     };
-    let effects = || async {
-        let l = ledger.lock().expect("ledger");
-        (i64::try_from(l.len()).unwrap_or(-1), l.values().sum())
+    exercise(&url, "two-phase-redis", store, handler, || async { counts(&ledger) }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_phase_on_sqlite() {
+    let Some(url) = common::url() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.expect("store");
+    let ledger = Ledger::default();
+    let handler = |_ctx, e: StreamEntry| {
+        let ledger = Arc::clone(&ledger);
+        async move {
+            *ledger.lock().expect("ledger").entry(id(&e)).or_default() += 1;
+            Ok(())
+        }
     };
-    exercise(&url, "two-phase", store, handler, effects).await;
+    exercise(&url, "two-phase-sqlite", store, handler, || async { counts(&ledger) }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,7 +170,9 @@ async fn inbox_on_postgres() {
     ) else {
         return;
     };
-    let schema = format!("idem_redis_modes_{}", std::process::id());
+    let schema = fresh_sql_name("idem_redis_modes");
+    let _drop =
+        DropSql { url: pg.clone(), sql: format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE") };
     let store =
         PostgresStore::connect(&pg).await.expect("pg").with_schema(&schema).expect("schema");
     store.migrate().await.expect("migrate");
@@ -183,10 +200,6 @@ async fn inbox_on_postgres() {
         async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.expect("count") }
     };
     exercise(&url, "inbox-postgres", store.inbox(DAY), handler, effects).await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(&pool)
-        .await
-        .expect("drop schema");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +212,11 @@ async fn inbox_on_mysql() {
     ) else {
         return;
     };
-    let table = format!("idem_redis_modes_{}", std::process::id());
+    let table = fresh_sql_name("idem_redis_modes");
+    let _drop = DropSql {
+        url: my.clone(),
+        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`"),
+    };
     let store = MySqlStore::connect(&my).await.expect("mysql");
     let store = store.with_table_name(&table).expect("table name");
     store.migrate().await.expect("migrate");
@@ -226,8 +243,4 @@ async fn inbox_on_mysql() {
         async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.expect("count") }
     };
     exercise(&url, "inbox-mysql", store.inbox(DAY), handler, effects).await;
-    sqlx::raw_sql(AssertSqlSafe(format!("DROP TABLE `{table}`, `{table}_ledger`")))
-        .execute(&pool)
-        .await
-        .expect("drop tables");
 }

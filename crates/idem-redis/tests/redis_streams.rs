@@ -1,5 +1,6 @@
-//! The Redis Streams adapter on the real server: 4 competing consumers over 10,000 entries with
-//! 20% duplicates, one consumer dropped mid-run without acking.
+//! The Redis Streams source on the real server: 4 competing consumers over 10,000 entries with
+//! 20% duplicates, one consumer dropped mid-run without acking; every verb; the delivery limit;
+//! a dead-letter outage; the settings' checks.
 
 mod common;
 
@@ -7,14 +8,16 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_core::Consumer;
+use common::group_state;
 use idem_core::consumer::HandlerError;
-use idem_core::driver::Report;
+use idem_core::driver::{Report, headers};
 use idem_core::extract::Envelope;
-use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};
+use idem_core::{Consumer, MemoryStore};
+use idem_redis::{Error, GROUP_FIELD, StreamConfig, StreamConsumer, StreamEntry};
+use rand::SeedableRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
 use redis::AsyncCommands;
+use redis::streams::StreamRangeReply;
 
 const UNIQUE: usize = 8_000;
 const EXACT_DUPS: usize = 1_950;
@@ -37,18 +40,6 @@ async fn handler(ledger: Ledger, entry: StreamEntry) -> Result<u64, HandlerError
     let id = entry.message_id().unwrap_or_default().to_owned();
     *ledger.lock().expect("ledger").entry(id).or_default() += 1;
     Ok(v["cents"].as_u64().unwrap_or(0))
-}
-
-async fn group_state(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> (i64, i64) {
-    // XINFO GROUPS: [name, .., pending, n, .., entries-read, n, ..]
-    let groups: Vec<HashMap<String, redis::Value>> =
-        redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(conn).await.expect("xinfo");
-    let g = &groups[0];
-    let num = |k: &str| match g.get(k) {
-        Some(redis::Value::Int(n)) => *n,
-        _ => -1,
-    };
-    (num("pending"), num("entries-read"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,8 +83,10 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         .build()
         .expect("engine");
     let consumer = |name: &str| {
+        // Well above a batch's time even on a loaded machine: a batch still in flight when its
+        // entries are taken over would dead-letter its conflicts a second time.
         let config = StreamConfig::new(client.clone(), &stream, "billing", name)
-            .reclaim_idle(Duration::from_millis(500));
+            .reclaim_idle(Duration::from_secs(2));
         StreamConsumer::builder(config)
             .engine(engine.clone())
             .batch(50)
@@ -139,11 +132,11 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     // Wait (bounded) until every entry was delivered and nothing is pending.
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
-        let (pending, read) = group_state(&mut conn, &stream).await;
-        if pending == 0 && read == 10_000 {
+        let state = group_state(&mut conn, &stream, "billing").await;
+        if state == Some((0, 10_000)) {
             break;
         }
-        assert!(Instant::now() < deadline, "not drained: pending {pending}, entries-read {read}");
+        assert!(Instant::now() < deadline, "not drained: (pending, entries-read) {state:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_tx.send(true).expect("stop");
@@ -169,13 +162,23 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     let dead: redis::streams::StreamRangeReply =
         conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
     let mut reasons: HashMap<&str, usize> = HashMap::new();
-    let mut sources = HashSet::new();
+    let mut sources = HashMap::new();
     for e in &dead.ids {
         let reason: String = e.get("idem-reason").expect("reason");
         let source: String = e.get("idem-source-position").expect("source entry id");
         let outcome: String = e.get("idem-outcome").expect("outcome");
         assert!(outcome == "conflict" || outcome == "failed_permanent", "{outcome}");
-        assert!(sources.insert(source), "an entry was dead-lettered twice");
+        assert_eq!(e.get::<String>(headers::SOURCE).as_deref(), Some(stream.as_str()));
+        assert_eq!(e.get::<String>(headers::SCOPE).as_deref(), Some("billing"));
+        assert_eq!(e.get::<String>(GROUP_FIELD).as_deref(), Some("billing"));
+        let delivered: u64 = e.get(headers::DELIVERED).expect("delivered");
+        assert!(e.get::<String>("payload").is_some(), "the entry's own fields are kept");
+        if let Some(first) = sources.insert(source.clone(), (delivered, e.id.clone())) {
+            panic!(
+                "entry {source} was dead-lettered twice: {first:?}, then ({delivered}, {})",
+                e.id
+            );
+        }
         let kind = if reason.starts_with("conflict:") {
             "conflict"
         } else if reason.contains("poison order") {
@@ -188,24 +191,294 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     assert_eq!(reasons.get("conflict"), Some(&CONFLICTS));
     assert_eq!(reasons.get("poison"), Some(&POISON));
     assert!(total.acked > 0 && total.dead_lettered > 0, "{total:?}");
-    let (pending, read) = group_state(&mut conn, &stream).await;
-    assert_eq!((pending, read), (0, 10_000));
-    let _ = rng.random::<u8>();
+    assert_eq!(group_state(&mut conn, &stream, "billing").await, Some((0, 10_000)));
+}
+
+/// Builds a consumer over `config` (two-phase over a memory store, retention `retain`) and
+/// returns what opening the source said.
+async fn open(config: StreamConfig, retain: Duration) -> Result<(), Error> {
+    let engine = Consumer::builder(MemoryStore::new()).scope("s").retain(retain).build();
+    match StreamConsumer::builder(config).engine(engine.expect("engine")).build().await {
+        Ok(_) => Ok(()),
+        Err(idem_core::driver::Error::Open(e)) => Err(e),
+        Err(e) => panic!("not an error of the source: {e}"),
+    }
 }
 
 #[tokio::test]
-async fn missing_settings_are_refused() {
+async fn settings_are_checked_and_errors_name_the_field() {
+    // No server needed: every check runs before connecting.
+    let client = redis::Client::open("redis://127.0.0.1:1/").expect("client");
+    let cfg = |stream: &str, group: &str, consumer: &str| {
+        StreamConfig::new(client.clone(), stream, group, consumer)
+    };
+    let day = Duration::from_secs(86_400);
+    let cases = [
+        (cfg("", "g", "c"), "`stream` is empty"),
+        (cfg("s", "", "c"), "`group` is empty"),
+        (cfg("s", "g", ""), "`consumer` is empty"),
+        (cfg("s", "g", "c").dead_letter_stream(""), "`dead_letter_stream` is empty"),
+        (cfg("s", "g", "c").dead_letter_stream("s"), "`dead_letter_stream` is the stream itself"),
+        (cfg("s", "g", "c").reclaim_idle(Duration::ZERO), "`reclaim_idle` must be at least 1 ms"),
+        (cfg("s", "g", "c").max_deliveries(0), "`max_deliveries` must be at least 1"),
+        (cfg("s", "g", "c").payload_field(""), "`payload_field` is empty"),
+        (cfg("s", "g", "c").id_field(""), "`id_field` is empty"),
+    ];
+    for (config, expected) in cases {
+        let err = open(config, day).await.expect_err(expected);
+        assert!(matches!(err, Error::Config { .. }), "{err:?}");
+        assert!(err.to_string().contains(expected), "{err} (wanted {expected})");
+    }
+    // 10 deliveries, each up to 3 h + 45 min apart, cannot be covered by one day of records.
+    let long = cfg("s", "g", "c").reclaim_idle(Duration::from_secs(3 * 3600)).max_deliveries(10);
+    let err = open(long, day).await.expect_err("retention");
+    assert!(matches!(err, Error::Retention(_)), "{err:?}");
+    assert!(err.to_string().contains("10 deliveries × 3h 45m"), "{err}");
+    // The same limit with a retention that covers it goes on to connect (and finds no server).
+    let covered = cfg("s", "g", "c").reclaim_idle(Duration::from_secs(60)).max_deliveries(10);
+    let err = open(covered, day).await.expect_err("no server on port 1");
+    assert!(matches!(err, Error::Redis { op: "connect", .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_missing_group_is_refused_unless_created() {
     let Some(url) = common::url() else { return };
-    let store = RedisStore::connect(&url).await.expect("connect");
+    let stream = common::fresh_name("stream-group");
+    let _cleanup = common::Cleanup { url: url.clone(), patterns: vec![format!("{stream}*")] };
     let client = redis::Client::open(url.as_str()).expect("client");
-    let err = StreamConsumer::builder(StreamConfig::new(client, "", "g", "c"))
+    let day = Duration::from_secs(86_400);
+    let no_create = || StreamConfig::new(client.clone(), &stream, "g", "c").create_group(false);
+    let err = open(no_create(), day).await.expect_err("no stream, no group");
+    assert!(err.to_string().contains("`group` does not exist"), "{err}");
+    open(StreamConfig::new(client.clone(), &stream, "g", "c"), day).await.expect("created");
+    open(no_create(), day).await.expect("now it exists");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    assert_eq!(group_state(&mut conn, &stream, "g").await, Some((0, 0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_outcome_gets_its_verb() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-verbs");
+    let (store, _offset, mut cleanup) = common::store(&url, "streams-verbs").await;
+    cleanup.patterns.push(format!("{stream}*"));
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let mut ids = HashMap::new();
+    for (id, payload) in [
+        ("o-1", r#"{"n":1}"#),
+        ("o-1", r#"{"n":1}"#),       // the producer retried: a duplicate
+        ("o-1", r#"{"n":"other"}"#), // the id reused with other content: a conflict
+        ("o-2", r#"{"poison":true}"#),
+        ("o-3", r#"{"flaky":true}"#),
+    ] {
+        let entry: String = conn
+            .xadd(&stream, "*", &[("message_id", id), ("payload", payload)])
+            .await
+            .expect("xadd");
+        ids.entry(id).or_insert(entry);
+    }
+    let config = StreamConfig::new(client.clone(), &stream, "g", "c")
+        .reclaim_idle(Duration::from_millis(200));
+    let c = StreamConsumer::builder(config)
         .store(store)
-        .scope("s")
+        .scope("verbs")
+        .idle_wait(Duration::from_millis(50))
         .build()
         .await
-        .unwrap_err();
-    let idem_core::driver::Error::Open(err) = err else { panic!("{err}") };
-    assert!(err.to_string().contains("`stream` is empty"), "{err}");
+        .expect("consumer");
+    // o-3 fails transiently at its first delivery; the handler records what it saw.
+    let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
+    let handler = |_ctx, e: StreamEntry| {
+        let seen = Arc::clone(&seen);
+        async move {
+            seen.lock().expect("seen").push((e.id().to_owned(), e.delivered()));
+            if e.payload().starts_with(br#"{"poison""#) {
+                return Err(HandlerError::Permanent("poison order".to_owned()));
+            }
+            if e.payload().starts_with(br#"{"flaky""#) && e.delivered() == 1 {
+                return Err(HandlerError::Transient("downstream is down".to_owned()));
+            }
+            Ok(())
+        }
+    };
+    let first = c.poll(&handler).await.expect("poll");
+    assert_eq!(first.fetched, 5, "{first}");
+    assert_eq!((first.processed, first.duplicates, first.conflicts), (1, 1, 1), "{first}");
+    assert_eq!((first.failed_permanent, first.failed_transient), (1, 1), "{first}");
+    assert_eq!((first.acked, first.dead_lettered, first.retried), (2, 2, 1), "{first}");
+    // Only the retry is left pending; the dead letters are confirmed copies.
+    let pending: redis::streams::StreamPendingCountReply =
+        conn.xpending_count(&stream, "g", "-", "+", 10).await.expect("xpending");
+    let pending: Vec<&str> = pending.ids.iter().map(|p| p.id.as_str()).collect();
+    assert_eq!(pending, [ids["o-3"].as_str()]);
+    let dead: StreamRangeReply =
+        conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
+    assert_eq!(dead.ids.len(), 2);
+    for (e, outcome) in dead.ids.iter().zip(["conflict", "failed_permanent"]) {
+        let field = |k: &str| e.get::<String>(k).unwrap_or_else(|| panic!("no {k}"));
+        assert_eq!(field(headers::OUTCOME), outcome);
+        assert_eq!(field(headers::SCOPE), "verbs");
+        assert_eq!(field(headers::SOURCE), stream);
+        assert_eq!(field(headers::DELIVERED), "1");
+        assert_eq!(field(GROUP_FIELD), "g");
+        assert!(!field(headers::REASON).is_empty());
+    }
+    assert_eq!(dead.ids[0].get::<String>("message_id").as_deref(), Some("o-1"));
+    assert_eq!(dead.ids[1].get::<String>(headers::POSITION).as_ref(), Some(&ids["o-2"]));
+
+    // The retry comes back through XAUTOCLAIM once idle, as its second delivery.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let second = loop {
+        let r = c.poll(&handler).await.expect("poll");
+        if r.fetched > 0 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the retry never came back");
+    };
+    assert_eq!((second.fetched, second.processed, second.acked), (1, 1, 1), "{second}");
+    assert_eq!(seen.lock().expect("seen").last(), Some(&(ids["o-3"].clone(), 2)));
+    assert_eq!(group_state(&mut conn, &stream, "g").await, Some((0, 5)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_outage_leaves_the_entry_pending_until_it_can_be_copied() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-outage");
+    let (store, _offset, mut cleanup) = common::store(&url, "streams-outage").await;
+    cleanup.patterns.push(format!("{stream}*"));
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let dlq = format!("{stream}:dlq");
+    // The dead-letter key holds a string: every XADD to it fails with WRONGTYPE.
+    let () = conn.set(&dlq, "not a stream").await.expect("set");
+    let _: String = conn
+        .xadd(&stream, "*", &[("message_id", "o-1"), ("payload", "poison")])
+        .await
+        .expect("xadd");
+    let config = StreamConfig::new(client.clone(), &stream, "g", "c")
+        .dead_letter_stream(&dlq)
+        .reclaim_idle(Duration::from_millis(200));
+    let c = StreamConsumer::builder(config)
+        .store(store)
+        .scope("outage")
+        .idle_wait(Duration::from_millis(50))
+        .build()
+        .await
+        .expect("consumer");
+    let handler = |_ctx, _e: StreamEntry| async {
+        Err::<(), _>(HandlerError::Permanent("poison".to_owned()))
+    };
+    let r = c.poll(handler).await.expect("poll");
+    assert_eq!((r.failed_permanent, r.dead_letter_failures), (1, 1), "{r}");
+    // Never removed without its copy: retried instead of acknowledged.
+    assert_eq!((r.acked, r.dead_lettered, r.retried), (0, 0, 1), "{r}");
+    assert_eq!(group_state(&mut conn, &stream, "g").await, Some((1, 1)));
+
+    // The dead-letter stream can be written again: the entry comes back and is copied.
+    let _: i64 = conn.del(&dlq).await.expect("del");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = c.poll(handler).await.expect("poll");
+        if r.dead_lettered == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never dead-lettered: {r}");
+    }
+    assert_eq!(group_state(&mut conn, &stream, "g").await, Some((0, 1)));
+    let dead: StreamRangeReply = conn.xrange_all(&dlq).await.expect("xrange");
+    assert_eq!(dead.ids.len(), 1);
+    assert_eq!(dead.ids[0].get::<String>(headers::DELIVERED).as_deref(), Some("2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_put_back_is_dead_lettered_with_one_set_of_headers() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-putback");
+    let (store, _offset, mut cleanup) = common::store(&url, "streams-putback").await;
+    cleanup.patterns.push(format!("{stream}*"));
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    // An operator put a dead letter back on the stream, its idem-* fields included.
+    let _: String = conn
+        .xadd(
+            &stream,
+            "*",
+            &[
+                ("message_id", "o-1"),
+                ("payload", "poison"),
+                (headers::REASON, "an earlier reason"),
+                (headers::OUTCOME, "conflict"),
+                (headers::POSITION, "1-1"),
+                (GROUP_FIELD, "an earlier group"),
+            ],
+        )
+        .await
+        .expect("xadd");
+    let c = StreamConsumer::builder(StreamConfig::new(client.clone(), &stream, "g", "c"))
+        .store(store)
+        .scope("putback")
+        .idle_wait(Duration::from_millis(50))
+        .build()
+        .await
+        .expect("consumer");
+    let r = c
+        .poll(|_ctx, _e| async { Err::<(), _>(HandlerError::Permanent("still poison".to_owned())) })
+        .await
+        .expect("poll");
+    assert_eq!(r.dead_lettered, 1, "{r}");
+    // Read the copy raw: a field written twice would show twice.
+    let raw: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(format!("{stream}:dead-letter"))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .expect("xrange");
+    let fields = &raw[0].1;
+    for name in [headers::REASON, headers::OUTCOME, headers::POSITION, GROUP_FIELD] {
+        assert_eq!(fields.iter().filter(|(k, _)| k == name).count(), 1, "{name}: {fields:?}");
+    }
+    let get = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    assert!(get(headers::REASON).is_some_and(|r| r.contains("still poison")), "{fields:?}");
+    assert_eq!(get(GROUP_FIELD), Some("g"));
+    assert_eq!(get("message_id"), Some("o-1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_group_ends_the_run_at_once() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-nogroup");
+    let _cleanup = common::Cleanup { url: url.clone(), patterns: vec![format!("{stream}*")] };
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let c = StreamConsumer::builder(StreamConfig::new(client.clone(), &stream, "g", "c"))
+        .store(MemoryStore::new())
+        .scope("nogroup")
+        .idle_wait(Duration::from_millis(50))
+        .build()
+        .await
+        .expect("consumer");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&stream)
+        .arg("g")
+        .query_async(&mut conn)
+        .await
+        .expect("destroy");
+    let run =
+        c.run(|_ctx, _e| async { Ok::<(), HandlerError<String>>(()) }, std::future::pending());
+    // The default policy would retry 10 times, 1 s apart: NOGROUP is fatal instead.
+    let ended = tokio::time::timeout(Duration::from_secs(5), run).await.expect("run ended");
+    match ended {
+        Err(idem_core::driver::Error::Fetch {
+            attempts: 1,
+            source: Error::Redis { source, .. },
+        }) => {
+            assert_eq!(source.code(), Some("NOGROUP"), "{source}");
+        }
+        other => panic!("expected a fatal fetch error, got {other:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,6 +503,7 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
         .expect("consumer");
     let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut total = Report::default();
     loop {
         let r = runs.clone();
         let settled = c
@@ -243,8 +517,8 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
             .await
             .expect("poll");
         assert_eq!(settled.acked, 0, "a transient failure must never be acked");
-        let (pending, read) = group_state(&mut conn, &stream).await;
-        if pending == 0 && read == 1 {
+        total += settled;
+        if group_state(&mut conn, &stream, "g").await == Some((0, 1)) {
             break;
         }
         assert!(Instant::now() < deadline, "never dead-lettered");
@@ -252,11 +526,15 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
     // The first delivery and the redelivery ran the handler; the retry the second one asked
     // for would have been the third delivery, so it was dead-lettered instead.
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
-    let dead: redis::streams::StreamRangeReply =
+    assert_eq!((total.retried, total.dead_lettered), (1, 1), "{total}");
+    let dead: StreamRangeReply =
         conn.xrange_all(format!("{stream}:dead-letter")).await.expect("xrange");
     assert_eq!(dead.ids.len(), 1);
-    let reason: String = dead.ids[0].get("idem-reason").expect("reason");
+    let reason: String = dead.ids[0].get(headers::REASON).expect("reason");
     assert!(reason.starts_with("gave up after 2 deliveries (max_deliveries)"), "{reason}");
+    assert!(reason.contains("downstream is down"), "{reason}");
+    assert_eq!(dead.ids[0].get::<String>(headers::OUTCOME).as_deref(), Some("failed_transient"));
+    assert_eq!(dead.ids[0].get::<String>(headers::DELIVERED).as_deref(), Some("2"));
     let id: String = dead.ids[0].get("message_id").expect("original fields kept");
     assert_eq!(id, "m-1");
 }

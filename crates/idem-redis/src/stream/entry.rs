@@ -31,11 +31,12 @@ pub(crate) struct Fields {
 /// assert_eq!(e.message_id(), Some("o-1"));
 /// assert_eq!(e.payload(), b"{}");
 /// assert_eq!(e.header("MESSAGE_ID"), Some("o-1"));
+/// assert_eq!(e.delivered(), 1);
 /// ```
 #[derive(Debug, Clone)]
 pub struct StreamEntry {
     inner: Arc<Inner>,
-    deliveries: u64,
+    delivered: u64,
 }
 
 #[derive(Debug)]
@@ -49,14 +50,14 @@ impl StreamEntry {
     /// An entry with the default field roles (`payload`, `message_id`).
     pub fn new(id: impl Into<String>, fields: Vec<(String, Vec<u8>)>) -> Self {
         let roles = Arc::new(Fields { payload: "payload".into(), id: "message_id".into() });
-        Self { inner: Arc::new(Inner { id: id.into(), fields, roles }), deliveries: 1 }
+        Self { inner: Arc::new(Inner { id: id.into(), fields, roles }), delivered: 1 }
     }
 
     pub(crate) fn from_reply(
         id: String,
         map: std::collections::HashMap<String, Value>,
         roles: &Arc<Fields>,
-        deliveries: u64,
+        delivered: u64,
     ) -> Self {
         let mut fields: Vec<(String, Vec<u8>)> = map
             .into_iter()
@@ -71,11 +72,7 @@ impl StreamEntry {
             })
             .collect();
         fields.sort_by(|a, b| a.0.cmp(&b.0));
-        Self { inner: Arc::new(Inner { id, fields, roles: Arc::clone(roles) }), deliveries }
-    }
-
-    pub(crate) fn set_deliveries(&mut self, n: u64) {
-        self.deliveries = n;
+        Self { inner: Arc::new(Inner { id, fields, roles: Arc::clone(roles) }), delivered }
     }
 
     /// The entry id (`<ms>-<seq>`): a delivery position, never a dedup key.
@@ -83,7 +80,7 @@ impl StreamEntry {
         &self.inner.id
     }
 
-    /// All fields.
+    /// All fields, sorted by name (a reply does not keep the order they were added in).
     pub fn fields(&self) -> &[(String, Vec<u8>)] {
         &self.inner.fields
     }
@@ -97,11 +94,11 @@ impl StreamEntry {
             .map(|(_, v)| v.as_slice())
     }
 
-    /// How many times the group has delivered it, this time included: 1 for a new entry; for
-    /// one taken over with `XAUTOCLAIM`, the pending list's count when a delivery limit is set,
-    /// else at least 2.
-    pub fn deliveries(&self) -> u64 {
-        self.deliveries
+    /// How many times the group has delivered it, this time included: 1 for a new entry, the
+    /// pending list's count for one taken over with `XAUTOCLAIM` (a retry, or an entry whose
+    /// consumer died). Never part of the dedup key.
+    pub fn delivered(&self) -> u64 {
+        self.delivered
     }
 }
 

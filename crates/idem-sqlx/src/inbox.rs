@@ -281,6 +281,19 @@ where
     decided
 }
 
+/// How many times a batch is marked before a retryable error fails it (its messages are then
+/// retried by the broker).
+const MARK_ATTEMPTS: u32 = 8;
+
+/// A random pause that grows with the attempt (0.5–2.5 ms at first, at most 160 ms), so that
+/// two batches that deadlocked do not meet again in step.
+fn mark_backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, RandomState};
+    let ceiling = 1u64 << (attempt.min(7) + 10); // microseconds
+    let draw = RandomState::new().hash_one((attempt, Instant::now()));
+    Duration::from_micros(ceiling / 4 + draw % ceiling)
+}
+
 enum Fast<T, E> {
     Done(Vec<(usize, Outcome<T, E>)>),
     HandlerFailed { at: usize, error: HandlerError<E> },
@@ -303,21 +316,38 @@ where
 {
     let inbox = c.store();
     let all_failed = |e: StoreError| Fast::Done(failed_round(round, e));
-    let mut tx = match inbox.begin().await {
-        Ok(tx) => tx,
-        Err(e) => return all_failed(I::error("begin", e)),
-    };
     let keyed: Vec<(DedupKey, Option<Fingerprint>)> =
         round.iter().filter_map(|(_, k)| k.clone()).collect();
-    let started = Instant::now();
-    let marks = match inbox.mark_many(&mut tx, &keyed).await {
-        Ok(m) if m.len() == keyed.len() => m,
-        Ok(_) => {
-            return all_failed(StoreError::backend("mark_many", true, "wrong number of marks"));
+    let mut attempt = 0;
+    let (tx, marks) = loop {
+        attempt += 1;
+        let mut tx = match inbox.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return all_failed(I::error("begin", e)),
+        };
+        let started = Instant::now();
+        match inbox.mark_many(&mut tx, &keyed).await {
+            Ok(m) if m.len() == keyed.len() => {
+                c.observe_claim(started);
+                break (tx, m);
+            }
+            Ok(_) => {
+                return all_failed(StoreError::backend("mark_many", true, "wrong number of marks"));
+            }
+            // No handler has run yet, so marking again is free: concurrent batches on InnoDB
+            // deadlock on the index gaps their new markers share whatever the key order, and a
+            // busy SQLite or a serialization failure clears the same way.
+            Err(e) if e.is_retryable() && attempt < MARK_ATTEMPTS => {
+                tracing::debug!(target: "idem", error = %e, attempt,
+                    "marking the batch failed with a retryable error; marking again");
+                if let Err(e) = tx.rollback().await {
+                    tracing::debug!(target: "idem", error = %e, "rollback after a failed mark");
+                }
+                tokio::time::sleep(mark_backoff(attempt)).await;
+            }
+            Err(e) => return all_failed(e),
         }
-        Err(e) => return all_failed(e),
     };
-    c.observe_claim(started);
     let lender = Lender::new(tx);
     let mut marks = marks.into_iter();
     let mut decided = Vec::with_capacity(round.len());

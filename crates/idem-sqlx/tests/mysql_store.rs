@@ -218,3 +218,60 @@ async fn purge_runs_beside_claims() {
     db.store.complete(live_lease, None, WEEK).await.unwrap();
     assert_eq!(db.store.count(Some("ledger-writer")).await.unwrap().total(), 201);
 }
+
+/// Four batches in flight on one MariaDB inbox, all of fresh keys: InnoDB makes concurrent
+/// marker inserts deadlock on the index gaps they share whatever the key order, and the inbox
+/// marks such a batch again instead of failing it, so no message comes back as a transient
+/// failure and every order is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
+    use idem_core::driver::{Driver, MemoryQueue, QueueMessage};
+    use idem_core::extract::Envelope;
+
+    let Some(db) = db(8).await else { return };
+    let orders = format!("`{}_orders`", db.table);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE TABLE {orders} (id VARCHAR(32) NOT NULL)")))
+        .execute(db.store.pool())
+        .await
+        .unwrap();
+    let q = MemoryQueue::new();
+    const N: usize = 4_000;
+    for i in 0..N {
+        q.push(format!("o-{i:05}"), format!(r#"{{"order":{i}}}"#));
+    }
+    let consumer = Driver::builder(q.clone())
+        .inbox(db.store.inbox(WEEK))
+        .scope("deadlocks")
+        .batch(64)
+        .concurrency(4)
+        .idle_wait(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap();
+    let insert = format!("INSERT INTO {orders} VALUES (?)");
+    let handler = |mut tx: idem_sqlx::Tx<sqlx::MySql>, m: QueueMessage| {
+        let insert = insert.clone();
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(m.message_id().unwrap_or_default().to_owned())
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| idem_core::consumer::HandlerError::Transient(e.to_string()))?;
+            Ok::<_, idem_core::consumer::HandlerError<String>>(())
+        }
+    };
+    let drained = q.drained();
+    let report = tokio::time::timeout(Duration::from_secs(120), consumer.run(handler, drained))
+        .await
+        .expect("the queue drains")
+        .unwrap();
+    assert_eq!(report.processed, N as u64, "{report}");
+    assert_eq!((report.failed_transient, report.retried), (0, 0), "{report}");
+    let (rows, distinct): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*), COUNT(DISTINCT id) FROM {orders}"
+    )))
+    .fetch_one(db.store.pool())
+    .await
+    .unwrap();
+    assert_eq!((rows, distinct), (N as i64, N as i64));
+}

@@ -144,7 +144,8 @@ impl Run {
             .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
             .batch(self.batch)
             .concurrency(self.lanes)
-            .idle_wait(Duration::from_millis(200))
+            // Short: at the end, batches still in flight wait this long for messages that never come.
+            .idle_wait(Duration::from_millis(20))
             .build()
             .await?;
         let done = std::sync::atomic::AtomicUsize::new(0);

@@ -202,6 +202,10 @@ impl Source for AmqpSource {
     /// What the broker has pushed already, or else the first delivery within `wait` and what
     /// came with it; then more for up to the batch wait, up to `max`.
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<AmqpMessage>, Error> {
+        // The wait counts from the call, not from getting the stream: with batches in flight,
+        // fetches queue for it, and each waiting its full time would hold shutdown up to
+        // `concurrency × wait`.
+        let deadline = tokio::time::Instant::now() + wait;
         let mut stream = self.stream.lock().await;
         let mut out = Vec::with_capacity(max);
         let ready = |out: &mut Vec<AmqpMessage>, stream: &mut lapin::Consumer| {
@@ -217,7 +221,7 @@ impl Source for AmqpSource {
             return keep_or_fail(out, e);
         }
         if out.is_empty() {
-            match tokio::time::timeout(wait, stream.next()).await {
+            match tokio::time::timeout_at(deadline, stream.next()).await {
                 Ok(d) => out.push(next_delivery(d)?),
                 // lapin may leave the stream silent after its connection failed.
                 Err(_) if !self.channel.status().connected() => return Err(Error::ChannelClosed),

@@ -171,7 +171,8 @@ async fn driven<B: Backend>(
         .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
         .batch(batch)
         .concurrency(lanes)
-        .idle_wait(Duration::from_millis(200))
+        // Short: at the end, batches still in flight wait this long for messages that never come.
+        .idle_wait(Duration::from_millis(20))
         .build()
         .await?;
     let done = std::sync::atomic::AtomicUsize::new(0);

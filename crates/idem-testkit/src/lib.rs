@@ -4,6 +4,8 @@
 //!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
 //! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_sqlx::TxInbox`] and the
 //!   consumer backend every broker adapter drives), against each SQL inbox.
+//! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::driver::Source`] through
+//!   the driver): every mode through the same builder calls on a real broker.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`.
 
@@ -11,6 +13,8 @@ pub mod cases;
 pub mod faults;
 pub mod inbox;
 pub mod service;
+#[cfg(feature = "source")]
+pub mod source;
 
 use std::future::Future;
 use std::time::Duration;

@@ -213,29 +213,8 @@ pub async fn sqlite_inbox<H: SourceHarness>(h: H) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("shop.sqlite")).await.unwrap();
     sqlx::query("CREATE TABLE ledger (k TEXT NOT NULL)").execute(store.pool()).await.unwrap();
-    let flaky = Flaky::new();
-    let handler = |mut tx: Tx<sqlx::Sqlite>, m: MessageOf<H>| {
-        let id = id_of(&m);
-        let checked = flaky.check(&id);
-        async move {
-            checked?;
-            sqlx::query("INSERT INTO ledger VALUES (?)")
-                .bind(id)
-                .execute(&mut *tx)
-                .await
-                .map_err(transient)?;
-            Ok(())
-        }
-    };
-    let pool = store.pool().clone();
-    let effects = || async {
-        sqlx::query_as("SELECT COUNT(DISTINCT k), COUNT(*) FROM ledger")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    exercise(&h, "inbox-sqlite", store.inbox(WEEK), handler, effects).await;
-    h.cleanup().await;
+    let inbox = store.inbox(WEEK);
+    inbox_case(h, "inbox-sqlite", inbox, store.pool().clone(), "ledger", "?").await;
 }
 
 /// Inbox mode on PostgreSQL (`IDEM_TEST_POSTGRES_URL`), store and ledger in a schema of their
@@ -258,29 +237,8 @@ pub async fn postgres_inbox<H: SourceHarness>(h: H) {
         .execute(store.pool())
         .await
         .unwrap();
-    let insert = format!("INSERT INTO {ledger} VALUES ($1)");
-    let flaky = Flaky::new();
-    let handler = |mut tx: Tx<sqlx::Postgres>, m: MessageOf<H>| {
-        let (insert, id) = (insert.clone(), id_of(&m));
-        let checked = flaky.check(&id);
-        async move {
-            checked?;
-            sqlx::query(AssertSqlSafe(insert))
-                .bind(id)
-                .execute(&mut *tx)
-                .await
-                .map_err(transient)?;
-            Ok(())
-        }
-    };
-    let pool = store.pool().clone();
-    let count = format!("SELECT COUNT(DISTINCT k), COUNT(*) FROM {ledger}");
-    let effects = || {
-        let (pool, count) = (pool.clone(), count.clone());
-        async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.unwrap() }
-    };
-    exercise(&h, "inbox-postgres", store.inbox(WEEK), handler, effects).await;
-    h.cleanup().await;
+    let inbox = store.inbox(WEEK);
+    inbox_case(h, "inbox-postgres", inbox, store.pool().clone(), &ledger, "$1").await;
 }
 
 /// Inbox mode on MySQL/MariaDB (`IDEM_TEST_MYSQL_URL`), store and ledger in tables of their
@@ -298,13 +256,37 @@ pub async fn mysql_inbox<H: SourceHarness>(h: H) {
         sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`"),
     };
     store.migrate().await.unwrap();
-    sqlx::raw_sql(AssertSqlSafe(format!("CREATE TABLE `{table}_ledger` (k VARCHAR(64) NOT NULL)")))
+    let ledger = format!("`{table}_ledger`");
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE TABLE {ledger} (k VARCHAR(64) NOT NULL)")))
         .execute(store.pool())
         .await
         .unwrap();
-    let insert = format!("INSERT INTO `{table}_ledger` VALUES (?)");
+    let inbox = store.inbox(WEEK);
+    inbox_case(h, "inbox-mysql", inbox, store.pool().clone(), &ledger, "?").await;
+}
+
+/// Inbox mode over `inbox`: each first delivery inserts one row into `ledger` (with the
+/// database's parameter `placeholder`) on the batch's transaction; `pool` counts the rows.
+async fn inbox_case<H, I, DB>(
+    h: H,
+    name: &str,
+    inbox: I,
+    pool: sqlx::Pool<DB>,
+    ledger: &str,
+    placeholder: &str,
+) where
+    H: SourceHarness,
+    DB: sqlx::Database,
+    I: Backend<Ctx = Tx<DB>>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'r> (i64, i64): sqlx::FromRow<'r, DB::Row>,
+{
+    let insert = format!("INSERT INTO {ledger} VALUES ({placeholder})");
     let flaky = Flaky::new();
-    let handler = |mut tx: Tx<sqlx::MySql>, m: MessageOf<H>| {
+    let handler = |mut tx: Tx<DB>, m: MessageOf<H>| {
         let (insert, id) = (insert.clone(), id_of(&m));
         let checked = flaky.check(&id);
         async move {
@@ -317,16 +299,16 @@ pub async fn mysql_inbox<H: SourceHarness>(h: H) {
             Ok(())
         }
     };
-    let pool = store.pool().clone();
-    let count = format!("SELECT COUNT(DISTINCT k), COUNT(*) FROM `{table}_ledger`");
+    let count = format!("SELECT COUNT(DISTINCT k), COUNT(*) FROM {ledger}");
     let effects = || {
         let (pool, count) = (pool.clone(), count.clone());
         async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.unwrap() }
     };
-    exercise(&h, "inbox-mysql", store.inbox(WEEK), handler, effects).await;
+    exercise(&h, name, inbox, handler, effects).await;
     h.cleanup().await;
 }
 
+/// A random suffix for the case's schema or tables.
 fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())

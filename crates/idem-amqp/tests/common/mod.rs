@@ -133,10 +133,6 @@ impl Broker {
         self.topology.queue()
     }
 
-    pub fn dead_letter_queue(&self) -> &str {
-        self.topology.dead_letter_queue().unwrap()
-    }
-
     /// Publishes to the work queue and waits for the broker's confirm.
     pub async fn publish(&self, id: Option<&str>, body: &[u8], headers: &[(&str, &str)]) {
         let mut props = BasicProperties::default().with_delivery_mode(2);

@@ -51,42 +51,6 @@ pub async fn store(url: &str, tag: &str) -> (RedisStore, ClockOffset, Cleanup) {
     (store, offset, cleanup)
 }
 
-/// A SQL-friendly name no other test uses (letters, digits and `_`).
-pub fn fresh_sql_name(tag: &str) -> String {
-    fresh_name(tag).replace('-', "_")
-}
-
-/// Runs `sql` on the PostgreSQL or MariaDB server at `url` when dropped (a test's schema or
-/// tables), failed assertions included.
-pub struct DropSql {
-    pub url: String,
-    pub sql: String,
-}
-
-impl Drop for DropSql {
-    fn drop(&mut self) {
-        let (url, sql) = (self.url.clone(), self.sql.clone());
-        // Its own thread and runtime: drop may run inside the test's runtime.
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
-                return;
-            };
-            rt.block_on(async move {
-                use sqlx::Connection as _;
-                let sql = sqlx::AssertSqlSafe(sql);
-                if url.starts_with("postgres") {
-                    if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
-                        let _ = sqlx::raw_sql(sql).execute(&mut c).await;
-                    }
-                } else if let Ok(mut c) = sqlx::MySqlConnection::connect(&url).await {
-                    let _ = sqlx::raw_sql(sql).execute(&mut c).await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 /// Waits until `done()` holds, checking every 20 ms, and panics naming `what` after `limit`.
 pub async fn wait_for<F, Fut>(what: &str, limit: std::time::Duration, mut done: F)
 where

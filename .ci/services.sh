@@ -70,6 +70,10 @@ up() {
     --dir "$STATE" --logfile "$STATE/redis.log" --pidfile "$STATE/redis.pid"; wait_port "$REDIS_PORT" 15 redis; }
   # RabbitMQ takes 10-20 s to boot.
   port_open "$AMQP_PORT" || { $SUDO rabbitmq-server -detached; wait_port "$AMQP_PORT" 120 rabbitmq; }
+  # AMQP 1.0 (the Service Bus protocol) on the same port: RabbitMQ 3.10 bundles the plugin.
+  # `--online` applies it to the running node; enabling an enabled plugin is a no-op.
+  $SUDO rabbitmq-plugins enable --online rabbitmq_amqp1_0 >"$STATE/amqp1_0.log" 2>&1 \
+    || { tail -5 "$STATE/amqp1_0.log"; exit 1; }
   # Mosquitto dies silently without /run/mosquitto.
   port_open "$MQTT_PORT" || { $SUDO install -d -o mosquitto -g mosquitto /run/mosquitto
     $SUDO mosquitto -d -c /etc/mosquitto/mosquitto.conf; wait_port "$MQTT_PORT" 15 mosquitto; }

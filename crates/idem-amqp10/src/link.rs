@@ -1,0 +1,178 @@
+//! The receiving link on a task of its own: it receives into a channel and sends the
+//! dispositions it is asked for, so settling never waits behind a fetch that is waiting for
+//! deliveries (fe2o3's `recv` and its full set of dispositions both need the receiver).
+
+use std::time::Duration;
+
+use fe2o3_amqp::link::delivery::DeliveryInfo;
+use fe2o3_amqp::link::{DispositionError, Receiver, RecvError};
+use fe2o3_amqp::types::definitions;
+use fe2o3_amqp::types::messaging::{Accepted, Body, Modified, Rejected, Released};
+use fe2o3_amqp::types::primitives::Value;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::message::Amqp10Message;
+
+/// A settling verb.
+#[derive(Debug, Clone)]
+pub(crate) enum Verb {
+    Accept,
+    Reject(definitions::Error),
+    Release,
+    Modify(Modified),
+}
+
+impl Verb {
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::Accept => "accepted",
+            Self::Reject(_) => "rejected",
+            Self::Release => "released",
+            Self::Modify(_) => "modified",
+        }
+    }
+}
+
+enum Command {
+    Dispose {
+        infos: Vec<DeliveryInfo>,
+        verb: Verb,
+        done: oneshot::Sender<Result<(), DispositionError>>,
+    },
+    Close {
+        bound: Duration,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// The handle the source keeps.
+pub(crate) struct Link {
+    commands: mpsc::UnboundedSender<Command>,
+    deliveries: tokio::sync::Mutex<mpsc::UnboundedReceiver<Result<Amqp10Message, RecvError>>>,
+}
+
+/// The link's task ended (its receiver is gone).
+#[derive(Debug)]
+pub(crate) struct Gone;
+
+impl Link {
+    pub(crate) fn spawn(receiver: Receiver) -> Self {
+        let (commands, rx_commands) = mpsc::unbounded_channel();
+        let (tx, deliveries) = mpsc::unbounded_channel();
+        tokio::spawn(run(receiver, rx_commands, tx));
+        Self { commands, deliveries: tokio::sync::Mutex::new(deliveries) }
+    }
+
+    /// Up to `max` deliveries: the first within `wait`, then those arriving within
+    /// `batch_wait` of each other. `Err` only when nothing was received.
+    pub(crate) async fn fetch(
+        &self,
+        max: usize,
+        wait: Duration,
+        batch_wait: Duration,
+    ) -> Result<Vec<Amqp10Message>, Result<RecvError, Gone>> {
+        let mut rx = self.deliveries.lock().await;
+        let mut out = Vec::new();
+        let mut limit = wait;
+        while out.len() < max {
+            match tokio::time::timeout(limit, rx.recv()).await {
+                Err(_) => break,
+                Ok(Some(Ok(m))) => out.push(m),
+                Ok(Some(Err(_))) | Ok(None) if !out.is_empty() => break,
+                Ok(Some(Err(e))) => return Err(Ok(e)),
+                Ok(None) => return Err(Err(Gone)),
+            }
+            limit = batch_wait;
+        }
+        Ok(out)
+    }
+
+    pub(crate) async fn dispose(
+        &self,
+        infos: Vec<DeliveryInfo>,
+        verb: Verb,
+    ) -> Result<Result<(), DispositionError>, Gone> {
+        if infos.is_empty() {
+            return Ok(Ok(()));
+        }
+        let (done, answer) = oneshot::channel();
+        self.commands.send(Command::Dispose { infos, verb, done }).map_err(|_| Gone)?;
+        answer.await.map_err(|_| Gone)
+    }
+
+    /// Releases what was received but never fetched, then closes the link (bounded).
+    /// Returns how many deliveries it released.
+    pub(crate) async fn close(&self, bound: Duration) -> u64 {
+        let unfetched: Vec<DeliveryInfo> = {
+            let mut rx = self.deliveries.lock().await;
+            rx.close();
+            let mut infos = Vec::new();
+            while let Ok(d) = rx.try_recv() {
+                if let Ok(m) = d {
+                    infos.push(m.info().clone());
+                }
+            }
+            infos
+        };
+        let n = unfetched.len() as u64;
+        if let Ok(Err(e)) = self.dispose(unfetched, Verb::Release).await {
+            tracing::debug!(error = %e, "releasing unfetched deliveries failed; the broker redelivers them");
+        }
+        let (done, answer) = oneshot::channel();
+        if self.commands.send(Command::Close { bound, done }).is_ok() {
+            let _ = answer.await;
+        }
+        n
+    }
+}
+
+async fn run(
+    mut receiver: Receiver,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    deliveries: mpsc::UnboundedSender<Result<Amqp10Message, RecvError>>,
+) {
+    let mut receiving = true;
+    loop {
+        tokio::select! {
+            biased;
+            cmd = commands.recv() => match cmd {
+                Some(Command::Dispose { infos, verb, done }) => {
+                    let _ = done.send(dispose(&receiver, infos, verb).await);
+                }
+                Some(Command::Close { bound, done }) => {
+                    // RabbitMQ answers a closing detach without `closed=true`: never wait long.
+                    if tokio::time::timeout(bound, receiver.close()).await.is_err() {
+                        tracing::debug!("receiver close unanswered within {bound:?}");
+                    }
+                    let _ = done.send(());
+                    return;
+                }
+                None => return,
+            },
+            // `recv` is cancel safe: a delivery is never lost to the other branch.
+            d = receiver.recv::<Body<Value>>(), if receiving => {
+                let failed = d.is_err();
+                let d = d.map(|delivery| {
+                    let (info, message) = delivery.into_parts();
+                    Amqp10Message::new(info, message)
+                });
+                if deliveries.send(d).is_err() || failed {
+                    receiving = false;
+                }
+            }
+        }
+    }
+}
+
+async fn dispose(
+    receiver: &Receiver,
+    infos: Vec<DeliveryInfo>,
+    verb: Verb,
+) -> Result<(), DispositionError> {
+    match verb {
+        Verb::Accept => receiver.dispose_all(infos, Accepted {}).await,
+        Verb::Release => receiver.dispose_all(infos, Released {}).await,
+        Verb::Reject(error) => receiver.dispose_all(infos, Rejected { error: Some(error) }).await,
+        Verb::Modify(m) => receiver.dispose_all(infos, m).await,
+    }
+}

@@ -1,5 +1,8 @@
 //! What can go wrong setting up or running a Kafka consumer.
 
+use std::time::Duration;
+
+use idem_core::retention::human;
 use rdkafka::error::KafkaError;
 
 /// Errors of the Kafka source. Per-message failures are not errors: they end in a commit, a
@@ -29,6 +32,21 @@ pub enum Error {
     /// No topic to consume, or an empty topic name.
     #[error("topics: {0}")]
     Topics(&'static str),
+    /// The consumed topics keep messages longer than the dedup records are kept, by the
+    /// retention stated with [`Kafka::topic_retention`](crate::Kafka::topic_retention).
+    #[error(
+        "the topics keep messages for {} (stated topic retention) but dedup records are kept for \
+         only {}: a replay from an older offset would run effects again; keep records at least \
+         as long",
+        human(*topic_retention),
+        human(*dedup_retention)
+    )]
+    Retention {
+        /// How long the topics keep messages, as stated.
+        topic_retention: Duration,
+        /// How long the dedup records (or inbox markers) are kept.
+        dedup_retention: Duration,
+    },
     /// The source was closed (its run ended); build a new consumer.
     #[error("the Kafka consumer is closed")]
     Closed,

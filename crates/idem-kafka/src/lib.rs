@@ -73,6 +73,15 @@
 //! every topic that outlives the records; [`KafkaSource::retention_gaps`] returns the same
 //! check to act on.
 //!
+//! A broker that does not answer `DescribeConfigs` can be told the retention instead
+//! ([`Kafka::topic_retention`]); opening then fails when the dedup records are kept for less.
+//!
+//! # Azure Event Hubs
+//! With the `event-hubs` feature (librdkafka built with OpenSSL), `EventHubs` (in the
+//! `event_hubs` module) builds the configuration for Event Hubs' Kafka endpoint from a
+//! connection string, with the hub's retention stated and checked. Tested at the configuration
+//! level only: parsing, the settings, librdkafka accepting them; not against Azure in CI.
+//!
 //! # Closing
 //! When a run ends the source commits what settled and leaves the group on a blocking thread,
 //! bounded by [`Kafka::close_timeout`]: dropping an rdkafka consumer was seen to hang for more
@@ -80,12 +89,16 @@
 
 mod delivery;
 mod error;
+#[cfg(feature = "event-hubs")]
+pub mod event_hubs;
 mod retention;
 mod source;
 mod tracker;
 
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
+#[cfg(feature = "event-hubs")]
+pub use event_hubs::EventHubs;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use rdkafka;
 pub use retention::RetentionGap;

@@ -91,6 +91,7 @@ pub struct Kafka {
     retry_delay: Duration,
     produce_timeout: Duration,
     close_timeout: Duration,
+    topic_retention: Option<Duration>,
 }
 
 impl Kafka {
@@ -111,6 +112,7 @@ impl Kafka {
             retry_delay: Duration::from_secs(1),
             produce_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
+            topic_retention: None,
         }
     }
 
@@ -132,6 +134,17 @@ impl Kafka {
     /// is retried instead.
     pub fn produce_timeout(mut self, d: Duration) -> Self {
         self.produce_timeout = d;
+        self
+    }
+
+    /// States how long the consumed topics keep messages, instead of asking the brokers: for
+    /// brokers that do not answer `DescribeConfigs` (Azure Event Hubs' Kafka endpoint did not
+    /// for years) or whose answer does not hold. Opening then fails with [`Error::Retention`]
+    /// when the dedup records are kept for less, and the brokers are not asked. Without it the
+    /// brokers are asked and a shorter dedup retention is only logged (see
+    /// [`KafkaSource::retention_gaps`]).
+    pub fn topic_retention(mut self, d: Duration) -> Self {
+        self.topic_retention = Some(d);
         self
     }
 
@@ -195,10 +208,18 @@ fn check_config(config: &ClientConfig) -> Result<(), Error> {
 }
 
 /// The settings a producer or admin client needs to reach the same brokers as `config`: the
-/// addresses, the client id and every security, SASL and SSL setting (credentials included).
+/// addresses, the client id, every security, SASL and SSL setting (credentials included), and
+/// the socket and connection-lifetime settings (a load balancer that drops idle connections,
+/// as Azure's does after 240 s, drops the producer's too).
 fn connection_config(config: &ClientConfig) -> ClientConfig {
-    const EXACT: [&str; 3] = ["bootstrap.servers", "client.id", "broker.address.family"];
-    const PREFIXES: [&str; 3] = ["security.", "sasl.", "ssl."];
+    const EXACT: [&str; 5] = [
+        "bootstrap.servers",
+        "client.id",
+        "broker.address.family",
+        "metadata.max.age.ms",
+        "connections.max.idle.ms",
+    ];
+    const PREFIXES: [&str; 4] = ["security.", "sasl.", "ssl.", "socket."];
     let mut out = ClientConfig::new();
     // `config_map` masks secrets in its values, so only its keys are used.
     for key in config.config_map().into_keys() {
@@ -378,9 +399,15 @@ impl SourceConfig for Kafka {
     type Source = KafkaSource;
 
     /// Checks the settings, creates the consumer (subscribed) and the dead-letter producer, and
-    /// logs a warning for every consumed topic whose log outlives the dedup records.
+    /// logs a warning for every consumed topic whose log outlives the dedup records (or, with a
+    /// [stated topic retention](Kafka::topic_retention), fails when it is longer than theirs).
     async fn open(self, opening: Opening<'_>) -> Result<KafkaSource, Error> {
         check_config(&self.config)?;
+        if let Some(topic_retention) = self.topic_retention
+            && topic_retention > opening.retention
+        {
+            return Err(Error::Retention { topic_retention, dedup_retention: opening.retention });
+        }
         if self.topics.is_empty() {
             return Err(Error::Topics("at least one topic is needed"));
         }
@@ -419,7 +446,9 @@ impl SourceConfig for Kafka {
             retention: opening.retention,
             state: Mutex::new(State::default()),
         };
-        source.warn_retention().await;
+        if self.topic_retention.is_none() {
+            source.warn_retention().await;
+        }
         Ok(source)
     }
 }

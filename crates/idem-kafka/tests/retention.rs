@@ -1,6 +1,6 @@
-//! The startup retention check against a real Kafka-protocol broker (tansu): a topic that
+//! The startup retention check. Against a real Kafka-protocol broker (tansu): a topic that
 //! keeps messages longer than idem keeps their dedup records is reported, one that does not
-//! is not.
+//! is not. Without one: a stated topic retention is enforced before anything connects.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -52,4 +52,25 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
     assert!(msg.contains("for 7d (retention.ms)") && msg.contains("kept for 1d"), "{msg}");
 
     assert!(check(DAY * 8).await.is_empty(), "records kept 8 days outlive both topics");
+}
+
+/// A stated topic retention replaces the brokers' answer and is enforced: opening fails before
+/// anything connects (the brokers' address here is never dialled).
+#[tokio::test]
+async fn a_stated_topic_retention_longer_than_the_records_fails_the_opening() {
+    let open = |retain: Duration| async move {
+        let dedup =
+            Consumer::builder(idem_core::MemoryStore::new()).scope("ret").retain(retain).build();
+        let config = Kafka::new(&common::config("127.0.0.1:1", "g"), &["orders"], "orders-dlq")
+            .topic_retention(DAY * 7)
+            .close_timeout(Duration::from_secs(2));
+        KafkaConsumer::builder(config).engine(dedup.unwrap()).build().await
+    };
+    let Err(idem_core::driver::Error::Open(e)) = open(DAY).await else { panic!("opened") };
+    assert!(
+        matches!(e, idem_kafka::Error::Retention { topic_retention, dedup_retention }
+            if topic_retention == DAY * 7 && dedup_retention == DAY),
+        "{e:?}"
+    );
+    open(DAY * 7).await.unwrap().close().await.unwrap();
 }

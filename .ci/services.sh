@@ -16,6 +16,7 @@ wait_port() {
 PG_PORT=${PG_PORT:-5432}; MYSQL_PORT=${MYSQL_PORT:-3306}; REDIS_PORT=${REDIS_PORT:-6379}
 AMQP_PORT=${AMQP_PORT:-5672}; MQTT_PORT=${MQTT_PORT:-1883}; NATS_PORT=${NATS_PORT:-4222}
 KAFKA_PORT=${KAFKA_PORT:-9092}; TANSU_VERSION=0.6.0
+COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosmosdb-server, see up()
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
 
@@ -26,6 +27,7 @@ status() {
     name=${pair%%:*}; port=${pair##*:}
     if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
   done
+  if port_open "$COSMOS_PORT"; then log "cosmosdb-server answers on 127.0.0.1:$COSMOS_PORT"; else log "cosmosdb-server DOES NOT answer on 127.0.0.1:$COSMOS_PORT"; bad=1; fi
   return $bad
 }
 
@@ -96,6 +98,27 @@ up() {
       --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" --storage-engine memory://tansu/ \
       >"$STATE/tansu.log" 2>&1 </dev/null &
     wait_port "$KAFKA_PORT" 30 kafka; }
+  # --- cosmosdb-server (idem-cosmos wire tests) -------------------------------------------------
+  # @vercel/cosmosdb-server: the Cosmos DB REST API in Node, in memory, HTTPS with its own
+  # self-signed certificate, on loopback. It checks no auth and its batches are NOT atomic: tests
+  # claim neither from it. npm-installed once per machine into ~/.cache (needs node >= 20).
+  port_open "$COSMOS_PORT" || { local cosmos_dir=$HOME/.cache/idem-cosmosdb-server
+    local cosmos_pkg=$cosmos_dir/node_modules/@vercel/cosmosdb-server
+    if ! grep -qs "\"version\": \"$COSMOSDB_SERVER_VERSION\"" "$cosmos_pkg/package.json"; then
+      if ! command -v npm >/dev/null; then
+        log "installing: nodejs npm"; export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -qq
+        $SUDO apt-get install -y -qq --no-install-recommends nodejs npm >"$STATE/apt-node.log" 2>&1 || { tail -20 "$STATE/apt-node.log"; exit 1; }
+      fi
+      log "installing @vercel/cosmosdb-server@$COSMOSDB_SERVER_VERSION into $cosmos_dir"
+      mkdir -p "$cosmos_dir"
+      npm install --prefix "$cosmos_dir" --no-audit --no-fund --save-exact "@vercel/cosmosdb-server@$COSMOSDB_SERVER_VERSION" \
+        >"$STATE/cosmosdb-server-install.log" 2>&1 || { tail -20 "$STATE/cosmosdb-server-install.log"; exit 1; }
+    fi
+    nohup setsid node "$cosmos_pkg/lib/cli.js" --host 127.0.0.1 -p "$COSMOS_PORT" \
+      >"$STATE/cosmosdb-server.log" 2>&1 </dev/null &
+    wait_port "$COSMOS_PORT" 30 cosmosdb-server; }
+  # --- end cosmosdb-server ----------------------------------------------------------------------
   log "all services ready"
 }
 

@@ -1,0 +1,224 @@
+//! The batch: marker first, then the handler's documents; a 409 answered by reading the marker.
+
+use azure_data_cosmos::TransactionalBatch;
+use azure_data_cosmos::models::TransactionalBatchResponse;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use idem_core::{DedupKey, Fingerprint};
+use serde_json::{Map, Value};
+
+use super::CosmosInbox;
+use super::docs::Op;
+use crate::Error;
+use crate::limits::{
+    MAX_BATCH_BYTES, MAX_BATCH_OPERATIONS, MAX_ITEM_BYTES, check_id, check_partition,
+    check_partition_key, check_size,
+};
+
+/// How a batch ended (its errors aside).
+pub(super) enum Committed {
+    /// Marker and documents are written.
+    Done,
+    /// The marker existed: a duplicate (or a conflict); nothing was written.
+    Marked(Marker),
+}
+
+/// A stored marker, as far as the decision needs it.
+pub(super) struct Marker {
+    pub(super) fingerprint: Option<Fingerprint>,
+    pub(super) result: Option<Vec<u8>>,
+}
+
+/// The marker's document id: the key hash (always a valid id), prefixed so it cannot meet an
+/// entity id.
+fn marker_id(key: &DedupKey) -> String {
+    format!("idem-{}", hex::encode(key.hash().as_bytes()))
+}
+
+/// Sets `value` at `path` (`/a/b`) in `doc`, creating objects on the way.
+fn set_path(doc: &mut Map<String, Value>, path: &str, value: Value) {
+    let mut parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let last = parts.pop().unwrap_or_default();
+    let mut at = doc;
+    for p in parts {
+        let slot = at.entry(p.to_owned()).or_insert_with(|| Value::Object(Map::new()));
+        if !slot.is_object() {
+            *slot = Value::Object(Map::new());
+        }
+        let Value::Object(next) = slot else { return };
+        at = next;
+    }
+    at.insert(last.to_owned(), value);
+}
+
+impl CosmosInbox {
+    fn marker_doc(
+        &self,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        partition: &str,
+        result: Option<&[u8]>,
+    ) -> Value {
+        let mut doc = Map::new();
+        doc.insert("id".into(), marker_id(key).into());
+        doc.insert("idemScope".into(), key.scope().into());
+        doc.insert("idemKey".into(), key.id().into());
+        if let Some(fp) = fingerprint {
+            doc.insert("idemFingerprint".into(), hex::encode(fp.as_bytes()).into());
+        }
+        if let Some(r) = result {
+            doc.insert("idemResult".into(), STANDARD.encode(r).into());
+        }
+        doc.insert("idemCreated".into(), self.clock.now().as_micros().into());
+        let ttl = i64::try_from(self.retention.as_secs())
+            .unwrap_or(i64::MAX)
+            .clamp(1, i64::from(i32::MAX));
+        doc.insert("ttl".into(), ttl.into());
+        set_path(&mut doc, &self.partition_path, partition.into());
+        Value::Object(doc)
+    }
+
+    /// Checks the batch against Cosmos DB's rules and builds it.
+    fn build(
+        &self,
+        partition: &str,
+        marker: Option<Value>,
+        ops: Vec<Op>,
+    ) -> Result<TransactionalBatch, Error> {
+        check_partition_key(partition)?;
+        let count = ops.len() + usize::from(marker.is_some());
+        if count > MAX_BATCH_OPERATIONS {
+            return Err(Error::TooManyOperations { count, limit: MAX_BATCH_OPERATIONS });
+        }
+        let mut total = 0;
+        let mut batch = TransactionalBatch::new(partition.to_owned());
+        let add = |e| Error::cosmos("batch", e);
+        if let Some(m) = marker {
+            total += serde_json::to_vec(&m).map_or(0, |b| b.len());
+            batch = batch.create_item(m).map_err(add)?;
+        }
+        for op in ops {
+            match op {
+                Op::Create(doc) => {
+                    total += check_doc(&doc, &self.partition_path, partition)?;
+                    batch = batch.create_item(doc).map_err(add)?;
+                }
+                Op::Upsert(doc) => {
+                    total += check_doc(&doc, &self.partition_path, partition)?;
+                    batch = batch.upsert_item(doc, None).map_err(add)?;
+                }
+                Op::Delete(id) => {
+                    check_id(&id)?;
+                    batch = batch.delete_item(id, None);
+                }
+            }
+        }
+        check_size("batch", total, MAX_BATCH_BYTES)?;
+        Ok(batch)
+    }
+
+    /// Writes the marker of `key` and `ops` in one transactional batch under `partition`.
+    pub(super) async fn commit(
+        &self,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        partition: &str,
+        ops: Vec<Op>,
+        result: Option<&[u8]>,
+    ) -> Result<Committed, Error> {
+        let marker = self.marker_doc(key, fingerprint, partition, result);
+        let batch = self.build(partition, Some(marker), ops)?;
+        match self.execute(batch).await? {
+            None => Ok(Committed::Done),
+            Some((409, index)) => match self.read_marker(key, partition).await? {
+                Some(m) => Ok(Committed::Marked(m)),
+                None => Err(Error::Exists { id: format!("operation {index} of the batch") }),
+            },
+            Some((status, index)) => Err(Error::BatchFailed { status, index }),
+        }
+    }
+
+    /// Writes `ops` in one transactional batch without a marker (a message without a key).
+    pub(super) async fn commit_unmarked(&self, partition: &str, ops: Vec<Op>) -> Result<(), Error> {
+        let batch = self.build(partition, None, ops)?;
+        match self.execute(batch).await? {
+            None => Ok(()),
+            Some((409, index)) => {
+                Err(Error::Exists { id: format!("operation {index} of the batch") })
+            }
+            Some((status, index)) => Err(Error::BatchFailed { status, index }),
+        }
+    }
+
+    /// Runs the batch; `None` when it committed, else the failing operation's status and
+    /// index (the others answer 424).
+    async fn execute(&self, batch: TransactionalBatch) -> Result<Option<(u16, usize)>, Error> {
+        let res = self
+            .throttle
+            .run(|| self.container.execute_transactional_batch(batch.clone(), None))
+            .await;
+        let response: TransactionalBatchResponse = match res {
+            Ok(r) => r.into_model().map_err(|e| Error::cosmos("batch", e))?,
+            // A failed batch may come back as an error with the culprit's status.
+            Err(e) if e.status().is_conflict() => return Ok(Some((409, 0))),
+            Err(e) => return Err(self.throttle.fail("batch", e)),
+        };
+        let culprit = response
+            .results()
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.is_success() && r.status_code() != 424);
+        Ok(match culprit {
+            Some((i, r)) => Some((r.status_code(), i)),
+            None if response.results().iter().all(|r| r.is_success()) => None,
+            None => Some((424, 0)),
+        })
+    }
+
+    async fn read_marker(&self, key: &DedupKey, partition: &str) -> Result<Option<Marker>, Error> {
+        let id = marker_id(key);
+        let pk = partition.to_owned();
+        let res = self.throttle.run(|| self.container.read_item(pk.clone(), &id, None)).await;
+        let doc: Value = match res {
+            Ok(r) => r.into_model().map_err(|e| Error::cosmos("read_item", e))?,
+            Err(e) if e.status().is_not_found() => return Ok(None),
+            Err(e) => return Err(self.throttle.fail("read_item", e)),
+        };
+        let corrupt = |what: &str| Error::Corrupt { what: format!("{what} of marker {id}") };
+        let fingerprint = match doc.get("idemFingerprint").and_then(Value::as_str) {
+            None => None,
+            Some(h) => Some(
+                hex::decode(h)
+                    .ok()
+                    .and_then(|b| Fingerprint::from_slice(&b).ok())
+                    .ok_or_else(|| corrupt("fingerprint"))?,
+            ),
+        };
+        let result = match doc.get("idemResult").and_then(Value::as_str) {
+            None => None,
+            Some(b) => Some(STANDARD.decode(b).map_err(|_| corrupt("result"))?),
+        };
+        Ok(Some(Marker { fingerprint, result }))
+    }
+}
+
+/// Validates one document of the batch; its size in bytes.
+fn check_doc(doc: &Value, path: &str, partition: &str) -> Result<usize, Error> {
+    check_id(doc.get("id").and_then(Value::as_str).unwrap_or(""))?;
+    check_partition(doc, path, partition)?;
+    let len = serde_json::to_vec(doc).map_or(0, |b| b.len());
+    check_size("document", len, MAX_ITEM_BYTES)?;
+    Ok(len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nested_partition_paths() {
+        let mut m = Map::new();
+        set_path(&mut m, "/customer/id", "c-1".into());
+        assert_eq!(Value::Object(m), serde_json::json!({"customer": {"id": "c-1"}}));
+    }
+}

@@ -1,0 +1,113 @@
+//! Operator access (`InspectStore`) and `purge`: queries across the container's partitions.
+
+use azure_data_cosmos::{FeedScope, Query};
+use futures_util::TryStreamExt as _;
+use idem_core::claim::next_token;
+use idem_core::{Counts, DedupKey, InspectStore, ListFilter, Record, RecordState, StoreError};
+
+use super::doc::{RecordDoc, doc_id};
+use super::{CosmosStore, MAX_ROUNDS, Write, contended};
+use crate::Error;
+
+impl CosmosStore {
+    /// Every document `query` selects, across partitions. Operator tools and `purge` use it;
+    /// claims never query.
+    async fn query(
+        &self,
+        text: &str,
+        params: &[(&str, serde_json::Value)],
+    ) -> Result<Vec<RecordDoc>, Error> {
+        let mut query = Query::from(text);
+        for (name, value) in params {
+            query = query.with_parameter(*name, value).map_err(|e| Error::cosmos("query", e))?;
+        }
+        let items = self
+            .container
+            .query_items::<RecordDoc>(query, FeedScope::full_container(), None)
+            .await
+            .map_err(|e| self.throttle.fail("query", e))?;
+        items.try_collect().await.map_err(|e| self.throttle.fail("query", e))
+    }
+
+    async fn records(&self, scope: Option<&str>) -> Result<Vec<Record>, StoreError> {
+        let docs = match scope {
+            Some(s) => {
+                self.query("SELECT * FROM c WHERE c.scope = @scope", &[("@scope", s.into())])
+                    .await?
+            }
+            None => self.query("SELECT * FROM c", &[]).await?,
+        };
+        docs.iter().map(|d| d.to_record().map_err(StoreError::from)).collect()
+    }
+
+    /// Deletes at most `limit` records expired by this store's clock, each only if unchanged
+    /// since it was read (`If-Match`), so a claim racing the purge wins.
+    pub(super) async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let now = self.now();
+        let candidates = self
+            .query("SELECT * FROM c WHERE c.expires <= @now", &[("@now", now.as_micros().into())])
+            .await?;
+        let mut deleted = 0;
+        for doc in candidates {
+            if deleted >= limit as u64 {
+                break;
+            }
+            let Some(etag) = doc.etag.as_deref() else { continue };
+            if doc.to_record()?.is_expired_at(now) && self.delete(&doc.id, etag).await? {
+                deleted += 1;
+            }
+        }
+        Ok(deleted)
+    }
+}
+
+/// Operator access. `list` and `count` query across partitions and read every matching
+/// document: they are for operators, not for hot paths.
+impl InspectStore for CosmosStore {
+    async fn get(&self, key: &DedupKey) -> Result<Option<Record>, StoreError> {
+        match self.read(&doc_id(key)).await? {
+            Some(doc) => Ok(Some(doc.to_record()?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Vec<Record>, StoreError> {
+        let mut out: Vec<Record> = self
+            .records(filter.scope.as_deref())
+            .await?
+            .into_iter()
+            .filter(|r| filter.state.is_none_or(|s| s == r.state))
+            .collect();
+        out.sort_by_key(|r| std::cmp::Reverse(r.updated_at));
+        out.truncate(filter.limit);
+        Ok(out)
+    }
+
+    async fn count(&self, scope: Option<&str>) -> Result<Counts, StoreError> {
+        let now = self.now();
+        let mut counts = Counts::default();
+        for r in self.records(scope).await? {
+            counts.add(r.state, 1);
+            counts.expired += u64::from(r.is_expired_at(now));
+        }
+        Ok(counts)
+    }
+
+    async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let id = doc_id(key);
+        for _ in 0..MAX_ROUNDS {
+            let Some(doc) = self.read(&id).await? else { return Ok(false) };
+            let mut rec = doc.to_record()?;
+            let now = self.now();
+            rec.state = RecordState::Released;
+            rec.token = next_token(Some(rec.token), now);
+            rec.lease_until = None;
+            rec.updated_at = now;
+            match self.write(&rec, doc.etag.as_deref(), now).await? {
+                Write::Done => return Ok(true),
+                Write::Lost => {}
+            }
+        }
+        Err(contended("force_release"))
+    }
+}

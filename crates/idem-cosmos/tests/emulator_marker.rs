@@ -1,0 +1,79 @@
+//! Entity as marker on the in-memory emulator: 409 → read → compare.
+
+mod common;
+
+use idem_core::Fingerprint;
+use idem_cosmos::{CosmosMarker, Error, MarkerOutcome};
+use serde_json::json;
+
+async fn marker() -> (CosmosMarker, common::Emulator) {
+    let emu = common::Emulator::start().await;
+    let orders = emu.container("/orderId").await;
+    (CosmosMarker::new(orders, "/orderId").expect("marker"), emu)
+}
+
+fn fp(b: &[u8]) -> Option<Fingerprint> {
+    Some(Fingerprint::of_bytes(b))
+}
+
+#[tokio::test]
+async fn created_then_duplicate_then_conflict() {
+    let (m, _emu) = marker().await;
+    let doc = json!({"id": "o-1", "orderId": "o-1", "total": 10});
+    assert_eq!(m.create_once("o-1", &doc, fp(b"a")).await.expect("create"), MarkerOutcome::Created);
+    match m.create_once("o-1", &doc, fp(b"a")).await.expect("again") {
+        MarkerOutcome::Duplicate(stored) => assert_eq!(stored["total"], 10),
+        other => panic!("expected duplicate, got {other:?}"),
+    }
+    match m.create_once("o-1", &doc, fp(b"b")).await.expect("other payload") {
+        MarkerOutcome::Conflict { stored_fingerprint, incoming, .. } => {
+            assert_eq!(stored_fingerprint, fp(b"a"));
+            assert_eq!(incoming, fp(b"b"));
+        }
+        other => panic!("expected conflict, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn immutable_fields_decide() {
+    let (m, _emu) = marker().await;
+    let m = m.compare_fields(["/total"]).expect("pointers");
+    let doc = json!({"id": "o-2", "orderId": "o-2", "total": 10, "note": "x"});
+    assert_eq!(m.create_once("o-2", &doc, None).await.expect("create"), MarkerOutcome::Created);
+    let same_total = json!({"id": "o-2", "orderId": "o-2", "total": 10, "note": "y"});
+    assert!(matches!(
+        m.create_once("o-2", &same_total, None).await,
+        Ok(MarkerOutcome::Duplicate(_))
+    ));
+    let other_total = json!({"id": "o-2", "orderId": "o-2", "total": 11});
+    assert!(matches!(
+        m.create_once("o-2", &other_total, None).await,
+        Ok(MarkerOutcome::Conflict { .. })
+    ));
+}
+
+#[tokio::test]
+async fn validation_before_any_request() {
+    let (m, _emu) = marker().await;
+    let bad_id = json!({"id": "o/3", "orderId": "o-3"});
+    assert!(matches!(m.create_once("o-3", &bad_id, None).await, Err(Error::InvalidId { .. })));
+    let elsewhere = json!({"id": "o-3", "orderId": "o-4"});
+    assert!(matches!(
+        m.create_once("o-3", &elsewhere, None).await,
+        Err(Error::WrongPartition { .. })
+    ));
+    let empty_pk = json!({"id": "o-3", "orderId": ""});
+    assert!(matches!(
+        m.create_once("", &empty_pk, None).await,
+        Err(Error::InvalidPartitionKey { .. })
+    ));
+    let huge = json!({"id": "o-3", "orderId": "o-3", "blob": "x".repeat(2 * 1024 * 1024)});
+    match m.create_once("o-3", &huge, None).await {
+        Err(Error::TooLarge { field, limit, .. }) => {
+            assert_eq!(field, "document");
+            assert_eq!(limit, 2 * 1024 * 1024);
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert!(!Error::InvalidPartitionKey { reason: "x" }.is_retryable());
+}

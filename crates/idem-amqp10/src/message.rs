@@ -7,6 +7,9 @@ use fe2o3_amqp::types::messaging::{Body, Message, MessageId};
 use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 use idem_core::extract::Envelope;
 
+/// The application property counting reschedules.
+pub(crate) const DELAYS: &str = "idem-delays";
+
 /// One AMQP 1.0 delivery, received unsettled: the broker keeps it locked (Service Bus
 /// PeekLock) or unacknowledged (RabbitMQ) until the driver settles it. Cheap to clone.
 ///
@@ -84,6 +87,21 @@ impl Amqp10Message {
     /// The delivery tag: on Service Bus the message's lock token.
     pub fn delivery_tag(&self) -> &[u8] {
         self.inner.info.delivery_tag().as_ref()
+    }
+
+    pub(crate) fn message_id_text(&self) -> Option<String> {
+        self.inner.message_id.clone()
+    }
+
+    /// How many times idem has rescheduled this message (application property
+    /// `idem-delays`; Service Bus with `schedule_retries` only).
+    pub fn delays(&self) -> u32 {
+        self.inner
+            .headers
+            .iter()
+            .find(|(k, _)| k == DELAYS)
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0)
     }
 
     /// The application properties that are strings, in arrival order.

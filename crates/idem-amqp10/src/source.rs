@@ -236,6 +236,31 @@ impl Amqp10Source {
         }
     }
 
+    fn schedules(&self) -> bool {
+        matches!(&self.dialect, Dialect::ServiceBus(sb) if sb.schedule_retries)
+    }
+
+    /// Schedules a copy of each message `delay` from now, through `$management`.
+    async fn schedule(&self, items: &[(Amqp10Message, Duration)]) -> Result<(), Error> {
+        let Some(mgmt) = &self.management else {
+            return Err(Error::Management {
+                operation: "com.microsoft:schedule-message",
+                reason: "no management link".into(),
+            });
+        };
+        let mut messages = Vec::with_capacity(items.len());
+        for (msg, delay) in items {
+            let at = std::time::SystemTime::now() + *delay;
+            let encoded = servicebus::scheduled_copy(msg, at)?;
+            let id = msg.message_id_text().unwrap_or_default();
+            messages.push((id, self.session_id.clone(), encoded));
+        }
+        bounded("schedule retries", self.verb_timeout, async {
+            mgmt.lock().await.schedule(messages).await
+        })
+        .await
+    }
+
     fn rejection(&self, msg: &Amqp10Message, reason: &str) -> definitions::Error {
         let dl = self
             .rejects
@@ -391,6 +416,7 @@ impl Source for Amqp10Source {
         let mut accept = Vec::new();
         let mut release = Vec::new();
         let mut retry = Vec::new();
+        let mut scheduled = Vec::new();
         let now = Instant::now();
         for (msg, action) in items {
             match action {
@@ -403,6 +429,9 @@ impl Source for Amqp10Source {
                         self.dispose(vec![msg.info().clone()], Verb::Reject(error)).await?;
                     }
                 }
+                Action::Retry { after: Some(after) } if !after.is_zero() && self.schedules() => {
+                    scheduled.push((msg, after.clamp(self.retry_delay.0, self.retry_delay.1)));
+                }
                 Action::Retry { after: Some(after) } if !after.is_zero() => {
                     let delay = after.clamp(self.retry_delay.0, self.retry_delay.1);
                     self.held
@@ -412,6 +441,16 @@ impl Source for Amqp10Source {
                 }
                 Action::Retry { .. } => retry.push(msg.info().clone()),
                 _ => release.push(msg.info().clone()),
+            }
+        }
+        if !scheduled.is_empty() {
+            // Completed only once the broker has stored the scheduled copy; else abandoned.
+            match self.schedule(&scheduled).await {
+                Ok(()) => accept.extend(scheduled.iter().map(|(m, _)| m.info().clone())),
+                Err(e) => {
+                    tracing::warn!(error = %e, "scheduling the retry failed; abandoning instead");
+                    retry.extend(scheduled.iter().map(|(m, _)| m.info().clone()));
+                }
             }
         }
         self.dispose(accept, Verb::Accept).await?;

@@ -279,7 +279,11 @@ async fn crash(inbox: bool) {
         }
         let done = quiet_since.elapsed() > QUIET
             && ledger(sqlite.pool()).await.len() == ORDERS
-            && outcomes.lock().expect("outcomes").iter().any(|(k, o)| k == REUSED && *o == OutcomeKind::Conflict)
+            && outcomes
+                .lock()
+                .expect("outcomes")
+                .iter()
+                .any(|(k, o)| k == REUSED && *o == OutcomeKind::Conflict)
             && broker.count(&broker.name).await == 0;
         if done {
             break;

@@ -46,6 +46,7 @@ struct Peer {
     port: u16,
     send: mpsc::UnboundedSender<Message<Body<Value>>>,
     seen: mpsc::UnboundedReceiver<Seen>,
+    aside: Vec<Seen>,
 }
 
 async fn peer(renewed: Arc<Notify>) -> Peer {
@@ -106,7 +107,7 @@ async fn peer(renewed: Arc<Notify>) -> Peer {
             }
         }
     });
-    Peer { port, send, seen }
+    Peer { port, send, seen, aside: Vec::new() }
 }
 
 fn address_of(a: Option<impl std::fmt::Debug>) -> String {
@@ -206,13 +207,18 @@ async fn consumer(config: ServiceBusConfig) -> Amqp10Consumer<MemoryStore> {
         .unwrap()
 }
 
-async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, want: impl Fn(&Seen) -> bool) -> Seen {
+/// The next event `want` accepts, from what was put aside first; others are put aside.
+async fn next(p: &mut Peer, want: impl Fn(&Seen) -> bool) -> Seen {
+    if let Some(i) = p.aside.iter().position(&want) {
+        return p.aside.remove(i);
+    }
     tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            let s = seen.recv().await.expect("peer gone");
+            let s = p.seen.recv().await.expect("peer gone");
             if want(&s) {
                 return s;
             }
+            p.aside.push(s);
         }
     })
     .await
@@ -220,7 +226,7 @@ async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, want: impl Fn(&Seen) -> 
 }
 
 async fn outcome(
-    seen: &mut mpsc::UnboundedReceiver<Seen>,
+    p: &mut Peer,
     c: &Amqp10Consumer<MemoryStore>,
     flaky: &Arc<AtomicBool>,
 ) -> (String, Outcome) {
@@ -240,8 +246,11 @@ async fn outcome(
             }
         };
         let _: Report = c.poll(handler).await.unwrap();
-        if let Ok(Seen::Outcome { id, outcome }) = seen.try_recv() {
-            return (id, outcome);
+        while let Ok(s) = p.seen.try_recv() {
+            match s {
+                Seen::Outcome { id, outcome } => return (id, outcome),
+                other => p.aside.push(other),
+            }
         }
         assert!(tokio::time::Instant::now() < deadline, "no outcome");
     }
@@ -265,7 +274,7 @@ async fn verbs_map_to_complete_abandon_and_dead_letter() {
 
     // Authorised with a SAS token for the entity before the receiver attached.
     let Seen::PutToken { name, kind, token } =
-        next(&mut p.seen, |s| matches!(s, Seen::PutToken { .. })).await
+        next(&mut p, |s| matches!(s, Seen::PutToken { .. })).await
     else {
         unreachable!()
     };
@@ -281,31 +290,31 @@ async fn verbs_map_to_complete_abandon_and_dead_letter() {
     let lock = uuid::Uuid::from_u128(7);
     // Processed → complete.
     p.send.send(message("o-1", r#"{"n":1}"#, 0, lock)).unwrap();
-    let (id, o) = outcome(&mut p.seen, &c, &flaky).await;
+    let (id, o) = outcome(&mut p, &c, &flaky).await;
     assert_eq!(id, "o-1");
     assert!(matches!(o, Outcome::Accepted(_)), "{o:?}");
     // Duplicate → complete.
     p.send.send(message("o-1", r#"{"n":1}"#, 0, lock)).unwrap();
-    assert!(matches!(outcome(&mut p.seen, &c, &flaky).await.1, Outcome::Accepted(_)));
+    assert!(matches!(outcome(&mut p, &c, &flaky).await.1, Outcome::Accepted(_)));
     // Reused id with other content → dead-letter, reason and description set.
     p.send.send(message("o-1", r#"{"n":2}"#, 0, lock)).unwrap();
-    let (cond, reason, description) = dead_letter_info(&outcome(&mut p.seen, &c, &flaky).await.1);
+    let (cond, reason, description) = dead_letter_info(&outcome(&mut p, &c, &flaky).await.1);
     assert!(cond.contains("com.microsoft:dead-letter"), "{cond}");
     assert_eq!(reason, "conflict");
     assert!(description.contains("o-1"), "{description}");
     // Transient failure → abandon (delivery count goes up), then complete on redelivery.
     flaky.store(true, Ordering::SeqCst);
     p.send.send(message("o-2", "{}", 0, lock)).unwrap();
-    let o = outcome(&mut p.seen, &c, &flaky).await.1;
+    let o = outcome(&mut p, &c, &flaky).await.1;
     let Outcome::Modified(m) = o else { panic!("not abandoned: {o:?}") };
     assert_eq!((m.delivery_failed, m.undeliverable_here), (Some(true), Some(false)));
     p.send.send(message("o-2", "{}", 1, lock)).unwrap();
-    assert!(matches!(outcome(&mut p.seen, &c, &flaky).await.1, Outcome::Accepted(_)));
+    assert!(matches!(outcome(&mut p, &c, &flaky).await.1, Outcome::Accepted(_)));
     // A failure on the last delivery MaxDeliveryCount allows → dead-lettered by idem, with
     // its own reason, instead of an abandon the broker would turn into MaxDeliveryCountExceeded.
     flaky.store(true, Ordering::SeqCst);
     p.send.send(message("o-3", "{}", 4, lock)).unwrap();
-    let (_, reason, description) = dead_letter_info(&outcome(&mut p.seen, &c, &flaky).await.1);
+    let (_, reason, description) = dead_letter_info(&outcome(&mut p, &c, &flaky).await.1);
     assert_eq!(reason, "failed_transient");
     assert!(description.contains("MaxDeliveryCount 5"), "{description}");
     c.close().await.unwrap();
@@ -334,7 +343,7 @@ async fn locks_are_renewed_while_a_handler_outlives_them() {
         report += c.poll(handler.clone()).await.unwrap();
     }
     let Seen::Management { operation, body } =
-        next(&mut p.seen, |s| matches!(s, Seen::Management { .. })).await
+        next(&mut p, |s| matches!(s, Seen::Management { .. })).await
     else {
         unreachable!()
     };
@@ -345,7 +354,7 @@ async fn locks_are_renewed_while_a_handler_outlives_them() {
     };
     assert_eq!(tokens.0, vec![Value::Uuid((*lock.as_bytes()).into())]);
     assert!(matches!(
-        next(&mut p.seen, |s| matches!(s, Seen::Outcome { .. })).await,
+        next(&mut p, |s| matches!(s, Seen::Outcome { .. })).await,
         Seen::Outcome { outcome: Outcome::Accepted(_), .. }
     ));
     c.close().await.unwrap();
@@ -360,7 +369,7 @@ async fn a_session_consumer_asks_for_its_session_and_renews_its_lock() {
         .session(SessionFilter::Id("customer-42".into()))
         .lock_duration(Duration::from_secs(1));
     let c = consumer(config).await;
-    let Seen::Attached { filter } = next(&mut p.seen, |s| matches!(s, Seen::Attached { .. })).await
+    let Seen::Attached { filter } = next(&mut p, |s| matches!(s, Seen::Attached { .. })).await
     else {
         unreachable!()
     };
@@ -379,7 +388,7 @@ async fn a_session_consumer_asks_for_its_session_and_renews_its_lock() {
         report += c.poll(handler.clone()).await.unwrap();
     }
     let Seen::Management { operation, body } =
-        next(&mut p.seen, |s| matches!(s, Seen::Management { .. })).await
+        next(&mut p, |s| matches!(s, Seen::Management { .. })).await
     else {
         unreachable!()
     };
@@ -428,5 +437,70 @@ async fn real_service_bus_when_configured() {
         .await
         .unwrap();
     println!("real Service Bus: {r}");
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_elsewhere_is_scheduled_then_completed() {
+    use fe2o3_amqp::types::messaging::message::__private::Deserializable;
+    use idem_core::{ClaimRequest, DedupKey, DedupStore};
+
+    let mut p = peer(Arc::new(Notify::new())).await;
+    let store = MemoryStore::new();
+    // Another consumer holds o-9 under a 30 s lease.
+    let held = ClaimRequest::new(
+        DedupKey::new("orders", "o-9").unwrap(),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    let _lease = store.claim(&held).await.unwrap();
+    let config = namespace(p.port)
+        .queue(QUEUE)
+        .schedule_retries(true)
+        .retry_delay(Duration::from_secs(1), Duration::from_secs(10));
+    let c = Amqp10Consumer::builder(config)
+        .store(store)
+        .scope("orders")
+        .idle_wait(Duration::from_millis(50))
+        .build()
+        .await
+        .unwrap();
+    p.send.send(message("o-9", r#"{"n":9}"#, 0, uuid::Uuid::from_u128(9))).unwrap();
+    let before = std::time::SystemTime::now();
+    let (_, o) = outcome(&mut p, &c, &Arc::new(AtomicBool::new(false))).await;
+    assert!(matches!(o, Outcome::Accepted(_)), "completed once the copy was scheduled: {o:?}");
+    let Seen::Management { operation, body } =
+        next(&mut p, |s| matches!(s, Seen::Management { .. })).await
+    else {
+        unreachable!()
+    };
+    assert_eq!(operation, "com.microsoft:schedule-message");
+    let Value::Map(map) = body else { panic!("{body:?}") };
+    let Some(Value::List(messages)) = map.get(&Value::String("messages".into())) else {
+        panic!("{map:?}")
+    };
+    let [Value::Map(entry)] = &messages[..] else { panic!("{messages:?}") };
+    assert_eq!(entry.get(&Value::String("message-id".into())), Some(&Value::String("o-9".into())));
+    let Some(Value::Binary(encoded)) = entry.get(&Value::String("message".into())) else {
+        panic!("{entry:?}")
+    };
+    let copy: Deserializable<Message<Body<Value>>> = serde_amqp::from_slice(encoded).unwrap();
+    let copy = copy.0;
+    let at = copy
+        .message_annotations
+        .as_ref()
+        .and_then(|a| a.0.get(&OwnedKey::Symbol(Symbol::from("x-opt-scheduled-enqueue-time"))))
+        .cloned();
+    let Some(Value::Timestamp(at)) = at else { panic!("no enqueue time: {copy:?}") };
+    // The other lease has ~30 s left, clamped to the 10 s maximum.
+    let delay = at.milliseconds()
+        - i64::try_from(before.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis()).unwrap();
+    assert!((9_000..=11_000).contains(&delay), "scheduled {delay} ms ahead");
+    assert_eq!(
+        copy.application_properties.unwrap().0.get("idem-delays"),
+        Some(&SimpleValue::String("1".into()))
+    );
+    assert!(matches!(copy.body, Body::Data(_)));
     c.close().await.unwrap();
 }

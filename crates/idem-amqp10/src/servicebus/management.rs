@@ -116,6 +116,30 @@ impl Management {
         self.call("com.microsoft:renew-lock", body).await.map(|_| ())
     }
 
+    /// `com.microsoft:schedule-message`: each `(message-id, session-id, encoded message)` is
+    /// stored by the broker and enqueued at the message's `x-opt-scheduled-enqueue-time`.
+    /// Needs Send rights on the entity.
+    pub(crate) async fn schedule(
+        &mut self,
+        messages: Vec<(String, Option<String>, Vec<u8>)>,
+    ) -> Result<(), Error> {
+        let list: Vec<Value> = messages
+            .into_iter()
+            .map(|(id, session, encoded)| {
+                let mut m = OrderedMap::new();
+                m.insert(Value::String("message-id".into()), Value::String(id));
+                if let Some(session) = session {
+                    m.insert(Value::String("session-id".into()), Value::String(session));
+                }
+                m.insert(Value::String("message".into()), Value::Binary(encoded.into()));
+                Value::Map(m)
+            })
+            .collect();
+        let mut body = OrderedMap::new();
+        body.insert(Value::String("messages".into()), Value::List(list));
+        self.call("com.microsoft:schedule-message", body).await.map(|_| ())
+    }
+
     /// `com.microsoft:renew-session-lock` for the session.
     pub(crate) async fn renew_session_lock(&mut self, session_id: &str) -> Result<(), Error> {
         let mut body = OrderedMap::new();

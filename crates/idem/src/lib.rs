@@ -51,7 +51,16 @@ pub mod http {
 #[cfg(feature = "amqp")]
 pub use idem_amqp as amqp;
 
-/// The Kafka consumer adapter (feature `kafka`).
+/// The AMQP 1.0 and Azure Service Bus consumer adapter (feature `amqp10`).
+#[cfg(feature = "amqp10")]
+pub use idem_amqp10 as amqp10;
+
+/// The Azure Cosmos DB store, entity-as-marker check and transactional-batch inbox (feature
+/// `cosmos`).
+#[cfg(feature = "cosmos")]
+pub use idem_cosmos as cosmos;
+
+/// The Kafka consumer adapter (feature `kafka`; `event-hubs` adds Azure Event Hubs' settings).
 #[cfg(feature = "kafka")]
 pub use idem_kafka as kafka;
 /// The NATS JetStream consumer adapter (feature `nats`).

@@ -1,6 +1,13 @@
 //! The receiving link on a task of its own: it receives into a channel and sends the
 //! dispositions it is asked for, so settling never waits behind a fetch that is waiting for
 //! deliveries (fe2o3's `recv` and its full set of dispositions both need the receiver).
+//!
+//! The task also grants the link credit itself. fe2o3's automatic mode resets the credit to the
+//! full window after half of it is settled, while transfers are still on the wire; RabbitMQ
+//! 3.10's AMQP 1.0 plugin then sent more transfers than the new credit allowed and fe2o3 failed
+//! the link with `TransferLimitExceeded` (seen at 10,000 messages, credit 128). Here credit is
+//! granted again only once the last grant is used up — so nothing is in flight when the new
+//! flow goes out — and only as much as keeps the unsettled deliveries within the window.
 
 use std::time::Duration;
 
@@ -39,6 +46,10 @@ enum Command {
         verb: Verb,
         done: oneshot::Sender<Result<(), DispositionError>>,
     },
+    /// Stop new deliveries (credit 0) and move what the client has buffered to the channel.
+    Quiesce {
+        done: oneshot::Sender<()>,
+    },
     Close {
         bound: Duration,
         done: oneshot::Sender<()>,
@@ -56,10 +67,12 @@ pub(crate) struct Link {
 pub(crate) struct Gone;
 
 impl Link {
-    pub(crate) fn spawn(receiver: Receiver) -> Self {
+    /// Runs `receiver` (attached with manual credit), keeping at most `window` deliveries
+    /// unsettled.
+    pub(crate) fn spawn(receiver: Receiver, window: u32) -> Self {
         let (commands, rx_commands) = mpsc::unbounded_channel();
         let (tx, deliveries) = mpsc::unbounded_channel();
-        tokio::spawn(run(receiver, rx_commands, tx));
+        tokio::spawn(run(receiver, window, rx_commands, tx));
         Self { commands, deliveries: tokio::sync::Mutex::new(deliveries) }
     }
 
@@ -100,8 +113,18 @@ impl Link {
         answer.await.map_err(|_| Gone)
     }
 
+    /// Stops new deliveries (a message released now would come straight back to this link) and
+    /// moves everything received so far into the channel.
+    pub(crate) async fn quiesce(&self, bound: Duration) {
+        let (done, answer) = oneshot::channel();
+        if self.commands.send(Command::Quiesce { done }).is_ok() {
+            let _ = tokio::time::timeout(bound, answer).await;
+        }
+    }
+
     /// Releases what was received but never fetched, then closes the link (bounded).
     /// Returns how many deliveries it released.
+    /// Call [`quiesce`](Self::quiesce) first.
     pub(crate) async fn close(&self, bound: Duration) -> u64 {
         let unfetched: Vec<DeliveryInfo> = {
             let mut rx = self.deliveries.lock().await;
@@ -126,18 +149,66 @@ impl Link {
     }
 }
 
+/// Credit bookkeeping: what the last grant has left, and what is received but unsettled.
+struct Credit {
+    window: u32,
+    left: u32,
+    unsettled: u32,
+}
+
+impl Credit {
+    /// The credit to grant now, if any: only when the last grant is used up (nothing of it is
+    /// still on the wire) and at least half the window is settled.
+    fn grant(&mut self) -> Option<u32> {
+        (self.window > 0 && self.left == 0 && self.unsettled <= self.window / 2).then(|| {
+            self.left = self.window - self.unsettled;
+            self.left
+        })
+    }
+}
+
 async fn run(
     mut receiver: Receiver,
+    window: u32,
     mut commands: mpsc::UnboundedReceiver<Command>,
     deliveries: mpsc::UnboundedSender<Result<Amqp10Message, RecvError>>,
 ) {
+    let mut credit = Credit { window, left: 0, unsettled: 0 };
     let mut receiving = true;
     loop {
+        if let Some(grant) = credit.grant()
+            && let Err(e) = receiver.set_credit(grant).await
+        {
+            tracing::warn!(error = %e, "granting link credit failed; the link is unusable");
+            receiving = false;
+        }
         tokio::select! {
             biased;
             cmd = commands.recv() => match cmd {
                 Some(Command::Dispose { infos, verb, done }) => {
-                    let _ = done.send(dispose(&receiver, infos, verb).await);
+                    let n = u32::try_from(infos.len()).unwrap_or(u32::MAX);
+                    let result = dispose(&receiver, infos, verb).await;
+                    if result.is_ok() {
+                        credit.unsettled = credit.unsettled.saturating_sub(n);
+                    }
+                    let _ = done.send(result);
+                }
+                Some(Command::Quiesce { done }) => {
+                    if let Err(e) = receiver.set_credit(0).await {
+                        tracing::debug!(error = %e, "stopping the link's credit failed");
+                    }
+                    // Deliveries still in the client's buffers go to the channel too, to be
+                    // released: Service Bus would otherwise keep them locked until their locks
+                    // expire.
+                    while let Ok(Ok(d)) =
+                        tokio::time::timeout(Duration::from_millis(5), receiver.recv::<Body<Value>>()).await
+                    {
+                        let (info, message) = d.into_parts();
+                        let _ = deliveries.send(Ok(Amqp10Message::new(info, message)));
+                    }
+                    receiving = false;
+                    credit.window = 0; // never grant again
+                    let _ = done.send(());
                 }
                 Some(Command::Close { bound, done }) => {
                     // RabbitMQ answers a closing detach without `closed=true`: never wait long.
@@ -152,6 +223,10 @@ async fn run(
             // `recv` is cancel safe: a delivery is never lost to the other branch.
             d = receiver.recv::<Body<Value>>(), if receiving => {
                 let failed = d.is_err();
+                if !failed {
+                    credit.left = credit.left.saturating_sub(1);
+                    credit.unsettled = credit.unsettled.saturating_add(1);
+                }
                 let d = d.map(|delivery| {
                     let (info, message) = delivery.into_parts();
                     Amqp10Message::new(info, message)

@@ -127,7 +127,7 @@ impl Amqp10Source {
             )
             .sender_settle_mode(SenderSettleMode::Unsettled)
             .receiver_settle_mode(ReceiverSettleMode::First)
-            .credit_mode(CreditMode::Auto(credit))
+            .credit_mode(CreditMode::Manual) // granted by the link task
             .auto_accept(false)
             .attach(&mut opened.session);
         let receiver = bounded("attach receiver", bound, async {
@@ -180,7 +180,7 @@ impl Amqp10Source {
         tracing::info!(address = %config.address, addr = %opened.addr, credit, session_id = ?session_id,
             "AMQP 1.0 receiver attached");
         Ok(Self {
-            link: Link::spawn(receiver),
+            link: Link::spawn(receiver, credit),
             address: config.address,
             dead_letters: config.dead_letters,
             dialect: config.dialect,
@@ -466,6 +466,7 @@ impl Source for Amqp10Source {
         for task in &self.tasks {
             task.abort();
         }
+        self.link.quiesce(self.verb_timeout).await;
         self.retry_now(self.take_held(true)).await?;
         let given_back = self.link.close(self.verb_timeout).await;
         if let Some(mut session) = self.session.lock().await.take() {

@@ -35,7 +35,8 @@ const CHILD_ENV: &str = "IDEM_AMQP10_CRASH_CHILD";
 const ABORT_AFTER: usize = 8;
 /// The hanging child hangs on its this-many-th handler run, before the effect.
 const HANG_AT: usize = 3;
-/// How long the survivors must settle nothing before the queue counts as drained.
+/// How long the survivors must settle nothing before the queue counts as drained: longer than
+/// the longest hold of a retry (`retry_delay` max, 500 ms).
 const QUIET: Duration = Duration::from_millis(1500);
 
 #[derive(Clone, Debug)]
@@ -84,6 +85,8 @@ async fn consume(
 ) -> Report {
     let config = Amqp10Config::new(setup.url.clone(), setup.address.clone())
         .dead_letters(DeadLetters::Address(setup.dlq.clone()))
+        // Held retries (a key in progress elsewhere) stay well under the QUIET spell below.
+        .retry_delay(Duration::from_millis(100), Duration::from_millis(500))
         .prefetch(if role == Role::Hang { 1 } else { 128 });
     let builder = |b: Builder<Amqp10Config>| {
         b.batch(if role == Role::Hang { 1 } else { 64 })

@@ -145,7 +145,9 @@ async fn shutdown_gives_back_the_unfetched_and_is_bounded() {
     let started = std::time::Instant::now();
     let given_back = c.close().await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(8), "close took {:?}", started.elapsed());
-    assert_eq!(given_back, 19);
+    // Counted are those released explicitly (from the channel and the client's buffers); the
+    // broker returns any still on the wire when the link detaches. All 19 must come back.
+    assert!((1..=19).contains(&given_back), "{given_back} given back");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while b.count(&b.name).await != 19 {
         assert!(tokio::time::Instant::now() < deadline, "released messages not back");

@@ -27,9 +27,11 @@
 //! # What is tested where
 //! The store (the whole conformance suite), the marker and the inbox run in every test run
 //! against the SDK's in-memory emulator (409 on create, `If-Match`, atomic transactional
-//! batches, no TTL: expiry is judged by the store's clock). The 409 path on the wire runs
-//! against `@vercel/cosmosdb-server`; TTL deletion by the service and real throttling only
-//! against an Azure account (`IDEM_TEST_COSMOS_ENDPOINT`).
+//! batches, no TTL: expiry is judged by the store's clock). 429s (with and without
+//! `x-ms-retry-after-ms`, within and beyond [`ThrottlePolicy`]) and non-retryable answers are
+//! injected there with the SDK's fault injection. The 409 path on the wire runs against
+//! `@vercel/cosmosdb-server`; TTL deletion by the service only against an Azure account
+//! (`IDEM_TEST_COSMOS_ENDPOINT`). No test provokes a real service-side 429.
 
 mod error;
 pub mod inbox;

@@ -7,12 +7,37 @@ use azure_data_cosmos::CosmosError;
 
 use crate::Error;
 
-/// How a throttled (429) request is retried, on top of the retries the SDK itself makes
-/// (configured on the client through its `ThrottlingRetryOptions`).
+/// How a throttled (429) request is retried, on top of the retries the SDK itself makes.
 ///
-/// Each retry waits the `x-ms-retry-after-ms` the service sent (or `fallback` when it sent
-/// none), capped at `max_wait`. After `attempts` tries the operation fails with
+/// Each retry waits the `x-ms-retry-after-ms` the service sent (100 ms when it sent none),
+/// capped at `max_wait`. After `attempts` tries the operation fails with
 /// [`Error::Throttled`], which is retryable: a consumer releases the message for redelivery.
+///
+/// # The SDK's own retries come first
+/// `azure_data_cosmos` 1.1.0-beta.1 retries a 429 on an item request (read, create, replace,
+/// delete, batch, query page) by itself, **18 times** by default (19 requests), each time
+/// waiting the `x-ms-retry-after-ms` capped at 15 s, 270 s in all; only then does this policy
+/// see the 429. So each of its tries is up to 19 requests, and with the defaults one
+/// operation can make 3 × 19 requests and wait minutes. (The SDK documents "default 9" on
+/// `ThrottlingRetryOptions::max_retry_count`; that is its budget for metadata requests.)
+/// To leave throttling to this policy alone, set the SDK's count to 0 on the client (or
+/// `AZURE_COSMOS_MAX_THROTTLE_RETRY_COUNT=0`, which options set in code override):
+///
+/// ```
+/// use azure_data_cosmos::options::{OperationOptionsBuilder, ThrottlingRetryOptionsBuilder};
+///
+/// let no_sdk_throttle_retries = OperationOptionsBuilder::new()
+///     .with_throttling_retry_options(
+///         ThrottlingRetryOptionsBuilder::new().with_max_retry_count(0).build(),
+///     )
+///     .build();
+/// let builder = azure_data_cosmos::CosmosClientBuilder::new()
+///     .with_default_operation_options(no_sdk_throttle_retries);
+/// # drop(builder);
+/// ```
+///
+/// Both layers' waits are tokio timers. `tests/emulator_throttling.rs` pins these numbers
+/// down against the SDK's fault injection.
 ///
 /// ```
 /// use std::time::Duration;

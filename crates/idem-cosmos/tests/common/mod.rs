@@ -35,6 +35,14 @@ pub fn unique(prefix: &str) -> String {
 
 impl Emulator {
     pub async fn start() -> Self {
+        Self::start_with(|builder| builder).await
+    }
+
+    /// Like [`Emulator::start`], with the client builder customised (fault injection rules,
+    /// default operation options) before the client is built.
+    pub async fn start_with(
+        customize: impl FnOnce(CosmosClientBuilder) -> CosmosClientBuilder,
+    ) -> Self {
         idem_cosmos::install_crypto_provider();
         let url = azure_core::http::Url::parse(GATEWAY).expect("url");
         let config = VirtualAccountConfig::new(vec![VirtualRegion::new("East US", url)])
@@ -50,7 +58,7 @@ impl Emulator {
             .build()
             .await
             .expect("emulator runtime");
-        let client = CosmosClientBuilder::new()
+        let client = customize(CosmosClientBuilder::new())
             .with_runtime(runtime)
             .build(account, RoutingStrategy::ProximityTo(Region::EAST_US))
             .await

@@ -211,7 +211,10 @@ async fn run(
                     let _ = done.send(());
                 }
                 Some(Command::Close { bound, done }) => {
-                    // RabbitMQ answers a closing detach without `closed=true`: never wait long.
+                    // RabbitMQ answers a closing detach without `closed=true`, and a close was seen
+                    // to wait out its whole bound: wait at most 1 s, as closing the session and the
+                    // connection detaches the link anyway.
+                    let bound = bound.min(Duration::from_secs(1));
                     if tokio::time::timeout(bound, receiver.close()).await.is_err() {
                         tracing::debug!("receiver close unanswered within {bound:?}");
                     }

@@ -20,7 +20,7 @@ pub(crate) enum Endpoint {
     /// `amqp://user:pass@host:port` or `amqps://…`.
     Url(String),
     /// A Service Bus namespace: TLS on 5671, SASL ANONYMOUS, then a `$cbs` token.
-    ServiceBus { host: String, port: u16, tls: bool, credential: Credential },
+    ServiceBus { namespace: String, host: String, port: u16, tls: bool, credential: Credential },
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -36,7 +36,9 @@ impl std::fmt::Debug for Endpoint {
                 }
                 Err(_) => f.write_str("<unparsable url>"),
             },
-            Self::ServiceBus { host, port, .. } => write!(f, "servicebus://{host}:{port}"),
+            Self::ServiceBus { namespace, host, port, .. } => {
+                write!(f, "servicebus://{namespace} at {host}:{port}")
+            }
         }
     }
 }
@@ -48,6 +50,9 @@ pub(crate) struct Opened {
 }
 
 struct Target {
+    /// The server's name: the AMQP `open` hostname and the TLS server name.
+    name: String,
+    /// Where to connect.
     host: String,
     port: u16,
     tls: bool,
@@ -82,11 +87,15 @@ fn target(endpoint: &Endpoint) -> Result<Target, Error> {
                     percent_encoding::percent_decode_str(password).decode_utf8_lossy().into_owned();
                 SaslProfile::Plain { username: user, password }
             };
-            Ok(Target { host, port, tls, sasl })
+            Ok(Target { name: host.clone(), host, port, tls, sasl })
         }
-        Endpoint::ServiceBus { host, port, tls, .. } => {
-            Ok(Target { host: host.clone(), port: *port, tls: *tls, sasl: SaslProfile::Anonymous })
-        }
+        Endpoint::ServiceBus { namespace, host, port, tls, .. } => Ok(Target {
+            name: namespace.clone(),
+            host: host.clone(),
+            port: *port,
+            tls: *tls,
+            sasl: SaslProfile::Anonymous,
+        }),
     }
 }
 
@@ -105,12 +114,12 @@ pub(crate) async fn open(
     tcp.set_nodelay(true).map_err(|source| Error::Connect { addr: addr.clone(), source })?;
     let builder = Connection::builder()
         .container_id(container_id)
-        .hostname(t.host.as_str())
+        .hostname(t.name.as_str())
         .scheme("amqp")
         .sasl_profile(t.sasl);
     let opening = async {
         if t.tls {
-            let stream = tls(&t.host, tcp)
+            let stream = tls(&t.name, tcp)
                 .await
                 .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
             builder.open_with_stream(stream).await

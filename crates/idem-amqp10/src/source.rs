@@ -93,10 +93,10 @@ impl Amqp10Source {
         let container = container_id(opening.scope);
         let mut opened = connect::open(&config.endpoint, &container, bound).await?;
         let refresher = match (&config.endpoint, &config.dialect) {
-            (Endpoint::ServiceBus { host, credential, .. }, Dialect::ServiceBus(sb)) => {
+            (Endpoint::ServiceBus { namespace, credential, .. }, Dialect::ServiceBus(sb)) => {
                 servicebus::authorize(
                     &mut opened.session,
-                    host,
+                    namespace,
                     &sb.entity,
                     credential.clone(),
                     bound,

@@ -159,10 +159,11 @@ async fn consume(
     }
 }
 
-/// Entry point of the child processes (does nothing unless started by a crash test).
+/// Entry point of the child processes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the crash test's child process; run by it, not alone"]
 async fn crash_child_process_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let spec = std::env::var(CHILD_ENV).expect("started by a crash test, with its spec");
     let (role, spec) = spec.split_once('|').expect("role");
     let setup = Setup::parse(spec);
     let role = if role == "abort" { Role::Abort } else { Role::Hang };
@@ -185,7 +186,13 @@ async fn crash_child_process_entry() {
 async fn child(setup: &Setup, role: &str, until: Option<&str>) -> Vec<String> {
     let exe = std::env::current_exe().expect("current exe");
     let mut child = tokio::process::Command::new(exe)
-        .args(["crash_child_process_entry", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            "crash_child_process_entry",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, format!("{role}|{}", setup.spec()))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -278,10 +278,12 @@ async fn verbs_map_to_complete_abandon_and_dead_letter() {
     else {
         unreachable!()
     };
-    assert_eq!(name, "sb://127.0.0.1/orders");
+    assert_eq!(name, "sb://idem-test.servicebus.windows.net/orders");
     assert_eq!(kind, "servicebus.windows.net:sastoken");
     assert!(
-        token.starts_with("SharedAccessSignature sr=sb%3A%2F%2F127.0.0.1%2Forders&sig="),
+        token.starts_with(
+            "SharedAccessSignature sr=sb%3A%2F%2Fidem-test.servicebus.windows.net%2Forders&sig="
+        ),
         "{token}"
     );
     assert!(token.ends_with("&skn=listen"), "{token}");
@@ -502,5 +504,48 @@ async fn in_progress_elsewhere_is_scheduled_then_completed() {
         Some(&SimpleValue::String("1".into()))
     );
     assert!(matches!(copy.body, Body::Data(_)));
+    c.close().await.unwrap();
+}
+
+/// Entra ID: tokens come from a [`TokenSource`] (e.g. wrapping `azure_identity`), are put on
+/// `$cbs` as `jwt` for the entity's audience, and the source is asked for the entity's audience.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entra_id_tokens_from_a_token_source_are_put_as_jwt() {
+    use idem_amqp10::{AccessToken, BoxError, TokenKind, TokenSource};
+    use std::sync::Mutex;
+
+    struct Recorder(Arc<Mutex<Vec<String>>>);
+    impl TokenSource for Recorder {
+        fn token<'a>(
+            &'a self,
+            audience: &'a str,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<AccessToken, BoxError>> + Send + 'a>,
+        > {
+            self.0.lock().unwrap().push(audience.to_owned());
+            let expires = std::time::SystemTime::now() + Duration::from_secs(3600);
+            Box::pin(async move { Ok(AccessToken::new("eyJ.header.sig", TokenKind::Jwt, expires)) })
+        }
+    }
+
+    let mut p = peer(Arc::new(Notify::new())).await;
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let sb = ServiceBus::with_token_source(
+        "idem-test.servicebus.windows.net",
+        Recorder(Arc::clone(&asked)),
+    )
+    .endpoint("127.0.0.1", p.port, false);
+    let c = consumer(sb.queue(QUEUE)).await;
+    let Seen::PutToken { name, kind, token } =
+        next(&mut p, |s| matches!(s, Seen::PutToken { .. })).await
+    else {
+        unreachable!()
+    };
+    assert_eq!((kind.as_str(), token.as_str()), ("jwt", "eyJ.header.sig"));
+    assert_eq!(name, "sb://idem-test.servicebus.windows.net/orders");
+    assert_eq!(
+        *asked.lock().unwrap(),
+        vec!["sb://idem-test.servicebus.windows.net/orders".to_owned()]
+    );
     c.close().await.unwrap();
 }

@@ -47,6 +47,10 @@ const DEAD_LETTER: &str = "com.microsoft:dead-letter";
 /// ```
 #[derive(Clone)]
 pub struct ServiceBus {
+    /// The namespace's name (`shop.servicebus.windows.net`): the token audience, the AMQP
+    /// hostname and the TLS server name.
+    namespace: String,
+    /// Where to connect (the namespace unless [`endpoint`](Self::endpoint) says otherwise).
     host: String,
     port: u16,
     tls: bool,
@@ -57,6 +61,7 @@ pub struct ServiceBus {
 impl std::fmt::Debug for ServiceBus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceBus")
+            .field("namespace", &self.namespace)
             .field("host", &self.host)
             .field("credential", &self.credential)
             .finish()
@@ -73,6 +78,7 @@ impl ServiceBus {
     pub fn from_connection_string(connection: &str) -> Result<Self, Error> {
         let parsed = auth::parse_connection_string(connection)?;
         Ok(Self {
+            namespace: parsed.host.clone(),
             host: parsed.host,
             port: 5671,
             tls: true,
@@ -86,8 +92,10 @@ impl ServiceBus {
     /// elsewhere. Tokens are put on the `$cbs` node before attaching and again before they
     /// expire.
     pub fn with_token_source(namespace: impl Into<String>, source: impl TokenSource) -> Self {
+        let namespace = namespace.into();
         Self {
-            host: namespace.into(),
+            host: namespace.clone(),
+            namespace,
             port: 5671,
             tls: true,
             credential: Credential::Source(std::sync::Arc::new(source)),
@@ -95,7 +103,9 @@ impl ServiceBus {
         }
     }
 
-    /// Connects to `host:port` instead, with or without TLS (a local peer in tests).
+    /// Connects to `host:port` instead, with or without TLS: a private endpoint or a proxy (or
+    /// a local peer in tests). Tokens, the AMQP hostname and the TLS server name stay the
+    /// namespace's.
     #[must_use]
     pub fn endpoint(mut self, host: impl Into<String>, port: u16, tls: bool) -> Self {
         self.host = host.into();
@@ -197,6 +207,7 @@ impl ServiceBusConfig {
         let mut base =
             Amqp10Config::new(String::new(), entity.clone()).dead_letters(DeadLetters::Reject);
         base.endpoint = Endpoint::ServiceBus {
+            namespace: sb.namespace.clone(),
             host: sb.host.clone(),
             port: sb.port,
             tls: sb.tls,

@@ -13,6 +13,7 @@
 pub mod batched;
 pub mod claim;
 pub mod consumer;
+pub mod decide;
 pub mod driver;
 pub mod extract;
 pub mod fingerprint;

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::claim::next_token;
+use crate::decide::decide_claim;
 use crate::time::{Clock, SystemClock};
 use crate::{
     Advance, Claim, ClaimRequest, Counts, DedupKey, DedupStore, FailKind, InspectStore, KeyHash,
@@ -68,70 +69,11 @@ impl MemoryStore {
 
     fn claim_locked(inner: &mut Inner, req: &ClaimRequest, now: Timestamp) -> Claim {
         let hash = req.key.hash();
-        let keep = now.plus(req.retain_for.max(req.lease_for));
-        let until = now.plus(req.lease_for);
-        let existing = inner.records.get_mut(&hash);
-        let rec = match existing {
-            Some(rec) if !rec.is_expired_at(now) => rec,
-            other => {
-                let token = next_token(other.map(|r| r.token), now);
-                let rec = Record {
-                    key_hash: hash,
-                    scope: req.key.scope().to_owned(),
-                    id: req.key.id().to_owned(),
-                    state: RecordState::InProgress,
-                    fingerprint: req.fingerprint,
-                    result: None,
-                    attempt: 1,
-                    token,
-                    previous: None,
-                    created_at: now,
-                    updated_at: now,
-                    lease_until: Some(until),
-                    expires_at: keep,
-                };
-                inner.records.insert(hash, rec);
-                return Claim::Acquired(Lease::new(
-                    req.key.clone(),
-                    req.fingerprint,
-                    token,
-                    1,
-                    until,
-                    None,
-                ));
-            }
-        };
-        if let (Some(stored), Some(asked)) = (rec.fingerprint, req.fingerprint)
-            && stored != asked
-        {
-            return Claim::Conflict(rec.clone());
+        let decision = decide_claim(inner.records.get(&hash), req, now);
+        if let Some(rec) = decision.write {
+            inner.records.insert(hash, rec);
         }
-        match rec.state {
-            RecordState::Completed | RecordState::InDoubt => Claim::Completed(rec.clone()),
-            RecordState::InProgress if rec.is_leased_at(now) => Claim::InProgress {
-                retry_after: rec.lease_until.unwrap_or(now).since(now),
-                attempt: rec.attempt,
-            },
-            previous => {
-                rec.previous = Some(previous);
-                rec.attempt = rec.attempt.saturating_add(1);
-                rec.token = next_token(Some(rec.token), now);
-                rec.state = RecordState::InProgress;
-                rec.fingerprint = rec.fingerprint.or(req.fingerprint);
-                rec.result = None;
-                rec.updated_at = now;
-                rec.lease_until = Some(until);
-                rec.expires_at = rec.expires_at.max(keep);
-                Claim::Acquired(Lease::new(
-                    req.key.clone(),
-                    rec.fingerprint,
-                    rec.token,
-                    rec.attempt,
-                    until,
-                    Some(previous),
-                ))
-            }
-        }
+        decision.claim
     }
 
     fn fenced<'a>(inner: &'a mut Inner, lease: &Lease) -> Result<&'a mut Record, StoreError> {

@@ -13,7 +13,6 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,7 +24,6 @@ use idem_core::driver::{Builder, Report, Settlement};
 use idem_core::extract::Envelope;
 use idem_core::{Consumer, OutcomeKind};
 use idem_sqlx::{SqliteStore, Tx};
-use tokio::io::AsyncBufReadExt;
 
 const ORDERS: usize = 500;
 const DUPLICATES: usize = 50;
@@ -181,42 +179,17 @@ async fn crash_child_process_entry() {
     consume(&setup, role, hook, std::future::pending()).await;
 }
 
-/// Runs a child in `role` until it prints a line starting with `until` (then SIGKILLs it), or
-/// until it exits; returns the lines it printed.
+/// Runs a child process in `role` until it prints a line starting with `until` (then kills
+/// it with SIGKILL), or until it exits; returns the lines it printed.
 async fn child(setup: &Setup, role: &str, until: Option<&str>) -> Vec<String> {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = tokio::process::Command::new(exe)
-        .args([
-            "crash_child_process_entry",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, format!("{role}|{}", setup.spec()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn child");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut seen = Vec::new();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(l) = lines.next_line().await.expect("child stdout") {
-            let l = l.rsplit("... ").next().unwrap_or(&l).to_owned();
-            let stop = until.is_some_and(|u| l.starts_with(u));
-            seen.push(l);
-            if stop {
-                child.kill().await.expect("kill child");
-                break;
-            }
-        }
-        let status = child.wait().await.expect("child status");
-        assert!(!status.success(), "the {role} child ended normally: {seen:?}");
-    })
+    let spec = format!("{role}|{}", setup.spec());
+    idem_testkit::process::run_child(
+        "crash_child_process_entry",
+        (CHILD_ENV, &spec),
+        until,
+        Duration::from_secs(60),
+    )
     .await
-    .unwrap_or_else(|_| panic!("the {role} child neither crashed nor hung"));
-    seen
 }
 
 async fn ledger(pool: &sqlx::SqlitePool) -> HashMap<String, i64> {

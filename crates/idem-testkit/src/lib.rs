@@ -12,6 +12,8 @@
 pub mod cases;
 pub mod faults;
 pub mod inbox;
+#[cfg(feature = "source")]
+pub mod process;
 pub mod service;
 #[cfg(feature = "source")]
 pub mod source;

@@ -1,0 +1,54 @@
+//! Child processes for crash tests: the test binary runs itself again as a consumer process,
+//! which the test then aborts or kills with SIGKILL (feature `source`).
+//!
+//! The child's entry is an `#[ignore]`d test of the same binary that reads its instructions from
+//! an environment variable; [`run_child`] starts it with `--ignored --exact` and collects what
+//! it prints.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::AsyncBufReadExt;
+
+/// Runs the test `entry` of this test binary as a child process with `env` set, until it prints
+/// a line starting with `until` (then kills it with SIGKILL) or until it exits; returns the
+/// lines it printed (libtest's `test … ... ` prefix removed).
+///
+/// # Panics
+/// When the child cannot be started, ends normally (a crash test's child must crash or be
+/// killed), or neither ends nor prints `until` within `limit`.
+pub async fn run_child(
+    entry: &str,
+    env: (&str, &str),
+    until: Option<&str>,
+    limit: Duration,
+) -> Vec<String> {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut child = tokio::process::Command::new(exe)
+        .args([entry, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(env.0, env.1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn child");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut seen = Vec::new();
+    tokio::time::timeout(limit, async {
+        while let Some(l) = lines.next_line().await.expect("child stdout") {
+            // libtest prints `test … ... ` on the same line first.
+            let l = l.rsplit("... ").next().unwrap_or(&l).to_owned();
+            let stop = until.is_some_and(|u| l.starts_with(u));
+            seen.push(l);
+            if stop {
+                child.kill().await.expect("kill child");
+                break;
+            }
+        }
+        let status = child.wait().await.expect("child status");
+        assert!(!status.success(), "the child ended normally: {seen:?}");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the child neither crashed nor printed {until:?} within {limit:?}"));
+    seen
+}

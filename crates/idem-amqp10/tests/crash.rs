@@ -253,27 +253,27 @@ async fn crash(inbox: bool) {
         .collect();
     // Drained: every effect in the ledger, the conflict seen, nothing ready, and the survivors
     // quiet for a while (so nothing is left on their links or held for a retry).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let (mut settled, mut quiet_since) = (0, tokio::time::Instant::now());
-    loop {
+    idem_testkit::wait_for("the queue drained", Duration::from_secs(60), || {
         let now_settled = outcomes.lock().expect("outcomes").len();
         if now_settled != settled {
             (settled, quiet_since) = (now_settled, tokio::time::Instant::now());
         }
-        let done = quiet_since.elapsed() > QUIET
-            && ledger(sqlite.pool()).await.len() == ORDERS
-            && outcomes
-                .lock()
-                .expect("outcomes")
-                .iter()
-                .any(|(k, o)| k == REUSED && *o == OutcomeKind::Conflict)
-            && broker.count(&broker.name).await == 0;
-        if done {
-            break;
+        let quiet = quiet_since.elapsed() > QUIET;
+        let conflict_seen = outcomes
+            .lock()
+            .expect("outcomes")
+            .iter()
+            .any(|(k, o)| k == REUSED && *o == OutcomeKind::Conflict);
+        let (sqlite, broker) = (&sqlite, &broker);
+        async move {
+            quiet
+                && conflict_seen
+                && ledger(sqlite.pool()).await.len() == ORDERS
+                && broker.count(&broker.name).await == 0
         }
-        assert!(tokio::time::Instant::now() < deadline, "the queue did not drain");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
     stop.send(true).expect("stop");
     let mut report = Report::default();
     for s in survivors {

@@ -14,6 +14,7 @@ use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters, Erro
 use idem_core::consumer::{Context, HandlerError};
 use idem_core::extract::CloudEvents;
 use idem_core::{Consumer, MemoryStore};
+use idem_testkit::wait_for;
 
 type C = Amqp10Consumer<MemoryStore>;
 
@@ -137,22 +138,20 @@ async fn shutdown_gives_back_the_unfetched_and_is_bounded() {
     let r = poll_until(&c, ok, |r| r.processed == 1).await;
     assert_eq!(r.processed, 1);
     // The other 19 arrived on the link (credit 64) but were never fetched.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while b.count(&b.name).await != 0 {
-        assert!(tokio::time::Instant::now() < deadline, "deliveries did not reach the link");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for("deliveries to reach the link", Duration::from_secs(10), || async {
+        b.count(&b.name).await == 0
+    })
+    .await;
     let started = std::time::Instant::now();
     let given_back = c.close().await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(8), "close took {:?}", started.elapsed());
     // Counted are those released explicitly (from the channel and the client's buffers); the
     // broker returns any still on the wire when the link detaches. All 19 must come back.
     assert!((1..=19).contains(&given_back), "{given_back} given back");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while b.count(&b.name).await != 19 {
-        assert!(tokio::time::Instant::now() < deadline, "released messages not back");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for("released messages back", Duration::from_secs(10), || async {
+        b.count(&b.name).await == 19
+    })
+    .await;
     b.cleanup().await;
 }
 

@@ -24,13 +24,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url, wait_for};
+use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url};
 use idem_core::consumer::HandlerError;
 use idem_core::driver::{Decided, Report, headers};
 use idem_core::extract::Envelope;
 use idem_core::{Consumer, DedupStore, InspectStore};
 use idem_nats::{Delivery, JetStream, JetStreamConsumer};
 use idem_sqlx::{PostgresStore, SqliteInbox, SqliteStore};
+use idem_testkit::wait_for;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use tokio::io::AsyncBufReadExt;

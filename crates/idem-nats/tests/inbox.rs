@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use common::{Env, header, nats_url, wait_for};
+use common::{Env, header, nats_url};
 use idem_core::Consumer;
 use idem_core::consumer::HandlerError;
 use idem_core::driver::{Report, headers};
 use idem_core::extract::{Envelope, Header};
 use idem_nats::{Delivery, JetStream, JetStreamConsumer};
 use idem_sqlx::{SqliteStore, Tx};
+use idem_testkit::wait_for;
 
 async fn publish(env: &Env, order: Option<&str>, body: &str) {
     let mut h = HeaderMap::new();

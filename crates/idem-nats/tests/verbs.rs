@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use common::{Env, header, nats_url, wait_for};
+use common::{Env, header, nats_url};
 use idem_core::consumer::HandlerError;
 use idem_core::driver::{Report, headers};
 use idem_core::extract::Envelope;
 use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FingerprintSpec};
 use idem_nats::{Error, JetStream, JetStreamConsumer};
 use idem_sqlx::SqliteStore;
+use idem_testkit::wait_for;
 
 async fn store(dir: &tempfile::TempDir) -> SqliteStore {
     SqliteStore::open(dir.path().join("idem.sqlite")).await.expect("open sqlite")

@@ -16,13 +16,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{group_state, wait_for};
+use common::group_state;
 use idem_core::consumer::{Context, HandlerError};
 use idem_core::driver::{Builder, Report, Settlement, headers};
 use idem_core::extract::Envelope;
 use idem_core::{Consumer, OutcomeKind};
 use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};
 use idem_sqlx::{SqliteStore, Tx};
+use idem_testkit::wait_for;
 use redis::AsyncCommands;
 
 const ORDERS: usize = 1_000;

@@ -17,6 +17,9 @@ pub mod process;
 pub mod service;
 #[cfg(feature = "source")]
 pub mod source;
+mod wait;
+
+pub use wait::wait_for;
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,7 +1,6 @@
 //! Shared setup for the tests on the real NATS server.
 #![allow(dead_code, unreachable_pub)]
 
-use std::future::Future;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -158,22 +157,6 @@ pub fn header<'a>(
     name: &str,
 ) -> Option<&'a str> {
     m.headers.get(name).map(async_nats::HeaderValue::as_str)
-}
-
-/// Polls `cond` every 20 ms until it holds; panics with `what` after `timeout`.
-pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    while !cond().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The PostgreSQL URL, or `None` (skip) when it is down outside CI.

@@ -51,19 +51,6 @@ pub async fn store(url: &str, tag: &str) -> (RedisStore, ClockOffset, Cleanup) {
     (store, offset, cleanup)
 }
 
-/// Waits until `done()` holds, checking every 20 ms, and panics naming `what` after `limit`.
-pub async fn wait_for<F, Fut>(what: &str, limit: std::time::Duration, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    while !done().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-}
-
 /// The group's pending count and entries read (`XINFO GROUPS`), or `None` without the group.
 pub async fn group_state(
     conn: &mut redis::aio::MultiplexedConnection,

@@ -89,8 +89,26 @@ impl Amqp10Message {
         self.inner.info.delivery_tag().as_ref()
     }
 
-    pub(crate) fn message_id_text(&self) -> Option<String> {
-        self.inner.message_id.clone()
+    /// A copy of the bare message (header, properties, application properties, body) with
+    /// `extra` string application properties set; the broker's annotations are not copied.
+    pub(crate) fn copy_with<'a>(
+        &self,
+        extra: impl IntoIterator<Item = (&'a str, String)>,
+    ) -> Message<Body<Value>> {
+        let original = &self.inner.message;
+        let mut props = original.application_properties.clone().unwrap_or_default();
+        for (k, v) in extra {
+            props.0.insert(k.to_owned(), SimpleValue::String(v));
+        }
+        Message {
+            header: original.header.clone(),
+            delivery_annotations: None,
+            message_annotations: None,
+            properties: original.properties.clone(),
+            application_properties: Some(props),
+            body: original.body.clone(),
+            footer: None,
+        }
     }
 
     /// How many times idem has rescheduled this message (application property

@@ -11,7 +11,7 @@ use fe2o3_amqp::session::SessionHandle;
 use fe2o3_amqp::types::definitions::{
     self, ErrorCondition, Fields, ReceiverSettleMode, SenderSettleMode,
 };
-use fe2o3_amqp::types::messaging::{ApplicationProperties, Body, Message, Modified, Outcome};
+use fe2o3_amqp::types::messaging::{Body, Message, Modified, Outcome};
 
 use crate::link::{Gone, Link, Verb};
 use fe2o3_amqp::link::receiver::CreditMode;
@@ -252,7 +252,7 @@ impl Amqp10Source {
         for (msg, delay) in items {
             let at = std::time::SystemTime::now() + *delay;
             let encoded = servicebus::scheduled_copy(msg, at)?;
-            let id = msg.message_id_text().unwrap_or_default();
+            let id = idem_core::extract::Envelope::message_id(msg).unwrap_or_default().to_owned();
             messages.push((id, self.session_id.clone(), encoded));
         }
         bounded("schedule retries", self.verb_timeout, async {
@@ -285,25 +285,10 @@ impl Amqp10Source {
     }
 
     fn copy(&self, msg: &Amqp10Message, dl: &DeadLetter) -> Message<Body<Value>> {
-        let original = msg.message();
-        let mut props = original.application_properties.clone().unwrap_or_default();
-        let mut set = |k: &str, v: String| {
-            props.0.insert(k.to_owned(), fe2o3_amqp::types::primitives::SimpleValue::String(v));
-        };
-        for (k, v) in dl.headers() {
-            set(k, v);
-        }
-        set(headers::SOURCE, self.address.clone());
-        set(headers::DELIVERED, (msg.delivery_count() + 1).to_string());
-        Message {
-            header: original.header.clone(),
-            delivery_annotations: None,
-            message_annotations: None,
-            properties: original.properties.clone(),
-            application_properties: Some(ApplicationProperties(props.0)),
-            body: original.body.clone(),
-            footer: None,
-        }
+        msg.copy_with(dl.headers().into_iter().chain([
+            (headers::SOURCE, self.address.clone()),
+            (headers::DELIVERED, (msg.delivery_count() + 1).to_string()),
+        ]))
     }
 }
 

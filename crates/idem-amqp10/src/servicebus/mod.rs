@@ -342,11 +342,10 @@ pub(crate) fn scheduled_copy(
     msg: &Amqp10Message,
     at: std::time::SystemTime,
 ) -> Result<Vec<u8>, Error> {
+    use fe2o3_amqp::types::messaging::MessageAnnotations;
     use fe2o3_amqp::types::messaging::message::__private::Serializable;
-    use fe2o3_amqp::types::messaging::{ApplicationProperties, Message, MessageAnnotations};
-    use fe2o3_amqp::types::primitives::{SimpleValue, Timestamp};
+    use fe2o3_amqp::types::primitives::Timestamp;
 
-    let original = msg.message();
     let millis = at
         .duration_since(std::time::UNIX_EPOCH)
         .ok()
@@ -359,23 +358,12 @@ pub(crate) fn scheduled_copy(
         )),
         Value::Timestamp(Timestamp::from_milliseconds(millis)),
     );
-    let mut props = original.application_properties.clone().unwrap_or_default();
-    props.0.insert(
-        crate::message::DELAYS.to_owned(),
-        SimpleValue::String(msg.delays().saturating_add(1).to_string()),
-    );
-    let copy = Message {
-        header: original.header.clone().map(|mut h| {
-            h.delivery_count = 0;
-            h
-        }),
-        delivery_annotations: None,
-        message_annotations: Some(annotations),
-        properties: original.properties.clone(),
-        application_properties: Some(ApplicationProperties(props.0)),
-        body: original.body.clone(),
-        footer: None,
-    };
+    let mut copy =
+        msg.copy_with([(crate::message::DELAYS, msg.delays().saturating_add(1).to_string())]);
+    copy.message_annotations = Some(annotations);
+    if let Some(h) = copy.header.as_mut() {
+        h.delivery_count = 0;
+    }
     // fe2o3 encodes messages through this wrapper (doc-hidden, stable within 0.18).
     serde_amqp::to_vec(&Serializable(copy)).map_err(|e| Error::Management {
         operation: "com.microsoft:schedule-message",

@@ -6,6 +6,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::limits::{MAX_ITEM_BYTES, check_id, check_partition, check_partition_key, check_size};
+use crate::store::doc::fingerprint_from_hex;
 use crate::{Error, ThrottlePolicy};
 
 /// Field of the document holding the request fingerprint (hex), unless configured otherwise.
@@ -192,8 +193,7 @@ impl CosmosMarker {
         let stored_fingerprint = stored
             .get(&self.fingerprint_field)
             .and_then(Value::as_str)
-            .and_then(|h| hex::decode(h).ok())
-            .and_then(|b| Fingerprint::from_slice(&b).ok());
+            .and_then(fingerprint_from_hex);
         let same = if self.compare.is_empty() {
             match (stored_fingerprint, fingerprint) {
                 (Some(s), Some(i)) => s == i,

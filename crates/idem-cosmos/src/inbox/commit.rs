@@ -14,6 +14,8 @@ use crate::limits::{
     MAX_BATCH_BYTES, MAX_BATCH_OPERATIONS, MAX_ITEM_BYTES, check_id, check_partition,
     check_partition_key, check_size,
 };
+use crate::marker::DEFAULT_FINGERPRINT_FIELD;
+use crate::store::doc::fingerprint_from_hex;
 
 /// How a batch ended (its errors aside).
 pub(super) enum Committed {
@@ -64,7 +66,7 @@ impl CosmosInbox {
         doc.insert("idemScope".into(), key.scope().into());
         doc.insert("idemKey".into(), key.id().into());
         if let Some(fp) = fingerprint {
-            doc.insert("idemFingerprint".into(), hex::encode(fp.as_bytes()).into());
+            doc.insert(DEFAULT_FINGERPRINT_FIELD.into(), hex::encode(fp.as_bytes()).into());
         }
         if let Some(r) = result {
             doc.insert("idemResult".into(), STANDARD.encode(r).into());
@@ -185,14 +187,9 @@ impl CosmosInbox {
             Err(e) => return Err(self.throttle.fail("read_item", e)),
         };
         let corrupt = |what: &str| Error::Corrupt { what: format!("{what} of marker {id}") };
-        let fingerprint = match doc.get("idemFingerprint").and_then(Value::as_str) {
+        let fingerprint = match doc.get(DEFAULT_FINGERPRINT_FIELD).and_then(Value::as_str) {
             None => None,
-            Some(h) => Some(
-                hex::decode(h)
-                    .ok()
-                    .and_then(|b| Fingerprint::from_slice(&b).ok())
-                    .ok_or_else(|| corrupt("fingerprint"))?,
-            ),
+            Some(h) => Some(fingerprint_from_hex(h).ok_or_else(|| corrupt("fingerprint"))?),
         };
         let result = match doc.get("idemResult").and_then(Value::as_str) {
             None => None,

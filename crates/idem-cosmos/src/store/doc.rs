@@ -42,6 +42,11 @@ pub(crate) struct RecordDoc {
 }
 
 /// The document id (and partition key) of `key`.
+/// A fingerprint stored as hex, or `None` when it is not one.
+pub(crate) fn fingerprint_from_hex(h: &str) -> Option<Fingerprint> {
+    hex::decode(h).ok().and_then(|b| Fingerprint::from_slice(&b).ok())
+}
+
 pub(crate) fn doc_id(key: &DedupKey) -> String {
     hex::encode(key.hash().as_bytes())
 }
@@ -86,12 +91,7 @@ impl RecordDoc {
         let state = |code: i16| RecordState::from_code(i64::from(code));
         let fingerprint = match &self.fp {
             None => None,
-            Some(h) => Some(
-                hex::decode(h)
-                    .ok()
-                    .and_then(|b| Fingerprint::from_slice(&b).ok())
-                    .ok_or_else(|| corrupt("fingerprint"))?,
-            ),
+            Some(h) => Some(fingerprint_from_hex(h).ok_or_else(|| corrupt("fingerprint"))?),
         };
         let result = match &self.result {
             None => None,

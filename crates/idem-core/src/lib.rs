@@ -7,6 +7,7 @@
 //! - [`Consumer`]: the engine that turns every delivery into exactly one [`Outcome`].
 //! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
+//! - [`outbox`]: the transactional outbox and its relay, the producing half.
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
@@ -21,6 +22,7 @@ pub mod ident;
 pub mod job;
 pub mod key;
 pub mod memory;
+pub mod outbox;
 pub mod record;
 pub mod retention;
 pub mod store;

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::consumer::{Cause, Conflict, FailureKind, HandlerError, Outcome, Prepared};
 use idem_core::extract::Envelope;
+use idem_core::outbox::MessageId;
 use idem_core::time::{Clock, SystemClock};
 use idem_core::{Consumer, DedupKey, Fingerprint, StoreError};
 use serde::Serialize;
@@ -47,6 +48,8 @@ pub struct Tx<DB: sqlx::Database> {
     tx: Option<sqlx::Transaction<'static, DB>>,
     home: Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>,
     key: Option<DedupKey>,
+    /// Outbox messages produced so far by this run of the handler.
+    produced: u32,
 }
 
 impl<DB: sqlx::Database> Tx<DB> {
@@ -54,6 +57,18 @@ impl<DB: sqlx::Database> Tx<DB> {
     /// without dedup by the consumer's missing-key policy).
     pub fn key(&self) -> Option<&DedupKey> {
         self.key.as_ref()
+    }
+
+    /// The id of the next outbox message this handler enqueues: derived from the message's key
+    /// and how many it enqueued before ([`MessageId::derived`]), so a handler that runs again
+    /// (after a rollback) produces the same ids; random for a message without a key.
+    pub(crate) fn next_message_id(&mut self) -> MessageId {
+        let id = match &self.key {
+            Some(key) => MessageId::derived(key, self.produced),
+            None => MessageId::random(),
+        };
+        self.produced += 1;
+        id
     }
 }
 
@@ -102,7 +117,7 @@ impl<DB: sqlx::Database> Lender<DB> {
     /// The transaction as a handler's [`Tx`]; `None` if a handler kept it.
     fn lend(&self, key: Option<DedupKey>) -> Option<Tx<DB>> {
         let tx = self.slot().take()?;
-        Some(Tx { tx: Some(tx), home: Arc::clone(&self.home), key })
+        Some(Tx { tx: Some(tx), home: Arc::clone(&self.home), key, produced: 0 })
     }
 
     /// The transaction back, once the handler's future (and with it its `Tx`) is gone.

@@ -11,32 +11,36 @@
 //! - [`inbox`]: every inbox is a consumer backend: `Driver::builder(source).inbox(store.inbox(retain))`
 //!   runs a broker's batches through one database transaction each, on any of the three
 //!   databases; the handler gets the transaction ([`Tx`]).
+//! - [`outbox`]: transactional outboxes on the three databases: a handler enqueues outgoing
+//!   messages in its transaction ([`Enqueue`]), a relay publishes them afterwards.
 //!
 //! One table holds lease records and inbox markers alike, keyed by the 32-byte SHA-256 of the
 //! key ([`idem_core::DedupKey::hash`]), with the raw scope and id beside it for display.
 
 pub mod inbox;
+pub mod outbox;
 mod row;
 
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteInbox, SqliteStore};
+pub use sqlite::{SqliteInbox, SqliteOutbox, SqliteStore};
 
 #[cfg(feature = "postgres")]
 pub mod postgres;
 
 #[cfg(feature = "postgres")]
-pub use postgres::{PostgresInbox, PostgresStore};
+pub use postgres::{PostgresInbox, PostgresOutbox, PostgresStore};
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
 
 #[cfg(feature = "mysql")]
-pub use mysql::{MySqlInbox, MySqlStore};
+pub use mysql::{MySqlInbox, MySqlOutbox, MySqlStore};
 
 pub use inbox::{Tx, TxInbox};
+pub use outbox::Enqueue;
 pub use row::{InboxError, InboxOutcome, Mark};
 /// The client these stores are built on, re-exported so callers use the same version.
 pub use sqlx;

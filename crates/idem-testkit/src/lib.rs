@@ -6,12 +6,15 @@
 //!   consumer backend every broker adapter drives), against each SQL inbox.
 //! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::driver::Source`] through
 //!   the driver): every mode through the same builder calls on a real broker.
+//! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
+//!   leases, fencing, ordering keys, retries and parking, purge.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`.
 
 pub mod cases;
 pub mod faults;
 pub mod inbox;
+pub mod outbox;
 #[cfg(feature = "source")]
 pub mod process;
 pub mod service;

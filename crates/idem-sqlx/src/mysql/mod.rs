@@ -1,6 +1,7 @@
 //! MySQL / MariaDB: the store and its transactional inbox.
 
 mod inbox;
+mod outbox;
 mod sql;
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlPool, MySqlPoolOptio
 use sqlx::{AssertSqlSafe, Row};
 
 pub use inbox::MySqlInbox;
+pub use outbox::MySqlOutbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};

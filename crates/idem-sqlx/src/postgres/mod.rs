@@ -2,6 +2,7 @@
 
 mod entity;
 mod inbox;
+mod outbox;
 mod sql;
 
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 pub use entity::{EntityMark, EntityTable};
 pub use inbox::PostgresInbox;
+pub use outbox::PostgresOutbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};

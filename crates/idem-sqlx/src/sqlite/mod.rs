@@ -1,6 +1,7 @@
 //! SQLite: the embedded default store (no server) and its transactional inbox.
 
 mod inbox;
+mod outbox;
 mod sql;
 
 use std::path::Path;
@@ -21,6 +22,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Row};
 
 pub use inbox::SqliteInbox;
+pub use outbox::SqliteOutbox;
 
 use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};

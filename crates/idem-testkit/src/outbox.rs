@@ -1,0 +1,277 @@
+//! The outbox-store contract ([`idem_core::outbox::OutboxStore`]): leases, fencing, ordering
+//! keys, retries and parking, purge. Run it with [`outbox_conformance!`](crate::outbox_conformance).
+
+#![allow(clippy::unwrap_used, missing_docs)] // test cases: a failed unwrap is the case failing
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use idem_core::outbox::{Failure, MessageId, OutboxStore, Outgoing, Pending, Ticket};
+
+use crate::{Harness, TimeControl};
+
+fn msg(dest: &str, body: &str) -> Outgoing {
+    Outgoing::new(dest, body.as_bytes().to_vec())
+}
+
+fn tickets(p: &[Pending]) -> Vec<Ticket> {
+    p.iter().map(|p| p.ticket).collect()
+}
+
+fn bodies(p: &[Pending]) -> Vec<String> {
+    let mut v: Vec<String> =
+        p.iter().map(|p| String::from_utf8_lossy(p.message.payload()).into_owned()).collect();
+    v.sort();
+    v
+}
+
+pub async fn claim_leases_exclusively<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    s.send(vec![msg("q", "a"), msg("q", "b"), msg("q", "c")]).await.unwrap();
+    let first = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&first), ["a", "b", "c"]);
+    assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "leased rows were leased again");
+    h.time.advance(h.unit * 2).await;
+    let again = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&again), ["a", "b", "c"], "rows whose lease ran out are due again");
+    for (a, b) in first.iter().zip(&again) {
+        assert!(b.ticket.token > a.ticket.token, "a new lease has a higher token");
+    }
+    assert_eq!(s.mark_sent(&tickets(&first)).await.unwrap(), 0, "stale tickets are fenced");
+    assert_eq!(s.mark_sent(&tickets(&again)).await.unwrap(), 3);
+    let c = s.counts().await.unwrap();
+    assert_eq!((c.pending, c.sent, c.parked), (0, 3, 0));
+    h.time.advance(h.unit * 2).await;
+    assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "sent rows are never leased");
+}
+
+pub async fn concurrent_claims_are_disjoint<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let store = Arc::new(h.store);
+    let all: Vec<_> = (0..200).map(|i| msg("q", &format!("m{i}"))).collect();
+    store.send(all).await.unwrap();
+    let tasks = (0..4).map(|_| {
+        let s = Arc::clone(&store);
+        let unit = h.unit;
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                let batch = s.claim(7, unit * 10).await.unwrap();
+                if batch.is_empty() {
+                    return got;
+                }
+                got.extend(batch.iter().map(|p| p.message.id().clone()));
+            }
+        })
+    });
+    let mut seen: HashSet<MessageId> = HashSet::new();
+    for t in tasks {
+        for id in t.await.unwrap() {
+            assert!(seen.insert(id.clone()), "{id} was leased twice");
+        }
+    }
+    assert_eq!(seen.len(), 200);
+}
+
+pub async fn ordering_keys_go_one_at_a_time<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    let k = |dest: &str, body: &str, key: &str| msg(dest, body).ordering_key(key);
+    s.send(vec![k("q", "a1", "a"), k("q", "a2", "a"), k("q", "b1", "b"), msg("q", "free")])
+        .await
+        .unwrap();
+    s.send(vec![k("other", "x1", "a"), k("q", "a3", "a")]).await.unwrap();
+    let first = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&first), ["a1", "b1", "free", "x1"], "one row per (destination, key)");
+    let a1 = first.iter().find(|p| p.message.payload() == b"a1").unwrap().ticket;
+    // a1 fails and waits for a retry: a2 must not overtake it.
+    let fail = Failure { ticket: a1, reason: "nack".into(), retry_in: Some(h.unit) };
+    assert_eq!(s.mark_failed(&[fail]).await.unwrap(), 1);
+    assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a2 overtook a1 waiting for a retry");
+    h.time.advance(h.unit * 2).await;
+    let retry = s.claim(10, h.unit).await.unwrap();
+    let retried = retry.iter().find(|p| p.message.payload() == b"a1").expect("a1 is due again");
+    assert_eq!(retried.failures, 1);
+    assert_eq!(bodies(&retry), ["a1", "b1", "free", "x1"]);
+    s.mark_sent(&tickets(&retry)).await.unwrap();
+    let next = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&next), ["a2"]);
+    s.mark_sent(&tickets(&next)).await.unwrap();
+    assert_eq!(bodies(&s.claim(10, h.unit).await.unwrap()), ["a3"]);
+}
+
+pub async fn concurrent_relays_keep_key_order<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    use std::sync::Mutex;
+    let store = Arc::new(h.store);
+    // 5 ordering keys × 20 messages, enqueued interleaved, plus 20 without a key.
+    let mut all = Vec::new();
+    for i in 0..20 {
+        for k in 0..5 {
+            all.push(msg("q", &format!("{k}:{i:02}")).ordering_key(format!("k{k}")));
+        }
+        all.push(msg("q", &format!("free:{i:02}")));
+    }
+    store.send(all).await.unwrap();
+    let in_flight: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let order: Arc<Mutex<Vec<String>>> = Arc::default();
+    let tasks = (0..4).map(|_| {
+        let (s, in_flight, order, unit) =
+            (Arc::clone(&store), Arc::clone(&in_flight), Arc::clone(&order), h.unit);
+        tokio::spawn(async move {
+            let mut idle = 0;
+            while idle < 50 {
+                let batch = s.claim(8, unit * 10).await.unwrap();
+                if batch.is_empty() {
+                    idle += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                idle = 0;
+                let keys: Vec<String> = batch
+                    .iter()
+                    .filter_map(|p| p.message.ordering_key().map(str::to_owned))
+                    .collect();
+                {
+                    let mut f = in_flight.lock().unwrap();
+                    for k in &keys {
+                        assert!(f.insert(k.clone()), "two rows of ordering key {k} leased at once");
+                    }
+                }
+                order.lock().unwrap().extend(
+                    batch.iter().map(|p| String::from_utf8_lossy(p.message.payload()).into_owned()),
+                );
+                // Released before the mark: the next row of a key is due only after it.
+                for k in &keys {
+                    in_flight.lock().unwrap().remove(k);
+                }
+                s.mark_sent(&tickets(&batch)).await.unwrap();
+            }
+        })
+    });
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(order.len(), 120, "every row published once");
+    for k in 0..5 {
+        let seen: Vec<&String> = order.iter().filter(|b| b.starts_with(&format!("{k}:"))).collect();
+        let mut sorted = seen.clone();
+        sorted.sort();
+        assert_eq!(seen, sorted, "key k{k} out of order");
+    }
+    assert_eq!(store.counts().await.unwrap().sent, 120);
+}
+
+pub async fn failures_retry_then_park<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    s.send(vec![msg("q", "a"), msg("q", "b")]).await.unwrap();
+    let batch = s.claim(10, h.unit * 10).await.unwrap();
+    let (a, b) = (batch[0].ticket, batch[1].ticket);
+    let retry = Failure { ticket: a, reason: "broker away".into(), retry_in: Some(h.unit) };
+    let park = Failure { ticket: b, reason: "x".repeat(5000), retry_in: None };
+    assert_eq!(s.mark_failed(&[retry.clone(), park]).await.unwrap(), 2);
+    assert_eq!(s.mark_failed(&[retry]).await.unwrap(), 0, "a marked lease is spent");
+    assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a retry waits for its backoff");
+    let c = s.counts().await.unwrap();
+    assert_eq!((c.pending, c.parked), (1, 1));
+    h.time.advance(h.unit * 2).await;
+    let again = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&again), ["a"], "parked rows are never leased");
+    assert_eq!(again[0].failures, 1);
+    assert_eq!(s.retry_parked(10).await.unwrap(), 1);
+    let revived = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(bodies(&revived), ["b"]);
+    assert_eq!(revived[0].failures, 0, "an operator's retry starts the count again");
+}
+
+pub async fn purge_removes_only_old_sent_rows<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    s.send((0..5).map(|i| msg("q", &format!("m{i}"))).collect()).await.unwrap();
+    let batch = s.claim(4, h.unit * 100).await.unwrap();
+    s.mark_sent(&tickets(&batch[..3])).await.unwrap();
+    assert_eq!(s.purge_sent(h.unit, 100).await.unwrap(), 0, "sent just now: kept");
+    h.time.advance(h.unit * 2).await;
+    assert_eq!(s.purge_sent(h.unit, 2).await.unwrap(), 2, "purge is bounded");
+    assert_eq!(s.purge_sent(h.unit, 100).await.unwrap(), 1);
+    let c = s.counts().await.unwrap();
+    assert_eq!((c.pending, c.sent, c.parked), (2, 0, 0), "unsent rows are never purged");
+}
+
+pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    let id = MessageId::new("order-7-accepted").unwrap();
+    let a = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
+    let b = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
+    assert_eq!((a[0].clone(), b[0].clone()), (id.clone(), id));
+    assert_eq!(s.counts().await.unwrap().pending, 1);
+    let fresh = s.send(vec![msg("q", "y"), msg("q", "z")]).await.unwrap();
+    assert_ne!(fresh[0], fresh[1], "messages without an id get distinct random ids");
+}
+
+pub async fn bad_messages_are_refused_whole<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    let e = s.send(vec![msg("q", "ok"), msg("bad\ndest", "x")]).await.unwrap_err();
+    assert!(e.to_string().contains("destination"), "{e}");
+    let big = Outgoing::new("q", vec![7u8; idem_core::outbox::MAX_PAYLOAD_BYTES + 1]);
+    let e = s.send(vec![big]).await.unwrap_err();
+    assert!(e.to_string().contains("payload") && e.to_string().contains("1048576"), "{e}");
+    assert_eq!(s.counts().await.unwrap().pending, 0, "nothing of a refused send is enqueued");
+}
+
+pub async fn messages_round_trip<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    let payload: Vec<u8> = (0..=255u8).collect();
+    let m = Outgoing::new("orders.accepted", payload.clone())
+        .header("content-type", "application/octet-stream")
+        .header("trace", "é ü \"quoted\"")
+        .ordering_key("customer-7");
+    let ids = s.send(vec![m]).await.unwrap();
+    let got = s.claim(1, h.unit).await.unwrap();
+    let p = &got[0].message;
+    assert_eq!(p.id(), &ids[0]);
+    assert_eq!(p.destination(), "orders.accepted");
+    assert_eq!(p.payload(), &payload[..]);
+    assert_eq!(p.ordering_key(), Some("customer-7"));
+    assert_eq!(p.headers()[1], ("trace".to_owned(), "é ü \"quoted\"".to_owned()));
+    assert_eq!(got[0].failures, 0);
+}
+
+/// Runs every outbox case against a store. The argument is a closure returning a future that
+/// yields `Option<Harness>` for a fresh, empty outbox (`None`: its server is unreachable, the
+/// case is skipped; see [`service::require`](crate::service::require)).
+///
+/// ```no_run
+/// idem_testkit::outbox_conformance!(|| async {
+///     let clock = idem_core::time::ManualClock::new();
+///     Some(idem_testkit::Harness::manual(
+///         idem_core::outbox::MemoryOutbox::with_clock(clock.clone()), clock))
+/// });
+/// ```
+#[macro_export]
+macro_rules! outbox_conformance {
+    ($make:expr) => {
+        $crate::__outbox_cases!($make;
+            claim_leases_exclusively,
+            concurrent_claims_are_disjoint,
+            ordering_keys_go_one_at_a_time,
+            concurrent_relays_keep_key_order,
+            failures_retry_then_park,
+            purge_removes_only_old_sent_rows,
+            an_id_is_enqueued_once,
+            bad_messages_are_refused_whole,
+            messages_round_trip,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __outbox_cases {
+    ($make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(harness) = ($make)().await else { return };
+                $crate::outbox::$name(harness).await;
+            }
+        )+
+    };
+}

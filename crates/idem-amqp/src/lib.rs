@@ -43,6 +43,14 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Publishing (outbox relay)
+//! [`AmqpPublisher`] is the RabbitMQ [`Publisher`](idem_core::outbox::Publisher) of an outbox
+//! [`Relay`](idem_core::outbox::Relay): a batch is published at once on a channel with publisher
+//! confirms, `mandatory` and persistent, each message's outbox id as its `message_id` property —
+//! what this crate's consumer keys on by default, so a message the relay publishes twice is a
+//! duplicate downstream. A message counts as published once the broker acked it and did not
+//! return it; unroutable, nacked and unconfirmed messages are retried by the relay.
+//!
 //! # Redelivery window
 //! RabbitMQ redelivers an unacked message when its channel closes and after `consumer_timeout`
 //! (30 min by default); quorum queues stop after `x-delivery-limit` deliveries. Records must
@@ -69,6 +77,7 @@
 mod config;
 mod error;
 mod message;
+mod publish;
 mod source;
 pub mod topology;
 mod window;
@@ -76,6 +85,7 @@ mod window;
 pub use config::AmqpConfig;
 pub use error::Error;
 pub use message::AmqpMessage;
+pub use publish::{AmqpPublisher, Refused};
 pub use source::AmqpSource;
 pub use topology::Topology;
 pub use window::{DEFAULT_CONSUMER_TIMEOUT, RabbitWindow};

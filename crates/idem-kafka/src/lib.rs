@@ -46,6 +46,14 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Publishing (outbox relay)
+//! [`KafkaPublisher`] is the Kafka [`Publisher`](idem_core::outbox::Publisher) of an outbox
+//! [`Relay`](idem_core::outbox::Relay): an idempotent producer with `acks=all` that produces a
+//! batch at once and awaits every delivery report. Each record carries the message's outbox id
+//! in the `message-id` header — what this crate's consumer keys on by default, so a message the
+//! relay publishes twice is a duplicate downstream — and its ordering key as the record key, so
+//! one key stays on one partition, in order.
+//!
 //! # Rebalances
 //! librdkafka reports a revocation inside a poll, and the driver polls only between batches:
 //! handlers in flight finish and their offsets are committed before the partition is given up.
@@ -60,7 +68,11 @@
 //! # Against tansu
 //! The tests run against tansu 0.6.0, which answers a fetch that starts inside a multi-record
 //! batch with a later batch (records are skipped for every client, not only this one); the
-//! tests' producers write one record per batch. See `docs/notes/kafka.md`.
+//! tests' producers write one record per batch. See `docs/notes/kafka.md`. A
+//! [`KafkaPublisher`] in front of tansu should do the same (`batch.num.messages=1` in its
+//! configuration); its publisher tests read every topic from the start, where batch boundaries
+//! do not matter. tansu 0.6.0 grants idempotent producers their ids (`InitProducerId`) and
+//! checks their sequence numbers, so the publisher keeps idempotence on there.
 //!
 //! Dead letters are at least once: a dead-lettered message whose offset was not yet committed
 //! when its partition moved (or the consumer died) is dead-lettered again by the next owner.
@@ -91,6 +103,7 @@ mod delivery;
 mod error;
 #[cfg(feature = "event-hubs")]
 pub mod event_hubs;
+mod publish;
 mod retention;
 mod source;
 mod tracker;
@@ -99,6 +112,7 @@ pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
 #[cfg(feature = "event-hubs")]
 pub use event_hubs::EventHubs;
+pub use publish::KafkaPublisher;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use rdkafka;
 pub use retention::RetentionGap;

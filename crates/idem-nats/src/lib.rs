@@ -67,12 +67,22 @@
 //! message, and idem makes its delivery a duplicate. The window covers the producer side only;
 //! redeliveries (a lost ack, a crash, `ack_wait`) are idem's.
 //!
+//! # Publishing (outbox relay)
+//! [`JetStreamPublisher`] is the JetStream [`Publisher`](idem_core::outbox::Publisher) of an
+//! outbox [`Relay`](idem_core::outbox::Relay): it sends a batch at once, each message with its
+//! headers and its outbox id as `Nats-Msg-Id` — what this crate's consumer keys on by default,
+//! so a message the relay publishes twice is a duplicate downstream (or, within the stream's
+//! duplicate window, dropped by JetStream itself: the ack says `duplicate`, which counts as
+//! published) — then awaits every publish ack. A subject no stream captures is a (retryable)
+//! failure, never a silent success.
+//!
 //! # Server compatibility
 //! Built and tested against NATS 2.9.10; see [`compat`] for what is switched off.
 
 pub mod compat;
 mod delivery;
 mod error;
+mod publish;
 mod source;
 
 /// The client this adapter is built on, re-exported so callers use the same version.
@@ -80,6 +90,7 @@ pub use async_nats;
 pub use compat::redelivery_window;
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
+pub use publish::{JetStreamPublisher, Refused};
 pub use source::{JetStream, JetStreamSource};
 
 /// A JetStream pull consumer made idempotent: the shared driver over a [`JetStreamSource`], in

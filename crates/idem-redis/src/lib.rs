@@ -95,14 +95,24 @@
 //!   checks, or a SQL store for the records.
 //!
 //! Needs Redis 6.2 or later (`XAUTOCLAIM`); tested on 7.0. No TLS features are enabled.
+//!
+//! # Publishing (outbox relay)
+//! [`StreamPublisher`] is the Redis Streams [`Publisher`](idem_core::outbox::Publisher) of an
+//! outbox [`Relay`](idem_core::outbox::Relay): one pipelined round trip of `XADD`s per batch,
+//! each entry laid out as [`StreamConsumer`] reads it by default — the outbox id in
+//! `message_id`, the body in `payload`, each header a field — so a message the relay publishes
+//! twice is a duplicate downstream. Optional approximate trimming (`MAXLEN ~`) and a replica
+//! wait (`WAIT`) for the batch.
 
 mod error;
 mod namespace;
+mod publish;
 mod store;
 mod stream;
 
 pub use error::Error;
 pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
+pub use publish::{Refused, StreamPublisher};
 #[doc(hidden)]
 pub use store::ClockOffset;
 pub use store::{MAX_RESULT_BYTES, RedisStore, RedisStoreBuilder, ServerSettings};

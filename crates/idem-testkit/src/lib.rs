@@ -8,6 +8,8 @@
 //!   the driver): every mode through the same builder calls on a real broker.
 //! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
 //!   leases, fencing, ordering keys, retries and parking, purge.
+//! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
+//!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`.
 
@@ -17,6 +19,8 @@ pub mod inbox;
 pub mod outbox;
 #[cfg(feature = "source")]
 pub mod process;
+#[cfg(feature = "source")]
+pub mod publisher;
 pub mod service;
 #[cfg(feature = "source")]
 pub mod source;

@@ -10,10 +10,15 @@ use crate::{DedupKey, StoreError};
 pub const MAX_DESTINATION_BYTES: usize = 255;
 /// Longest message id or ordering key, in bytes.
 pub const MAX_ID_BYTES: usize = 255;
-/// Largest payload, in bytes.
+/// Largest payload, in bytes. Brokers have their own limits, which may be lower once headers
+/// are counted (NATS' default `max_payload` is 1 MiB with headers, Kafka's default
+/// `message.max.bytes` 1,000,000): a message over the broker's limit is parked by the relay
+/// with the broker's reason.
 pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
 /// Most headers on one message.
 pub const MAX_HEADERS: usize = 64;
+/// Longest header name, in bytes (AMQP's short-string limit).
+pub const MAX_HEADER_NAME_BYTES: usize = 255;
 /// Largest header name plus value, in bytes.
 pub const MAX_HEADER_BYTES: usize = 4096;
 
@@ -50,6 +55,21 @@ pub enum OutboxError {
     ControlCharacter {
         /// The field.
         field: &'static str,
+        /// Where.
+        offset: usize,
+    },
+    /// A header name or value holds a character some broker cannot carry in a header: names
+    /// are visible ASCII without `:`, values printable ASCII (NATS headers are ASCII lines).
+    #[error(
+        "outbox message {field} {name:?} holds {found:?} at byte {offset}, which not every broker carries in a header"
+    )]
+    HeaderCharacter {
+        /// `"header name"` or `"header value"`.
+        field: &'static str,
+        /// The header's name.
+        name: String,
+        /// The character.
+        found: char,
         /// Where.
         offset: usize,
     },
@@ -230,7 +250,16 @@ impl Outgoing {
             });
         }
         for (name, value) in &self.headers {
-            check("header name", name, MAX_HEADER_BYTES)?;
+            check("header name", name, MAX_HEADER_NAME_BYTES)?;
+            let bad_name = name.char_indices().find(|&(_, c)| !c.is_ascii_graphic() || c == ':');
+            let bad_value =
+                value.char_indices().find(|&(_, c)| !(c.is_ascii_graphic() || c == ' '));
+            for (field, bad) in [("header name", bad_name), ("header value", bad_value)] {
+                if let Some((offset, found)) = bad {
+                    let name = name.clone();
+                    return Err(OutboxError::HeaderCharacter { field, name, found, offset });
+                }
+            }
             let len = name.len() + value.len();
             if len > MAX_HEADER_BYTES {
                 return Err(OutboxError::TooLarge {
@@ -340,6 +369,12 @@ mod tests {
         }
         assert!(matches!(m.validate(), Err(OutboxError::TooManyHeaders { count: 65, .. })));
         assert!(Outgoing::new("q", "x").ordering_key("").validate().is_err());
+        let e = Outgoing::new("q", "x").header("trace", "é").validate().unwrap_err();
+        assert!(e.to_string().contains("header value") && e.to_string().contains("'é'"), "{e}");
+        let e = Outgoing::new("q", "x").header("a:b", "1").validate().unwrap_err();
+        assert!(e.to_string().contains("header name"), "{e}");
+        assert!(Outgoing::new("q", "x").header("h", "v\r\nX: 1").validate().is_err());
+        assert!(Outgoing::new("q", "x").header("x-trace", "a b=c;d").validate().is_ok());
         assert!(MessageId::new("").is_err());
     }
 

@@ -30,8 +30,9 @@ mod store;
 
 pub use memory::{MemoryOutbox, RecordingPublisher};
 pub use message::{
-    MAX_DESTINATION_BYTES, MAX_HEADER_BYTES, MAX_HEADERS, MAX_ID_BYTES, MAX_PAYLOAD_BYTES,
-    MessageId, OutboxError, OutboxMessage, Outgoing, decode_headers, encode_headers,
+    MAX_DESTINATION_BYTES, MAX_HEADER_BYTES, MAX_HEADER_NAME_BYTES, MAX_HEADERS, MAX_ID_BYTES,
+    MAX_PAYLOAD_BYTES, MessageId, OutboxError, OutboxMessage, Outgoing, decode_headers,
+    encode_headers,
 };
 pub use publish::{PublishError, Publisher};
 pub use relay::{Builder, Relay, RelayError, RelayReport};

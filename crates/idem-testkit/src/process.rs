@@ -23,15 +23,7 @@ pub async fn run_child(
     until: Option<&str>,
     limit: Duration,
 ) -> Vec<String> {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = tokio::process::Command::new(exe)
-        .args([entry, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(env.0, env.1)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn child");
+    let mut child = spawn_child(entry, &[env]);
     let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut seen = Vec::new();
     tokio::time::timeout(limit, async {
@@ -51,4 +43,32 @@ pub async fn run_child(
     .await
     .unwrap_or_else(|_| panic!("the child neither crashed nor printed {until:?} within {limit:?}"));
     seen
+}
+
+/// Starts the test `entry` of this test binary as a child process with `env` set, its stdout
+/// piped and its stdin piped: dropping the child's stdin asks it to stop ([`stdin_closed`]);
+/// [`tokio::process::Child::kill`] sends SIGKILL. The child is killed if the handle is dropped.
+///
+/// # Panics
+/// When the child cannot be started.
+pub fn spawn_child(entry: &str, env: &[(&str, &str)]) -> tokio::process::Child {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.args([entry, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn child")
+}
+
+/// Resolves when this process's stdin is closed: the stop signal of a [`spawn_child`] child.
+pub async fn stdin_closed() {
+    use tokio::io::AsyncReadExt;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = [0u8; 64];
+    while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
 }

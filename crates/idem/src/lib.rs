@@ -10,16 +10,17 @@ pub mod sqlite {
 }
 
 #[cfg(feature = "sqlite")]
-pub use idem_sqlx::{SqliteInbox, SqliteStore};
+pub use idem_sqlx::{SqliteInbox, SqliteOutbox, SqliteStore};
 
 /// The SQL client the stores and inboxes are built on, re-exported so handlers use the same
 /// version for their own writes (`sqlx::query(…).execute(&mut *tx)`).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use idem_sqlx::sqlx;
 
-/// The batch transaction an inbox handler gets, and the inbox contract.
+/// The batch transaction an inbox handler gets, the inbox contract, and where outboxes
+/// enqueue ([`Enqueue`]: a handler's `Tx`, a transaction or a connection).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub use idem_sqlx::{Tx, TxInbox};
+pub use idem_sqlx::{Enqueue, Tx, TxInbox};
 
 /// PostgreSQL store, transactional inbox and entity-as-marker helper (feature `postgres`).
 #[cfg(feature = "postgres")]
@@ -29,7 +30,7 @@ pub mod postgres {
 }
 
 #[cfg(feature = "postgres")]
-pub use idem_sqlx::{PostgresInbox, PostgresStore};
+pub use idem_sqlx::{PostgresInbox, PostgresOutbox, PostgresStore};
 
 /// MySQL / MariaDB store and transactional inbox (feature `mysql`).
 #[cfg(feature = "mysql")]
@@ -39,7 +40,7 @@ pub mod mysql {
 }
 
 #[cfg(feature = "mysql")]
-pub use idem_sqlx::{MySqlInbox, MySqlStore};
+pub use idem_sqlx::{MySqlInbox, MySqlOutbox, MySqlStore};
 
 /// The HTTP `Idempotency-Key` layer (feature `http`; `axum` adds its axum glue).
 #[cfg(feature = "http")]

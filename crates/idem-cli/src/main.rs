@@ -4,6 +4,7 @@ mod bench;
 mod bench_sql;
 mod demo;
 mod ops;
+mod relay;
 
 use clap::{Parser, Subcommand};
 
@@ -57,6 +58,10 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         batch: usize,
     },
+    /// Publish what handlers enqueued in an outbox table (PostgreSQL, MySQL or SQLite) to
+    /// RabbitMQ, NATS JetStream, Redis Streams or Kafka, at least once, each message under its
+    /// stable id; or show the outbox's counts, or retry parked rows.
+    Relay(relay::RelayArgs),
     /// Release a record (in progress, in doubt, failed) so the next delivery runs again.
     Release {
         #[command(flatten)]
@@ -88,6 +93,7 @@ async fn main() -> std::process::ExitCode {
         Command::Stats { store, scope } => ops::stats(&store, scope).await.map(|()| 0),
         Command::Purge { store, batch } => ops::purge(&store, batch).await.map(|()| 0),
         Command::Release { store, scope, id } => ops::release(&store, scope, id).await.map(|()| 0),
+        Command::Relay(args) => relay::run(args).await.map(|()| 0),
     };
     match result {
         Ok(code) => std::process::ExitCode::from(code),

@@ -195,6 +195,20 @@ pub async fn purge_removes_only_old_sent_rows<S: OutboxStore, C: TimeControl>(h:
     assert_eq!((c.pending, c.sent, c.parked), (2, 0, 0), "unsent rows are never purged");
 }
 
+pub async fn remove_sent_deletes_only_held_rows<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
+    let s = &h.store;
+    s.send(vec![msg("q", "a"), msg("q", "b"), msg("q", "c")]).await.unwrap();
+    let stale = s.claim(10, h.unit).await.unwrap();
+    h.time.advance(h.unit * 2).await;
+    let held = s.claim(10, h.unit).await.unwrap();
+    assert_eq!(s.remove_sent(&tickets(&stale)).await.unwrap(), 0, "stale tickets are fenced");
+    assert_eq!(s.remove_sent(&tickets(&held[..2])).await.unwrap(), 2);
+    let c = s.counts().await.unwrap();
+    assert_eq!((c.pending, c.sent, c.parked), (1, 0, 0), "removed rows are gone, the third waits");
+    h.time.advance(h.unit * 2).await;
+    assert_eq!(bodies(&s.claim(10, h.unit).await.unwrap()), ["c"]);
+}
+
 pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     let id = MessageId::new("order-7-accepted").unwrap();
@@ -256,6 +270,7 @@ macro_rules! outbox_conformance {
             failures_retry_then_park,
             purge_removes_only_old_sent_rows,
             an_id_is_enqueued_once,
+            remove_sent_deletes_only_held_rows,
             bad_messages_are_refused_whole,
             messages_round_trip,
         );

@@ -144,6 +144,18 @@ impl OutboxStore for MemoryOutbox {
         Ok(n)
     }
 
+    async fn remove_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
+        let mut rows = self.rows();
+        let mut n = 0;
+        for t in tickets {
+            if row_of(&mut rows, t).is_some() {
+                rows.remove(&t.row);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
     async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
         let now = self.clock.now();
         let mut rows = self.rows();

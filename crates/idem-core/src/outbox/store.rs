@@ -112,6 +112,20 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn mark_sent(&self, tickets: &[Ticket])
     -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Deletes rows confirmed by the broker instead of keeping them as sent (for relays that
+    /// keep no sent rows: one cheap delete instead of an update and a later purge); returns how
+    /// many were still held by these tickets. Fenced like `mark_sent`.
+    ///
+    /// # Errors
+    /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: a row left in place is published again after its lease.
+    fn remove_sent(
+        &self,
+        tickets: &[Ticket],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Records failed publishes: each row is due again after its `retry_in`, or parked.
     ///
     /// # Errors

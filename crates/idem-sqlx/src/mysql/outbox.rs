@@ -357,6 +357,27 @@ impl OutboxStore for MySqlOutbox {
         Ok(done.rows_affected())
     }
 
+    async fn remove_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
+        if tickets.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "DELETE FROM {} WHERE state = 0 AND seq IN ({}) AND (seq, token) IN ({})",
+            self.sql.t,
+            Sql::placeholders(tickets.len(), "?"),
+            Sql::placeholders(tickets.len(), "(?, ?)")
+        );
+        let mut q = sqlx::query(AssertSqlSafe(sql));
+        for t in tickets {
+            q = q.bind(t.row);
+        }
+        for t in tickets {
+            q = q.bind(t.row).bind(t.token);
+        }
+        let done = q.execute(&self.pool).await.map_err(|e| backend("outbox remove_sent", e))?;
+        Ok(done.rows_affected())
+    }
+
     async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
         if failures.is_empty() {
             return Ok(0);

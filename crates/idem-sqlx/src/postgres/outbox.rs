@@ -26,6 +26,7 @@ struct Sql {
     enqueue: Arc<str>,
     claim: Arc<str>,
     sent: Arc<str>,
+    remove: Arc<str>,
     failed: Arc<str>,
     purge: Arc<str>,
     retry_parked: Arc<str>,
@@ -57,7 +58,8 @@ impl Sql {
                        lease_until BIGINT NOT NULL DEFAULT 0, \
                        token BIGINT NOT NULL DEFAULT 0, \
                        sent_at BIGINT, \
-                       last_error TEXT)"
+                       last_error TEXT) \
+                     WITH (fillfactor = 70)"
                 ),
                 format!(
                     "CREATE UNIQUE INDEX IF NOT EXISTS \"{table}_message_id\" ON {t} (message_id)"
@@ -114,6 +116,11 @@ impl Sql {
                  FROM unnest($1::bigint[], $2::bigint[]) AS x(seq, token) \
                  WHERE o.seq = x.seq AND o.token = x.token AND o.state = 0",
                 now = now(3)
+            )),
+            // $1 seqs, $2 tokens.
+            remove: s(format!(
+                "DELETE FROM {t} o USING unnest($1::bigint[], $2::bigint[]) AS x(seq, token) \
+                 WHERE o.seq = x.seq AND o.token = x.token AND o.state = 0"
             )),
             // $1 seqs, $2 tokens, $3 reasons, $4 retry µs (NULL parks), $5 skew.
             failed: s(format!(
@@ -173,7 +180,19 @@ pub struct PostgresOutbox {
     table: Identifier,
     sql: Arc<Sql>,
     skew: ClockSkew,
-    listener: Arc<tokio::sync::Mutex<Option<PgListener>>>,
+    wake: Arc<Wake>,
+}
+
+/// Commits seen on the `LISTEN` channel, shared by every relay loop on this outbox.
+///
+/// One background task (started by the first wait) listens and sets `dirty` and wakes the
+/// waiters on each notification; a claim clears `dirty` as it starts, so a commit that lands
+/// between a claim and the next wait is never slept through.
+#[derive(Default)]
+struct Wake {
+    dirty: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+    started: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for PostgresOutbox {
@@ -196,7 +215,7 @@ impl PostgresStore {
             schema: self.schema.clone(),
             table,
             skew: self.skew.clone(),
-            listener: Arc::default(),
+            wake: Arc::default(),
         }
     }
 }
@@ -218,7 +237,7 @@ impl PostgresOutbox {
         }
         self.table = table;
         self.sql = Arc::new(Sql::new(self.schema.as_str(), self.table.as_str()));
-        self.listener = Arc::default();
+        self.wake = Arc::default();
         Ok(self)
     }
 
@@ -283,22 +302,13 @@ impl PostgresOutbox {
         Ok(m.id().clone())
     }
 
-    async fn listen(&self, max: Duration) -> Result<(), sqlx::Error> {
-        let mut guard = self.listener.lock().await;
-        if guard.is_none() {
-            let mut l = PgListener::connect_with(&self.pool).await?;
-            l.listen(&self.sql.channel).await?;
-            *guard = Some(l);
-        }
-        let Some(l) = guard.as_mut() else { return Ok(()) };
-        match tokio::time::timeout(max, l.try_recv()).await {
-            Ok(Ok(Some(_))) | Err(_) => Ok(()),
-            // The connection was lost (notifications in between are missed): poll now.
-            Ok(Ok(None)) => Ok(()),
-            Ok(Err(e)) => {
-                *guard = None;
-                Err(e)
-            }
+    /// Starts the listening task once; it ends when the last clone of this outbox is gone.
+    fn start_listening(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.wake.started.compare_exchange(false, true, SeqCst, SeqCst).is_ok() {
+            let (pool, channel, wake) =
+                (self.pool.clone(), self.sql.channel.clone(), Arc::downgrade(&self.wake));
+            tokio::spawn(listen(pool, channel, wake));
         }
     }
 }
@@ -315,6 +325,8 @@ impl OutboxStore for PostgresOutbox {
     }
 
     async fn claim(&self, limit: usize, lease: Duration) -> Result<Vec<Pending>, StoreError> {
+        // Commits notified from here on may hold rows this claim does not see.
+        self.wake.dirty.store(false, std::sync::atomic::Ordering::SeqCst);
         let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(duration_micros(lease))
@@ -353,6 +365,21 @@ impl OutboxStore for PostgresOutbox {
             .execute(&self.pool)
             .await
             .map_err(|e| backend("outbox mark_sent", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn remove_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
+        if tickets.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = tickets.iter().map(|t| t.row).collect();
+        let tokens: Vec<i64> = tickets.iter().map(|t| t.token).collect();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.remove)))
+            .bind(&seqs)
+            .bind(&tokens)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("outbox remove_sent", e))?;
         Ok(done.rows_affected())
     }
 
@@ -407,10 +434,61 @@ impl OutboxStore for PostgresOutbox {
     }
 
     async fn wait_for_work(&self, max: Duration) {
-        let started = tokio::time::Instant::now();
-        if let Err(e) = self.listen(max).await {
-            tracing::warn!(error = %e, "outbox LISTEN failed; polling");
-            tokio::time::sleep(max.saturating_sub(started.elapsed())).await;
+        self.start_listening();
+        let wake = &self.wake;
+        let notified = wake.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if wake.dirty.load(std::sync::atomic::Ordering::SeqCst) {
+            return; // a commit since the last claim
+        }
+        let _ = tokio::time::timeout(max, notified).await;
+    }
+}
+
+/// The listening task: wakes relay loops on each notification; reconnects after a failure
+/// (notifications in between are lost, and the relays' polling covers them).
+async fn listen(pool: PgPool, channel: String, wake: std::sync::Weak<Wake>) {
+    let mut backoff = Duration::from_millis(100);
+    'connect: loop {
+        if wake.strong_count() == 0 {
+            return;
+        }
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(mut l) => match l.listen(&channel).await {
+                Ok(()) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "outbox LISTEN failed; relays poll meanwhile");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue 'connect;
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox LISTEN connection failed; relays poll meanwhile");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue 'connect;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        loop {
+            // Wakes every second to notice that the outbox was dropped.
+            let next = tokio::time::timeout(Duration::from_secs(1), listener.try_recv()).await;
+            let Some(w) = wake.upgrade() else { return };
+            match next {
+                Ok(Ok(Some(_))) => {
+                    w.dirty.store(true, std::sync::atomic::Ordering::SeqCst);
+                    w.notify.notify_waiters();
+                }
+                Err(_) => {}
+                // Connection lost or failed: wake everyone (something may have been missed).
+                Ok(Ok(None)) | Ok(Err(_)) => {
+                    w.dirty.store(true, std::sync::atomic::Ordering::SeqCst);
+                    w.notify.notify_waiters();
+                    continue 'connect;
+                }
+            }
         }
     }
 }

@@ -19,6 +19,7 @@ struct Sql {
     enqueue: Arc<str>,
     claim: Arc<str>,
     sent: Arc<str>,
+    remove: Arc<str>,
     failed: Arc<str>,
     purge: Arc<str>,
     retry_parked: Arc<str>,
@@ -80,6 +81,8 @@ impl Sql {
                 "UPDATE {t} SET state = 1, sent_at = ?3, lease_until = 0 \
                  WHERE seq = ?1 AND token = ?2 AND state = 0"
             )),
+            // ?1 seq, ?2 token.
+            remove: s(format!("DELETE FROM {t} WHERE seq = ?1 AND token = ?2 AND state = 0")),
             // ?1 seq, ?2 token, ?3 reason, ?4 retry µs (NULL parks), ?5 now.
             failed: s(format!(
                 "UPDATE {t} SET failures = failures + 1, last_error = ?3, lease_until = 0, \
@@ -270,6 +273,25 @@ impl OutboxStore for SqliteOutbox {
                 .rows_affected();
         }
         tx.commit().await.map_err(|e| backend("outbox mark_sent", e))?;
+        Ok(n)
+    }
+
+    async fn remove_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
+        if tickets.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await.map_err(|e| backend("outbox remove_sent", e))?;
+        let mut n = 0;
+        for t in tickets {
+            n += sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.remove)))
+                .bind(t.row)
+                .bind(t.token)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| backend("outbox remove_sent", e))?
+                .rows_affected();
+        }
+        tx.commit().await.map_err(|e| backend("outbox remove_sent", e))?;
         Ok(n)
     }
 

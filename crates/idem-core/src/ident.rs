@@ -57,6 +57,20 @@ impl Identifier {
     /// # Errors
     /// [`IdentifierError`] naming the field and the rule broken.
     pub fn new(field: &'static str, value: impl Into<String>) -> Result<Self, IdentifierError> {
+        Self::with_limit(field, value, MAX_IDENTIFIER_BYTES)
+    }
+
+    /// As [`Identifier::new`], with a tighter length limit (a table name whose derived index
+    /// names must stay within the database's identifier limit).
+    ///
+    /// # Errors
+    /// [`IdentifierError`] naming the field and the rule broken.
+    pub fn with_limit(
+        field: &'static str,
+        value: impl Into<String>,
+        limit: usize,
+    ) -> Result<Self, IdentifierError> {
+        let limit = limit.min(MAX_IDENTIFIER_BYTES);
         let value = value.into();
         let mut bytes = value.bytes();
         match bytes.next() {
@@ -67,14 +81,9 @@ impl Identifier {
         if !bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') {
             return Err(IdentifierError::Invalid { field, value });
         }
-        if value.len() > MAX_IDENTIFIER_BYTES {
+        if value.len() > limit {
             let len = value.len();
-            return Err(IdentifierError::TooLong {
-                field,
-                value,
-                len,
-                limit: MAX_IDENTIFIER_BYTES,
-            });
+            return Err(IdentifierError::TooLong { field, value, len, limit });
         }
         Ok(Self(value))
     }

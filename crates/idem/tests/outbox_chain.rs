@@ -128,6 +128,30 @@ async fn run_relay<P: Publisher>(store: &PostgresStore, publisher: P) {
     relay.run(stdin_closed()).await.unwrap();
 }
 
+/// Runs consumer 1 or 2 on its queue until stdin closes.
+async fn consume<C: idem::driver::SourceConfig>(
+    config: C,
+    role: &str,
+    spec: &Spec,
+    store: &PostgresStore,
+) {
+    let consumer = idem::Driver::builder(config)
+        .inbox(store.inbox(WEEK))
+        .scope(role)
+        .batch(32)
+        .idle_wait(Duration::from_millis(50))
+        .build()
+        .await
+        .unwrap();
+    println!("ready");
+    let ended = if role == "consumer1" {
+        consumer.run(order_writer(spec, store), stdin_closed()).await
+    } else {
+        consumer.run(ledger_writer(spec), stdin_closed()).await
+    };
+    ended.unwrap();
+}
+
 /// The child process: one role of the chain, until its stdin closes or it is killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a child process of the outbox chain tests"]
@@ -303,7 +327,7 @@ mod amqp {
     use idem::amqp::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
     use idem::amqp::lapin::types::FieldTable;
     use idem::amqp::lapin::{Connection, ConnectionProperties};
-    use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, AmqpPublisher};
+    use idem::amqp::{AmqpConfig, AmqpPublisher};
 
     fn url() -> Option<String> {
         idem_testkit::service::require(
@@ -386,23 +410,7 @@ mod amqp {
             role => {
                 let (queue, store) =
                     if role == "consumer1" { (&spec.a, one) } else { (&spec.b, two) };
-                let consumer = AmqpConsumer::builder(AmqpConfig::new(&conn, queue.as_str()))
-                    .inbox(store.inbox(WEEK))
-                    .scope(role)
-                    .batch(32)
-                    .idle_wait(Duration::from_millis(50))
-                    .build()
-                    .await
-                    .unwrap();
-                println!("ready");
-                if role == "consumer1" {
-                    consumer
-                        .run(order_writer::<AmqpMessage>(spec, one), stdin_closed())
-                        .await
-                        .unwrap();
-                } else {
-                    consumer.run(ledger_writer::<AmqpMessage>(spec), stdin_closed()).await.unwrap();
-                }
+                consume(AmqpConfig::new(&conn, queue.as_str()), role, spec, store).await;
             }
         }
     }
@@ -411,7 +419,7 @@ mod amqp {
 mod nats {
     use super::*;
     use idem::nats::async_nats::{self, jetstream};
-    use idem::nats::{Delivery, JetStream, JetStreamConsumer, JetStreamPublisher};
+    use idem::nats::{JetStream, JetStreamPublisher};
 
     fn url() -> Option<String> {
         idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
@@ -501,23 +509,7 @@ mod nats {
                     if role == "consumer1" { (&spec.a, one) } else { (&spec.b, two) };
                 let pull = js.get_consumer_from_stream(role, &stream(subject)).await.unwrap();
                 let source = JetStream::new(js.clone(), pull, format!("{subject}.dlq"));
-                let consumer = JetStreamConsumer::builder(source)
-                    .inbox(store.inbox(WEEK))
-                    .scope(role)
-                    .batch(32)
-                    .idle_wait(Duration::from_millis(50))
-                    .build()
-                    .await
-                    .unwrap();
-                println!("ready");
-                if role == "consumer1" {
-                    consumer
-                        .run(order_writer::<Delivery>(spec, one), stdin_closed())
-                        .await
-                        .unwrap();
-                } else {
-                    consumer.run(ledger_writer::<Delivery>(spec), stdin_closed()).await.unwrap();
-                }
+                consume(source, role, spec, store).await;
             }
         }
     }

@@ -226,15 +226,7 @@ impl PostgresOutbox {
     /// # Errors
     /// [`IdentifierError`] naming the problem.
     pub fn with_table_name(mut self, name: &str) -> Result<Self, IdentifierError> {
-        let table = Identifier::new("outbox table name", name)?;
-        if name.len() > MAX_TABLE_NAME {
-            return Err(IdentifierError::TooLong {
-                field: "outbox table name",
-                value: name.to_owned(),
-                len: name.len(),
-                limit: MAX_TABLE_NAME,
-            });
-        }
+        let table = Identifier::with_limit("outbox table name", name, MAX_TABLE_NAME)?;
         self.table = table;
         self.sql = Arc::new(Sql::new(self.schema.as_str(), self.table.as_str()));
         self.wake = Arc::default();

@@ -215,7 +215,31 @@ impl SqliteOutbox {
     fn now(&self) -> i64 {
         self.clock.now().as_micros()
     }
+
+    fn stmt(&self, sql: &Arc<str>) -> Query {
+        sqlx::query(AssertSqlSafe(Arc::clone(sql)))
+    }
+
+    /// Runs `statements` in one transaction (one fsync); returns the rows they changed.
+    async fn each_in_tx(
+        &self,
+        op: &'static str,
+        statements: Vec<Query>,
+    ) -> Result<u64, StoreError> {
+        if statements.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pool.begin().await.map_err(|e| backend(op, e))?;
+        let mut n = 0;
+        for q in statements {
+            n += q.execute(&mut *tx).await.map_err(|e| backend(op, e))?.rows_affected();
+        }
+        tx.commit().await.map_err(|e| backend(op, e))?;
+        Ok(n)
+    }
 }
+
+type Query = sqlx::query::Query<'static, Sqlite, <Sqlite as sqlx::Database>::Arguments>;
 
 impl OutboxStore for SqliteOutbox {
     async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
@@ -256,66 +280,27 @@ impl OutboxStore for SqliteOutbox {
     }
 
     async fn mark_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
-        if tickets.is_empty() {
-            return Ok(0);
-        }
         let now = self.now();
-        let mut tx = self.pool.begin().await.map_err(|e| backend("outbox mark_sent", e))?;
-        let mut n = 0;
-        for t in tickets {
-            n += sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.sent)))
-                .bind(t.row)
-                .bind(t.token)
-                .bind(now)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| backend("outbox mark_sent", e))?
-                .rows_affected();
-        }
-        tx.commit().await.map_err(|e| backend("outbox mark_sent", e))?;
-        Ok(n)
+        let stmt = |t: &Ticket| self.stmt(&self.sql.sent).bind(t.row).bind(t.token).bind(now);
+        self.each_in_tx("outbox mark_sent", tickets.iter().map(stmt).collect()).await
     }
 
     async fn remove_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {
-        if tickets.is_empty() {
-            return Ok(0);
-        }
-        let mut tx = self.pool.begin().await.map_err(|e| backend("outbox remove_sent", e))?;
-        let mut n = 0;
-        for t in tickets {
-            n += sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.remove)))
-                .bind(t.row)
-                .bind(t.token)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| backend("outbox remove_sent", e))?
-                .rows_affected();
-        }
-        tx.commit().await.map_err(|e| backend("outbox remove_sent", e))?;
-        Ok(n)
+        let stmt = |t: &Ticket| self.stmt(&self.sql.remove).bind(t.row).bind(t.token);
+        self.each_in_tx("outbox remove_sent", tickets.iter().map(stmt).collect()).await
     }
 
     async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
-        if failures.is_empty() {
-            return Ok(0);
-        }
         let now = self.now();
-        let mut tx = self.pool.begin().await.map_err(|e| backend("outbox mark_failed", e))?;
-        let mut n = 0;
-        for f in failures {
-            n += sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.failed)))
+        let stmt = |f: &Failure| {
+            self.stmt(&self.sql.failed)
                 .bind(f.ticket.row)
                 .bind(f.ticket.token)
-                .bind(cut(&f.reason))
+                .bind(cut(&f.reason).to_owned())
                 .bind(f.retry_in.map(duration_micros))
                 .bind(now)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| backend("outbox mark_failed", e))?
-                .rows_affected();
-        }
-        tx.commit().await.map_err(|e| backend("outbox mark_failed", e))?;
-        Ok(n)
+        };
+        self.each_in_tx("outbox mark_failed", failures.iter().map(stmt).collect()).await
     }
 
     async fn purge_sent(&self, older_than: Duration, limit: usize) -> Result<u64, StoreError> {

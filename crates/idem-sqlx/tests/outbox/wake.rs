@@ -2,7 +2,7 @@
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

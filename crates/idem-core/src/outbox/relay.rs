@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use super::{Failure, OutboxStore, Pending, PublishError, Publisher, Ticket};
+use super::{Failure, OutboxMessage, OutboxStore, PublishError, Publisher, Ticket};
 use crate::StoreError;
 
 /// Why a relay stopped.
@@ -369,7 +369,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             return Ok(0);
         }
         report.batches += 1;
-        let messages: Vec<_> = batch.iter().map(|p| p.message.clone()).collect();
+        let mut leased = Vec::with_capacity(batch.len());
+        let mut messages = Vec::with_capacity(batch.len());
+        for p in batch {
+            leased.push((p.ticket, p.failures));
+            messages.push(p.message);
+        }
         let started = Instant::now();
         let results = match tokio::time::timeout(
             s.publish_timeout,
@@ -377,20 +382,23 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         )
         .await
         {
-            Ok(r) if r.len() == batch.len() => r,
+            Ok(r) if r.len() == messages.len() => r,
             Ok(r) => {
-                let why =
-                    format!("publisher answered {} results for {} messages", r.len(), batch.len());
-                batch
+                let why = format!(
+                    "publisher answered {} results for {} messages",
+                    r.len(),
+                    messages.len()
+                );
+                messages
                     .iter()
-                    .map(|p| Err(PublishError::new(p.message.destination(), true, why.clone())))
+                    .map(|m| Err(PublishError::new(m.destination(), true, why.clone())))
                     .collect()
             }
-            Err(_) => batch
+            Err(_) => messages
                 .iter()
-                .map(|p| {
+                .map(|m| {
                     Err(PublishError::new(
-                        p.message.destination(),
+                        m.destination(),
                         true,
                         "not confirmed within the publish timeout",
                     ))
@@ -398,12 +406,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 .collect(),
         };
         metrics::histogram!("idem_outbox_publish_seconds").record(started.elapsed().as_secs_f64());
-        let mut sent: Vec<Ticket> = Vec::with_capacity(batch.len());
+        let mut sent: Vec<Ticket> = Vec::with_capacity(messages.len());
         let mut failures = Vec::new();
-        for (p, r) in batch.iter().zip(results) {
+        for ((&(ticket, failed_before), m), r) in leased.iter().zip(&messages).zip(results) {
             match r {
-                Ok(()) => sent.push(p.ticket),
-                Err(e) => failures.push(self.failure(p, &e)),
+                Ok(()) => sent.push(ticket),
+                Err(e) => failures.push(self.failure(ticket, failed_before, m, &e)),
             }
         }
         let marked = if s.retain_sent.is_zero() {
@@ -424,24 +432,30 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             metrics::counter!("idem_outbox_failures_total", "parked" => "false")
                 .increment(failures.len() as u64 - parked);
         }
-        Ok(batch.len())
+        Ok(messages.len())
     }
 
-    fn failure(&self, p: &Pending, e: &PublishError) -> Failure {
+    fn failure(
+        &self,
+        ticket: Ticket,
+        failed_before: u32,
+        m: &OutboxMessage,
+        e: &PublishError,
+    ) -> Failure {
         let s = &self.settings;
-        let attempts = p.failures + 1;
+        let attempts = failed_before + 1;
         let reason = error_chain(e);
         let retry_in = (e.is_retryable() && attempts < s.max_attempts)
             .then(|| backoff(s.backoff.0, s.backoff.1, attempts));
         match retry_in {
             Some(d) => {
-                tracing::warn!(id = %p.message.id(), attempts, retry_in = ?d, error = %reason, "publish failed; will retry")
+                tracing::warn!(id = %m.id(), attempts, retry_in = ?d, error = %reason, "publish failed; will retry")
             }
             None => {
-                tracing::error!(id = %p.message.id(), attempts, error = %reason, "publish failed; row parked")
+                tracing::error!(id = %m.id(), attempts, error = %reason, "publish failed; row parked")
             }
         }
-        Failure { ticket: p.ticket, reason, retry_in }
+        Failure { ticket, reason, retry_in }
     }
 }
 

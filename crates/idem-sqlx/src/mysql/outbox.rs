@@ -13,13 +13,13 @@ use sqlx::mysql::MySqlPool;
 use sqlx::{AssertSqlSafe, MySql, Row};
 
 use super::{MAX_TABLE_NAME, MySqlStore, backend, is_duplicate_key};
-use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, Leased, counts_of, cut, prepare};
+use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, counts_of, cut, pending_of, prepare};
 
 /// "Now" by the server clock in microseconds, plus the test skew (bound as the next `?`).
 const NOW: &str = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
 
-const COLUMNS: &str =
-    "seq, token, failures, message_id, destination, payload, headers, ordering_key";
+const COLUMNS: &str = "seq, token, CAST(failures AS SIGNED), message_id, destination, payload, \
+     headers, ordering_key";
 
 struct Sql {
     ddl: Vec<String>,
@@ -221,7 +221,7 @@ impl MySqlOutbox {
         tx: &mut sqlx::MySqlConnection,
         limit: usize,
         lease: Duration,
-    ) -> Result<Vec<Pending>, sqlx::Error> {
+    ) -> Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error> {
         let skew = self.skew.micros();
         let t = &self.sql.t;
         let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.candidates)))
@@ -279,31 +279,12 @@ impl MySqlOutbox {
         for s in &seqs {
             q = q.bind(s);
         }
-        let mut out = Vec::with_capacity(seqs.len());
-        for r in q.fetch_all(&mut *tx).await? {
-            let leased = Leased {
-                seq: r.try_get(0)?,
-                token: r.try_get(1)?,
-                failures: r.try_get::<i32, _>(2)?.into(),
-                id: r.try_get(3)?,
-                destination: r.try_get(4)?,
-                payload: r.try_get(5)?,
-                headers: r.try_get(6)?,
-                ordering_key: r.try_get(7)?,
-            };
-            out.push(leased);
-        }
-        out.into_iter()
-            .map(|l| l.into_pending().map_err(|e| sqlx::Error::Decode(Box::new(e))))
-            .collect()
+        q.fetch_all(&mut *tx).await
     }
 }
 
 impl OutboxStore for MySqlOutbox {
     async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
-        for m in &messages {
-            m.validate()?;
-        }
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox send", e))?;
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
@@ -315,16 +296,10 @@ impl OutboxStore for MySqlOutbox {
 
     async fn claim(&self, limit: usize, lease: Duration) -> Result<Vec<Pending>, StoreError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox claim", e))?;
-        let out = match self.claim_in(&mut tx, limit, lease).await {
-            Ok(out) => out,
-            Err(sqlx::Error::Decode(e)) => match e.downcast::<StoreError>() {
-                Ok(store) => return Err(*store),
-                Err(e) => return Err(backend("outbox claim", sqlx::Error::Decode(e))),
-            },
-            Err(e) => return Err(backend("outbox claim", e)),
-        };
+        let rows =
+            self.claim_in(&mut tx, limit, lease).await.map_err(|e| backend("outbox claim", e))?;
         tx.commit().await.map_err(|e| backend("outbox claim", e))?;
-        Ok(out)
+        pending_of(rows)
     }
 
     async fn mark_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {

@@ -118,19 +118,19 @@ pub(crate) fn cut(reason: &str) -> &str {
 }
 
 /// A leased row's columns, as the claim statements return them.
-pub(crate) struct Leased {
-    pub(crate) seq: i64,
-    pub(crate) token: i64,
-    pub(crate) failures: i64,
-    pub(crate) id: String,
-    pub(crate) destination: String,
-    pub(crate) payload: Vec<u8>,
-    pub(crate) headers: String,
-    pub(crate) ordering_key: Option<String>,
+struct Leased {
+    seq: i64,
+    token: i64,
+    failures: i64,
+    id: String,
+    destination: String,
+    payload: Vec<u8>,
+    headers: String,
+    ordering_key: Option<String>,
 }
 
 impl Leased {
-    pub(crate) fn into_pending(self) -> Result<Pending, StoreError> {
+    fn into_pending(self) -> Result<Pending, StoreError> {
         let failures = u32::try_from(self.failures).map_err(|_| StoreError::Corrupt {
             what: format!("outbox failures {}", self.failures),
         })?;
@@ -144,6 +144,38 @@ impl Leased {
         );
         Ok(Pending::new(Ticket { row: self.seq, token: self.token }, failures, message))
     }
+}
+
+/// Leased rows as the claim statements return them — `seq, token, failures, message_id,
+/// destination, payload, headers, ordering_key`, `failures` as a 64-bit integer — in row order.
+pub(crate) fn pending_of<R>(rows: Vec<R>) -> Result<Vec<Pending>, StoreError>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let decode = |r: &R| -> Result<Leased, sqlx::Error> {
+        Ok(Leased {
+            seq: r.try_get(0)?,
+            token: r.try_get(1)?,
+            failures: r.try_get(2)?,
+            id: r.try_get(3)?,
+            destination: r.try_get(4)?,
+            payload: r.try_get(5)?,
+            headers: r.try_get(6)?,
+            ordering_key: r.try_get(7)?,
+        })
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let leased = decode(r)
+            .map_err(|e| StoreError::Corrupt { what: format!("leased outbox row: {e}") })?;
+        out.push(leased.into_pending()?);
+    }
+    out.sort_by_key(|p| p.ticket.row);
+    Ok(out)
 }
 
 /// Counts from `(state, count)` rows.

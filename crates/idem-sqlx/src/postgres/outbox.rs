@@ -10,10 +10,10 @@ use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgListener, PgPool};
-use sqlx::{AssertSqlSafe, Postgres, Row};
+use sqlx::{AssertSqlSafe, Postgres};
 
 use super::{MAX_TABLE_NAME, PostgresStore, backend};
-use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, Leased, cut, prepare};
+use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, cut, pending_of, prepare};
 
 /// "Now" by the database clock in microseconds, plus the test skew bound at `$p`.
 fn now(p: u8) -> String {
@@ -38,7 +38,7 @@ impl Sql {
         let t = format!("\"{schema}\".\"{table}\"");
         // A channel name is an identifier (at most 63 bytes): a digest of the qualified name.
         let digest = Sha256::digest(format!("{schema}.{table}").as_bytes());
-        let channel = format!("idem_outbox_{}", &hex_of(&digest)[..24]);
+        let channel = format!("idem_outbox_{}", &format!("{digest:x}")[..24]);
         let s = |x: String| -> Arc<str> { x.into() };
         Self {
             ddl: vec![
@@ -106,7 +106,7 @@ impl Sql {
                        ORDER BY o.seq LIMIT $1 FOR UPDATE OF o SKIP LOCKED) \
                  UPDATE {t} o SET lease_until = n.now + $2, token = o.token + 1 \
                  FROM c, n WHERE o.seq = c.seq \
-                 RETURNING o.seq, o.token, o.failures, o.message_id, o.destination, o.payload, \
+                 RETURNING o.seq, o.token, o.failures::bigint, o.message_id, o.destination, o.payload, \
                            o.headers, o.ordering_key",
                 now = now(3)
             )),
@@ -148,10 +148,6 @@ impl Sql {
             channel,
         }
     }
-}
-
-fn hex_of(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The transactional outbox on PostgreSQL: messages enqueued in the caller's transaction,
@@ -326,22 +322,7 @@ impl OutboxStore for PostgresOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("outbox claim", e))?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in rows {
-            let leased = Leased {
-                seq: r.try_get(0).map_err(|e| backend("outbox claim", e))?,
-                token: r.try_get(1).map_err(|e| backend("outbox claim", e))?,
-                failures: r.try_get::<i32, _>(2).map_err(|e| backend("outbox claim", e))?.into(),
-                id: r.try_get(3).map_err(|e| backend("outbox claim", e))?,
-                destination: r.try_get(4).map_err(|e| backend("outbox claim", e))?,
-                payload: r.try_get(5).map_err(|e| backend("outbox claim", e))?,
-                headers: r.try_get(6).map_err(|e| backend("outbox claim", e))?,
-                ordering_key: r.try_get(7).map_err(|e| backend("outbox claim", e))?,
-            };
-            out.push(leased.into_pending()?);
-        }
-        out.sort_by_key(|p| p.ticket.row);
-        Ok(out)
+        pending_of(rows)
     }
 
     async fn mark_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {

@@ -9,10 +9,10 @@ use idem_core::outbox::{
 use idem_core::time::{Clock, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
 use sqlx::sqlite::SqlitePool;
-use sqlx::{AssertSqlSafe, Row, Sqlite};
+use sqlx::{AssertSqlSafe, Sqlite};
 
 use super::{SqliteStore, backend};
-use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, Leased, counts_of, cut, prepare};
+use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, counts_of, cut, pending_of, prepare};
 
 struct Sql {
     ddl: Vec<String>,
@@ -260,23 +260,7 @@ impl OutboxStore for SqliteOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| backend("outbox claim", e))?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in rows {
-            let get = |e| backend("outbox claim", e);
-            let leased = Leased {
-                seq: r.try_get(0).map_err(get)?,
-                token: r.try_get(1).map_err(get)?,
-                failures: r.try_get(2).map_err(get)?,
-                id: r.try_get(3).map_err(get)?,
-                destination: r.try_get(4).map_err(get)?,
-                payload: r.try_get(5).map_err(get)?,
-                headers: r.try_get(6).map_err(get)?,
-                ordering_key: r.try_get(7).map_err(get)?,
-            };
-            out.push(leased.into_pending()?);
-        }
-        out.sort_by_key(|p| p.ticket.row);
-        Ok(out)
+        pending_of(rows)
     }
 
     async fn mark_sent(&self, tickets: &[Ticket]) -> Result<u64, StoreError> {

@@ -26,6 +26,25 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Tp = (String, i32);
 
+/// Runs `f` on a thread of its own; the receiver answers when it returned (an error when it
+/// panicked or no thread could be started, which is logged). Not `spawn_blocking`: a runtime
+/// waits for its blocking tasks when it shuts down, and librdkafka's consumer close loops until
+/// the group coordinator answers, which some brokers never do (seen: a test process that never
+/// exited). A call abandoned here holds no runtime thread and keeps no runtime alive.
+fn detached<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> tokio::sync::oneshot::Receiver<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name(format!("idem-kafka: {what}"))
+        .spawn(move || drop(tx.send(f())));
+    if let Err(e) = spawned {
+        tracing::warn!(target: "idem", error = %e, "could not start a thread to {what}");
+    }
+    rx
+}
+
 /// Records revocations as librdkafka reports them (inside a poll, so never while a batch is
 /// being processed).
 #[derive(Default)]
@@ -56,6 +75,10 @@ struct State {
     epoch: u64,
     /// The epoch at which each partition was last revoked.
     revoked_at: HashMap<Tp, u64>,
+    /// Messages taken for a batch (due retries, then polled ones) that no `fetch` has returned
+    /// yet. They live here, not in the fetch's locals, so that a fetch dropped at its await
+    /// loses nothing: the next fetch returns them first.
+    staged: Vec<Delivery>,
 }
 
 impl State {
@@ -253,7 +276,7 @@ impl KafkaSource {
             .await
             .unwrap_or(Err(KafkaError::AdminOpCreation("describe configs timed out".into())));
         // Destroying a client can block: not on the runtime's threads.
-        tokio::task::spawn_blocking(move || drop(admin));
+        drop(detached("drop the admin client", move || drop(admin)));
         let mut logs = Vec::with_capacity(names.len());
         for (name, r) in
             names.iter().zip(answer.map_err(|e| Error::kafka("describe topic configs", e))?)
@@ -453,41 +476,59 @@ impl SourceConfig for Kafka {
     }
 }
 
+/// A source dropped without `close` leaves the group on a thread of its own: librdkafka's
+/// consumer drop can block for as long as `close` can.
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        if let Some(consumer) =
+            self.consumer.get_mut().unwrap_or_else(PoisonError::into_inner).take()
+        {
+            drop(detached("drop the Kafka consumer", move || drop(consumer)));
+        }
+    }
+}
+
 impl Source for KafkaSource {
     type Message = Delivery;
     type Error = Error;
 
     /// Up to `max` messages: the retries that are due first, then new ones (waiting up to
     /// `wait` for a first one, then the batch wait for more).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a message is moved out of the retry list, or received from the broker, only
+    /// into the source's own staging list, which the next `fetch` returns first. Dropping the
+    /// future at its await loses no message and leaves no offset open without its message.
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         let consumer = self.consumer()?;
-        let mut batch = Vec::new();
         self.revocations(&consumer);
         let now = Instant::now();
-        let next_retry = {
+        let (mut staged, next_retry) = {
             let mut st = self.state();
+            let State { retries, staged, .. } = &mut *st;
             let mut i = 0;
-            while i < st.retries.len() && batch.len() < max {
-                if st.retries[i].0 <= now {
-                    batch.push(st.retries.swap_remove(i).1);
+            while i < retries.len() && staged.len() < max {
+                if retries[i].0 <= now {
+                    staged.push(retries.swap_remove(i).1);
                 } else {
                     i += 1;
                 }
             }
-            st.retries.iter().map(|(at, _)| *at).min()
+            (staged.len(), retries.iter().map(|(at, _)| *at).min())
         };
-        let mut wait = if batch.is_empty() {
+        let mut wait = if staged == 0 {
             next_retry.map_or(wait, |at| at.saturating_duration_since(now).min(wait))
         } else {
             Duration::ZERO
         };
-        while batch.len() < max {
+        while staged < max {
+            // The one await: `recv` is cancel safe, and what came before it is staged.
             let polled = tokio::time::timeout(wait, consumer.recv()).await;
             let m = match polled {
                 Err(_) => break,
                 Ok(Err(e)) => {
                     self.revocations(&consumer);
-                    if batch.is_empty() {
+                    if staged == 0 {
                         return Err(Error::kafka("poll", e));
                     }
                     tracing::warn!(target: "idem", error = %e, "poll failed; settling the batch so far");
@@ -498,19 +539,20 @@ impl Source for KafkaSource {
             // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
             self.revocations(&consumer);
             let mut m = m;
-            m.epoch = self.state().epoch;
-            batch.push(m);
+            let mut st = self.state();
+            m.epoch = st.epoch;
+            // A message of a revoked partition polled before its revocation is processed but
+            // not tracked.
+            if st.owns(&m) {
+                st.tracker.polled(&m.tp(), m.offset());
+            }
+            st.staged.push(m);
+            staged = st.staged.len();
             wait = self.batch_wait;
         }
         let mut st = self.state();
-        for d in &batch {
-            // A retry is already tracked; polling it again adds nothing. A message of a revoked
-            // partition polled before its revocation is processed but not tracked.
-            if st.owns(d) {
-                st.tracker.polled(&d.tp(), d.offset());
-            }
-        }
-        Ok(batch)
+        let n = st.staged.len().min(max);
+        Ok(st.staged.drain(..n).collect())
     }
 
     async fn dead_letter(&self, items: &[(&Delivery, DeadLetter)]) -> Vec<Result<(), Error>> {
@@ -588,24 +630,25 @@ impl Source for KafkaSource {
         self.commit(&consumer).await;
         let left = {
             let mut st = self.state();
-            let n = st.retries.len();
+            let n = st.retries.len() + st.staged.len();
             st.retries.clear();
+            st.staged.clear();
             n
         };
         let producer = self.producer.clone();
-        let closing = tokio::task::spawn_blocking(move || {
+        let closing = detached("close the Kafka consumer", move || {
             let _ = rdkafka::producer::Producer::flush(&producer, Duration::from_secs(5));
             consumer.unsubscribe();
             drop(consumer);
         });
         match tokio::time::timeout(self.close_timeout, closing).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::warn!(target: "idem", error = %e, "closing the Kafka consumer panicked");
+            Ok(Err(_)) => {
+                tracing::warn!(target: "idem", "closing the Kafka consumer panicked");
             }
             Err(_) => {
                 tracing::warn!(target: "idem", timeout = ?self.close_timeout,
-                    "closing the Kafka consumer timed out; left to finish in the background");
+                    "closing the Kafka consumer timed out; left to finish on its own thread");
             }
         }
         Ok(u64::try_from(left).unwrap_or(u64::MAX))

@@ -86,8 +86,11 @@ impl Topics {
 }
 
 impl Drop for Topics {
+    /// Deletes the topics, waiting at most 15 s: a librdkafka client that does not finish
+    /// closing is left on its thread rather than hanging the test.
     fn drop(&mut self) {
         let (brokers, names) = (self.brokers.clone(), self.names.clone());
+        let (done, wait) = std::sync::mpsc::channel::<()>();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async move {
@@ -104,8 +107,9 @@ impl Drop for Topics {
                 )
                 .await;
             });
-        })
-        .join();
+            let _ = done.send(());
+        });
+        let _ = wait.recv_timeout(Duration::from_secs(15));
     }
 }
 

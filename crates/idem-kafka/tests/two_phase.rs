@@ -393,3 +393,68 @@ async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
     assert!(reports.iter().map(|r| r.duplicates).sum::<u64>() >= 150, "{reports:?}");
     assert!(reports.iter().all(|r| r.fetched > 0), "both consumers took part: {reports:?}");
 }
+
+/// `fetch` dropped at its await loses nothing: a due retry it took from the retry list comes
+/// back from the next fetch, as would messages it had received. (Before the fix they were in
+/// the dropped future's locals: gone, with their offsets left open.) The drop is made at the
+/// first point where the fetch waits: one poll, with the retry due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_dropped_at_its_await_loses_nothing() {
+    use futures_util::FutureExt;
+    use idem_core::driver::Source;
+    let Some(brokers) = common::brokers() else { return };
+    let topic = format!("idem-cancel-{}", common::suffix());
+    let dlq = format!("{topic}-dlq");
+    let _topics = Topics::create(&brokers, &[(&topic, 1), (&dlq, 1)]).await;
+    let ids: Vec<String> = (0..40).map(|i| format!("c-{i}")).collect();
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    common::produce(&common::producer(&brokers), &topic, &msgs(&id_refs), Some(0)).await;
+    let config = Kafka::new(
+        &common::config(&brokers, &format!("g-{}", common::suffix())),
+        &[topic.as_str()],
+        dlq,
+    )
+    .retry_delay(Duration::from_millis(20))
+    .batch_wait(Duration::from_millis(200));
+    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("cancel").build().unwrap();
+    let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+    let src = c.source();
+
+    let first = tokio::time::timeout(LIMIT, src.fetch(1, LIMIT)).await.unwrap().unwrap();
+    let retried = first[0].offset();
+    src.settle(first.into_iter().map(|d| (d, Action::Retry { after: None })).collect())
+        .await
+        .unwrap();
+    // Once the retry is due, poll a fetch once: it takes the retry into its batch and waits
+    // (its partition is paused while the retry waits, so nothing else arrives), where it is
+    // dropped.
+    let mut dropped_pending = false;
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    let mut got: Vec<i64> = Vec::new();
+    while tokio::time::Instant::now() < deadline && got.len() < ids.len() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match src.fetch(100, Duration::from_millis(100)).now_or_never() {
+            None => dropped_pending = true,
+            Some(batch) => {
+                let batch = batch.unwrap();
+                got.extend(batch.iter().map(|d| d.offset()));
+                src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+            }
+        }
+        if dropped_pending {
+            break;
+        }
+    }
+    assert!(dropped_pending, "no fetch was caught waiting; the test proved nothing");
+    while tokio::time::Instant::now() < deadline && got.len() < ids.len() {
+        let batch = src.fetch(100, Duration::from_millis(500)).await.unwrap();
+        got.extend(batch.iter().map(|d| d.offset()));
+        // Settled, the retry lets its partition resume.
+        src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+    }
+    got.sort_unstable();
+    got.dedup();
+    assert!(got.contains(&retried), "the retry taken by the dropped fetch came back");
+    assert_eq!(got.len(), ids.len(), "every message came back once: {got:?}");
+    c.close().await.unwrap();
+}

@@ -106,6 +106,12 @@ impl Lease {
         self.previous
     }
 
+    /// A second proof of the same claim, for trying a completion again after the store failed
+    /// to answer (fencing makes a repeat of an applied completion fail, never apply twice).
+    pub(crate) fn retry_copy(&self) -> Self {
+        Self { key: self.key.clone(), ..*self }
+    }
+
     /// Whether this claim took over a lease that ran out (a crashed or stuck consumer).
     pub fn took_over_expired(&self) -> bool {
         self.previous == Some(RecordState::InProgress)

@@ -303,8 +303,8 @@ async fn park_policy_holds_an_expired_lease_in_doubt_until_released() {
     assert!(matches!(out, Outcome::Processed(_)), "{out:?}");
 }
 
-/// The effect ran but its completion could not be recorded: the outcome must not say
-/// "processed" (which would ack), and the redelivery reruns with the same downstream key.
+/// The effect ran but its completion could not be recorded (retries off): the outcome must not
+/// say "processed" (which would ack), and the redelivery reruns with the same downstream key.
 #[tokio::test]
 async fn failed_completion_is_never_reported_as_processed() {
     let clock = ManualClock::new();
@@ -312,6 +312,7 @@ async fn failed_completion_is_never_reported_as_processed() {
     let c = Consumer::builder(store.clone())
         .scope("orders")
         .lease(Duration::from_secs(30))
+        .complete_retry(Duration::ZERO)
         .build()
         .unwrap();
     let runs = Arc::new(AtomicU32::new(0));
@@ -324,6 +325,44 @@ async fn failed_completion_is_never_reported_as_processed() {
     clock.advance(Duration::from_secs(31));
     let again: Out = c.process(&order("o-1", 1), counting(&runs)).await;
     assert!(matches!(again, Outcome::Processed(ref r) if r == "charged#2"), "{again:?}");
+}
+
+/// A store that fails for a moment after the effect (a restart, a cut connection): the
+/// completion is tried again, so the delivery is processed once and not run again after the
+/// lease. A failure that outlasts the retry limit is a transient failure, as without retries.
+#[tokio::test(start_paused = true)]
+async fn a_completion_that_fails_for_a_moment_is_tried_again() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let c = Consumer::builder(store.clone())
+        .scope("orders")
+        .complete_retry(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    store.fail_next(Op::Complete, 4); // 25 + 50 + 100 + 200 ms of pauses
+    let out: Out = c.process(&order("o-1", 1), counting(&runs)).await;
+    assert!(matches!(&out, Outcome::Processed(r) if r == "charged#1"), "{out:?}");
+    assert_eq!(store.completes(), 1);
+
+    store.fail_next(Op::Complete, 1_000);
+    let started = tokio::time::Instant::now();
+    let out: Out = c.process(&order("o-2", 1), counting(&runs)).await;
+    assert!(
+        matches!(&out, Outcome::Failed(f) if f.kind == FailureKind::Transient && matches!(f.cause, Cause::Store(_))),
+        "{out:?}"
+    );
+    let waited = started.elapsed();
+    assert!(waited <= Duration::from_secs(2), "retried past the limit: {waited:?}");
+    assert!(waited >= Duration::from_millis(1_000), "gave up early: {waited:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "each handler ran once");
+
+    // A batch: the completions that failed are tried again, the others are not repeated.
+    store.fail_next(Op::Complete, 2);
+    let batch = [order("o-3", 1), order("o-4", 1), order("o-5", 1)];
+    let outs: Vec<Out> = c.process_batch(&batch, |ctx, _| counting(&runs)(ctx)).await;
+    assert!(outs.iter().all(|o| matches!(o, Outcome::Processed(_))), "{outs:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    assert_eq!(store.completes(), 4);
 }
 
 #[tokio::test]

@@ -65,13 +65,15 @@ pub(crate) struct Config {
     pub(crate) expired_lease: ExpiredLeasePolicy,
     pub(crate) max_key_bytes: usize,
     pub(crate) max_result_bytes: usize,
+    pub(crate) complete_retry: Duration,
 }
 
 /// Builds a [`Consumer`]. Only the scope is required.
 ///
 /// Defaults: lease 30 s, retention 7 days, key from the producer's message id, fingerprint of
 /// the canonical JSON payload (raw bytes if it is not JSON), reject messages without a key, rerun
-/// after an expired lease, keys up to 512 bytes, stored results up to 64 KiB.
+/// after an expired lease, keys up to 512 bytes, stored results up to 64 KiB, completions
+/// retried for up to 5 s when the store fails.
 #[must_use]
 pub struct ConsumerBuilder<S> {
     store: S,
@@ -86,6 +88,7 @@ pub struct ConsumerBuilder<S> {
     expired_lease: ExpiredLeasePolicy,
     max_key_bytes: usize,
     max_result_bytes: usize,
+    complete_retry: Duration,
 }
 
 impl<S> ConsumerBuilder<S> {
@@ -103,6 +106,7 @@ impl<S> ConsumerBuilder<S> {
             expired_lease: ExpiredLeasePolicy::default(),
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
             max_result_bytes: 64 * 1024,
+            complete_retry: Duration::from_secs(5),
         }
     }
 
@@ -176,6 +180,16 @@ impl<S> ConsumerBuilder<S> {
         self.max_result_bytes = limit;
         self
     }
+
+    /// How long a completion that failed for a retryable reason (the store restarting, a
+    /// connection cut) is tried again before the delivery is given up as a transient failure.
+    /// The effect has happened by then; a completion given up on leaves the key leased, so the
+    /// redelivered copy waits for the lease to run out and runs the handler again. Default 5 s,
+    /// and never more than half the lease. Zero turns the retries off.
+    pub fn complete_retry(mut self, limit: Duration) -> Self {
+        self.complete_retry = limit;
+        self
+    }
 }
 
 impl<S: super::Backend> ConsumerBuilder<S> {
@@ -207,6 +221,7 @@ impl<S: super::Backend> ConsumerBuilder<S> {
                 expired_lease: self.expired_lease,
                 max_key_bytes: self.max_key_bytes,
                 max_result_bytes: self.max_result_bytes,
+                complete_retry: self.complete_retry.min(self.lease / 2),
             }),
         };
         if let Some(w) = window {

@@ -311,7 +311,7 @@ impl<S: DedupStore> Consumer<S> {
         let outcome = match ran {
             Ran::Done(o) => o,
             Ran::Complete { lease, value, stored } => {
-                let done = self.store.complete(lease, stored.as_deref(), self.cfg.retain).await;
+                let done = self.complete_retrying(lease, stored.as_deref()).await;
                 completed(value, done)
             }
         };
@@ -419,6 +419,89 @@ impl<S: DedupStore> Consumer<S> {
         futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await
     }
 
+    /// Completes a lease, trying again while the store fails for a retryable reason, for up to
+    /// the configured completion retry (the effect has run: giving up would leave the key
+    /// leased and its redelivered copy would run the handler again once the lease ran out).
+    /// Fencing makes a repeat of a completion that did apply fail; it never applies twice.
+    async fn complete_retrying(
+        &self,
+        mut lease: Lease,
+        stored: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        let mut pauses = RetryPauses::new(self.cfg.complete_retry);
+        loop {
+            let again = lease.retry_copy();
+            match self.store.complete(lease, stored, self.cfg.retain).await {
+                Err(e) if e.is_retryable() => {
+                    let Some(pause) = pauses.next(&e, &self.cfg.scope) else { return Err(e) };
+                    tokio::time::sleep(pause).await;
+                    lease = again;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// [`complete_retrying`](Self::complete_retrying) for a batch: one answer per completion,
+    /// in order. A retryable failure of the whole `complete_many`, or of single completions,
+    /// is tried again for the completions it concerns.
+    async fn complete_many_retrying(&self, items: Vec<Completion>) -> Vec<Result<(), StoreError>> {
+        let mut answers: Vec<Option<Result<(), StoreError>>> = items.iter().map(|_| None).collect();
+        let mut pending: Vec<(usize, Completion)> = items.into_iter().enumerate().collect();
+        let mut pauses = RetryPauses::new(self.cfg.complete_retry);
+        while !pending.is_empty() {
+            let again: Vec<(usize, Completion)> = pending
+                .iter()
+                .map(|(i, c)| {
+                    let copy = Completion {
+                        lease: c.lease.retry_copy(),
+                        result: c.result.clone(),
+                        retain_for: c.retain_for,
+                    };
+                    (*i, copy)
+                })
+                .collect();
+            let n = pending.len();
+            let batch = pending.into_iter().map(|(_, c)| c).collect();
+            let got = match self.store.complete_many(batch).await {
+                Ok(r) if r.len() == n => r,
+                Ok(r) => {
+                    tracing::error!(target: "idem", asked = n, got = r.len(),
+                        "store answered complete_many with the wrong number of results");
+                    shared_failure(n, StoreError::backend("complete_many", true, WrongCount))
+                        .collect()
+                }
+                Err(e) => shared_failure(n, e).collect(),
+            };
+            let mut retry = Vec::new();
+            let mut first_retryable = None;
+            for ((i, copy), answer) in again.into_iter().zip(got) {
+                match answer {
+                    Err(e) if e.is_retryable() => {
+                        retry.push((i, copy));
+                        answers[i] = Some(Err(e));
+                        first_retryable.get_or_insert(i);
+                    }
+                    done => answers[i] = Some(done),
+                }
+            }
+            let Some(first) = first_retryable else { break };
+            let pause = match &answers[first] {
+                Some(Err(e)) => pauses.next(e, &self.cfg.scope),
+                _ => None,
+            };
+            let Some(pause) = pause else { break };
+            tokio::time::sleep(pause).await;
+            pending = retry;
+        }
+        answers
+            .into_iter()
+            .map(|a| {
+                a.unwrap_or_else(|| Err(StoreError::backend("complete_many", true, WrongCount)))
+            })
+            .collect()
+    }
+
     /// Records the completions of a batch's decisions in one `complete_many` (group commit),
     /// then closes each decision with its outcome.
     async fn complete_all<M: Envelope, T, E: Display>(
@@ -445,15 +528,7 @@ impl<S: DedupStore> Consumer<S> {
         let n = completions.len();
         let mut answers = match n {
             0 => Vec::new().into_iter(),
-            _ => match self.store.complete_many(completions).await {
-                Ok(r) if r.len() == n => r.into_iter(),
-                Ok(r) => {
-                    tracing::error!(target: "idem", asked = n, got = r.len(),
-                        "store answered complete_many with the wrong number of results");
-                    shared_failure(n, StoreError::backend("complete_many", true, WrongCount))
-                }
-                Err(e) => shared_failure(n, e),
-            },
+            _ => self.complete_many_retrying(completions).await.into_iter(),
         };
         waiting
             .into_iter()
@@ -625,6 +700,32 @@ impl<S: DedupStore> Consumer<S> {
             out = fut => out,
             _ = beat => unreachable!("the heartbeat loop never ends"),
         }
+    }
+}
+
+/// The pauses between tries of a completion: 25 ms, doubling up to 1 s, while the next try
+/// would start within the limit.
+struct RetryPauses {
+    deadline: tokio::time::Instant,
+    pause: Duration,
+}
+
+impl RetryPauses {
+    fn new(limit: Duration) -> Self {
+        Self { deadline: tokio::time::Instant::now() + limit, pause: Duration::from_millis(25) }
+    }
+
+    /// The pause before the next try after `e`, or `None` when the limit is reached.
+    fn next(&mut self, e: &StoreError, scope: &str) -> Option<Duration> {
+        let pause = self.pause;
+        if tokio::time::Instant::now() + pause > self.deadline {
+            return None;
+        }
+        self.pause = (pause * 2).min(Duration::from_secs(1));
+        tracing::warn!(target: "idem", scope, error = %e, ?pause,
+            "recording a completion failed; trying again");
+        metrics::counter!("idem_complete_retries_total", "scope" => scope.to_owned()).increment(1);
+        Some(pause)
     }
 }
 

@@ -27,6 +27,13 @@ pub enum Error {
         /// The consumer.
         consumer: String,
     },
+    /// A pull request got no answer within its expiry and a grace period: the server most
+    /// likely restarted and forgot it (the client reconnects, the request is not resent). The
+    /// driver counts a failed fetch and pulls again.
+    #[error(
+        "a pull request got no answer within {0:?}: the server may have restarted; pulling again"
+    )]
+    PullUnanswered(Duration),
     /// The dedup retention is shorter than JetStream's redelivery window.
     #[error(transparent)]
     Retention(#[from] RetentionTooShort),

@@ -121,7 +121,7 @@ impl JetStreamSource {
     async fn pull(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         let mut out = self.pull_now(max).await?;
         if out.is_empty() {
-            let mut one = self
+            let one = self
                 .consumer
                 .batch()
                 .max_messages(1)
@@ -129,8 +129,10 @@ impl JetStreamSource {
                 .messages()
                 .await
                 .map_err(|e| Error::js("fetch", e))?;
-            while let Some(m) = one.next().await {
-                out.push(delivery(m)?);
+            if let Some(e) = read_pull(one, &mut out, wait + PULL_GRACE).await
+                && out.is_empty()
+            {
+                return Err(e);
             }
             if !out.is_empty() && max > 1 {
                 out.extend(self.pull_now(max - 1).await?);
@@ -143,30 +145,27 @@ impl JetStreamSource {
                 break;
             }
             // JetStream refuses pull expiries under 1 ms.
-            let mut more = self
+            let expires = left.max(Duration::from_millis(1));
+            let more = self
                 .consumer
                 .batch()
                 .max_messages(max - out.len())
-                .expires(left.max(Duration::from_millis(1)))
+                .expires(expires)
                 .messages()
                 .await
                 .map_err(|e| Error::js("fetch", e))?;
-            while let Some(m) = more.next().await {
-                match delivery(m) {
-                    Ok(d) => out.push(d),
-                    Err(e) => {
-                        tracing::warn!(target: "idem", error = %e, received = out.len(),
-                            "pull ended early; handling what arrived");
-                        return Ok(out);
-                    }
-                }
+            if let Some(e) = read_pull(more, &mut out, expires + PULL_GRACE).await {
+                tracing::warn!(target: "idem", error = %e, received = out.len(),
+                    "pull ended early; handling what arrived");
+                return Ok(out);
             }
         }
         Ok(out)
     }
 
+    /// The messages available now (a no-wait pull).
     async fn pull_now(&self, n: usize) -> Result<Vec<Delivery>, Error> {
-        let mut msgs = self
+        let msgs = self
             .consumer
             .fetch()
             .max_messages(n)
@@ -174,20 +173,17 @@ impl JetStreamSource {
             .await
             .map_err(|e| Error::js("fetch", e))?;
         let mut out = Vec::with_capacity(n);
-        while let Some(m) = msgs.next().await {
-            match delivery(m) {
-                Ok(d) => out.push(d),
-                // Messages already received are ours until their ack_wait: handle them rather
-                // than leave them to be redelivered.
-                Err(e) if !out.is_empty() => {
-                    tracing::warn!(target: "idem", error = %e, received = out.len(),
-                        "pull ended early; handling what arrived");
-                    break;
-                }
-                Err(e) => return Err(e),
+        match read_pull(msgs, &mut out, PULL_GRACE).await {
+            // Messages already received are ours until their ack_wait: handle them rather
+            // than leave them to be redelivered.
+            Some(e) if !out.is_empty() => {
+                tracing::warn!(target: "idem", error = %e, received = out.len(),
+                    "pull ended early; handling what arrived");
+                Ok(out)
             }
+            Some(e) => Err(e),
+            None => Ok(out),
         }
-        Ok(out)
     }
 
     async fn copy(&self, d: &Delivery, dl: &DeadLetter) -> Result<(), Error> {
@@ -293,6 +289,30 @@ impl SourceConfig for JetStream {
             progress,
             window,
         })
+    }
+}
+
+/// How much longer than its expiry a pull may go unanswered: a server that restarted has
+/// forgotten the request, and the client (which reconnects by itself) would wait for ever.
+const PULL_GRACE: Duration = Duration::from_secs(2);
+
+/// Reads a pull's messages into `out` until it ends; the error that ended it early (a bad
+/// message, or no end within `limit`), if any. What arrived before stays in `out`.
+async fn read_pull<S>(mut pull: S, out: &mut Vec<Delivery>, limit: Duration) -> Option<Error>
+where
+    S: futures_util::Stream<Item = Result<async_nats::jetstream::Message, async_nats::Error>>
+        + Unpin,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, pull.next()).await {
+            Ok(Some(m)) => match delivery(m) {
+                Ok(d) => out.push(d),
+                Err(e) => return Some(e),
+            },
+            Ok(None) => return None,
+            Err(_) => return Some(Error::PullUnanswered(limit)),
+        }
     }
 }
 

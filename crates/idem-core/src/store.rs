@@ -226,7 +226,7 @@ pub struct Completion {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ListFilter {
-    /// Only this scope.
+    /// Only this scope, matched byte for byte (see [`InspectStore`]).
     pub scope: Option<String>,
     /// Only this state.
     pub state: Option<RecordState>,
@@ -293,6 +293,9 @@ impl Counts {
 
 /// Operator access to a store: look at, count and release records. A separate capability from
 /// [`DedupStore`] so consumers need not be given it.
+///
+/// A scope filter matches the scope byte for byte, as keys are matched: scopes differing only
+/// by case or a trailing space are counted and listed apart, whatever the database's collation.
 pub trait InspectStore: Send + Sync {
     /// The record for `key`, if any.
     ///

@@ -179,6 +179,15 @@ async fn the_builder_names_what_is_missing() {
     let no_scope =
         Driver::builder(MemoryQueue::new()).store(MemoryStore::new()).build().await.unwrap_err();
     assert!(matches!(no_scope, Error::Config(_)), "{no_scope}");
+    assert!(no_scope.to_string().contains(".scope("), "{no_scope}");
+    let long = Driver::builder(MemoryQueue::new())
+        .store(MemoryStore::new())
+        .scope("s".repeat(513))
+        .build()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(long.contains("scope") && long.contains("512"), "{long}");
     let twice = Driver::builder(MemoryQueue::new())
         .scope("a")
         .engine(Consumer::builder(MemoryStore::new()).scope("b").build().unwrap())

@@ -498,6 +498,29 @@ pub async fn inspect_counts_and_lists<S: Store, C: TimeControl>(h: Harness<S, C>
     assert_eq!(c.released, 1);
 }
 
+/// `count` and `list` filtered by scope match the scope byte for byte: scopes differing only
+/// by case or a trailing space are counted and listed apart (a text comparison under a
+/// case-insensitive or space-padding collation would merge them).
+pub async fn inspect_scope_filter_is_exact<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let base = format!("conf-scope-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
+    // 1, 2 and 3 records, so a merge of any two shows in the numbers.
+    let scopes = [format!("{base}-Billing"), format!("{base}-billing"), format!("{base}-billing ")];
+    for (n, scope) in scopes.iter().enumerate() {
+        for i in 0..=n {
+            let k = DedupKey::new(scope.clone(), i.to_string()).expect("key");
+            let l = acquire(&h, &req(&h, &k, None)).await;
+            h.store.complete(l, None, retain(&h)).await.expect("complete");
+        }
+    }
+    for (n, scope) in scopes.iter().enumerate() {
+        let c = h.store.count(Some(scope)).await.expect("count");
+        assert_eq!(c.total(), u64::try_from(n + 1).expect("small"), "count of {scope:?}: {c:?}");
+        let listed = h.store.list(&ListFilter::new(10).scope(scope.clone())).await.expect("list");
+        let got: Vec<&str> = listed.iter().map(|r| r.scope.as_str()).collect();
+        assert_eq!(got, vec![scope.as_str(); n + 1], "list of scope {scope:?}");
+    }
+}
+
 /// A result above the store's limit is refused with `TooLarge`, and the lease is not consumed
 /// in the store (the key stays in progress).
 pub async fn oversized_result_is_refused<S: Store, C: TimeControl>(h: Harness<S, C>) {

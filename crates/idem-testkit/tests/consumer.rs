@@ -453,6 +453,18 @@ async fn heartbeat_keeps_a_slow_handler_lease() {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
+/// The message a person reads (`to_string()` of the top-level error, with no source chain)
+/// names the field and the limit.
+#[test]
+fn an_oversized_scope_is_refused_naming_the_field_and_the_limit() {
+    let err = Consumer::builder(MemoryStore::new()).scope("s".repeat(513)).build().unwrap_err();
+    assert!(matches!(err, ConfigError::InvalidScope(_)));
+    let text = err.to_string();
+    assert!(text.contains("scope") && text.contains("513") && text.contains("512"), "{text}");
+    let nul = Consumer::builder(MemoryStore::new()).scope("a\0b").build().unwrap_err().to_string();
+    assert!(nul.contains("scope") && nul.contains("NUL"), "{nul}");
+}
+
 #[test]
 fn retention_shorter_than_the_redelivery_window_is_rejected() {
     let err = Consumer::builder(MemoryStore::new())

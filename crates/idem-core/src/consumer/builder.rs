@@ -40,9 +40,11 @@ pub enum ConfigError {
     /// No scope was set.
     #[error("consumer scope is not set: call `.scope(\"<consumer name>\")`")]
     MissingScope,
-    /// The scope is not a valid key scope.
-    #[error("consumer scope is invalid")]
-    InvalidScope(#[source] KeyError),
+    /// The scope is not a valid key scope (empty, longer than 512 bytes, or with a NUL byte).
+    /// The message carries the key error's, naming the field and the limit; the key error is
+    /// kept as the field, not as a `source()`, so a report does not print it twice.
+    #[error("invalid consumer scope: {0}")]
+    InvalidScope(KeyError),
     /// A duration must be positive.
     #[error("{field} must be longer than zero")]
     ZeroDuration {

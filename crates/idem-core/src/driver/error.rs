@@ -11,9 +11,10 @@ use crate::consumer::ConfigError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error<E: std::error::Error + 'static> {
-    /// The dedup engine's configuration is invalid.
-    #[error("invalid consumer configuration")]
-    Config(#[from] ConfigError),
+    /// The dedup engine's configuration is invalid. The message carries the configuration
+    /// error's, which names the setting (and the limit); it is not repeated as a `source()`.
+    #[error("invalid consumer configuration: {0}")]
+    Config(ConfigError),
     /// The builder was given neither a store, an inbox nor an engine, or two scopes.
     #[error("consumer builder: {0}")]
     Builder(&'static str),
@@ -41,4 +42,12 @@ pub enum Error<E: std::error::Error + 'static> {
         /// The limit.
         timeout: Duration,
     },
+}
+
+// By hand: `#[from]` would also make the configuration error the `source()`, and a report
+// walking the chain would print its message twice.
+impl<E: std::error::Error + 'static> From<ConfigError> for Error<E> {
+    fn from(e: ConfigError) -> Self {
+        Self::Config(e)
+    }
 }

@@ -113,6 +113,16 @@ impl Stmt {
     }
 }
 
+/// No scope given, or exactly `:scope`. The column's collation (MariaDB's default
+/// `utf8mb4_general_ci`, MySQL 8's `utf8mb4_0900_ai_ci`) ignores case, and MariaDB's pads
+/// trailing spaces, so `scope = :scope` alone would merge `Billing`, `billing` and `billing `.
+/// The byte comparison decides; the plain one is kept before it because every byte-equal pair is
+/// also collation-equal, so it loses no row and leaves an index on `scope` usable. A
+/// `COLLATE utf8mb4_bin` would not do: it pads spaces too, and MySQL's no-pad
+/// `utf8mb4_0900_bin` is unknown to MariaDB.
+const SCOPE_IS: &str =
+    "(:scope IS NULL OR (scope = :scope AND CAST(scope AS BINARY) = CAST(:scope AS BINARY)))";
+
 /// Retention passed and no live lease, against `now`.
 fn dead(now: &str) -> String {
     format!("(expires_at <= {now} AND NOT (state = 0 AND lease_until > {now}))")
@@ -232,11 +242,11 @@ impl Sql {
             count: s(format!(
                 "SELECT state, CAST(count(*) AS SIGNED), \
                    CAST(COALESCE(sum(CASE WHEN {} THEN 1 ELSE 0 END), 0) AS SIGNED) \
-                 FROM {t} WHERE (:scope IS NULL OR scope = :scope) GROUP BY state",
+                 FROM {t} WHERE {SCOPE_IS} GROUP BY state",
                 dead(NOW)
             )),
             list: s(format!(
-                "SELECT {COLUMNS} FROM {t} WHERE (:scope IS NULL OR scope = :scope) \
+                "SELECT {COLUMNS} FROM {t} WHERE {SCOPE_IS} \
                  AND (:list_state IS NULL OR state = :list_state) ORDER BY updated_at DESC LIMIT :limit"
             )),
             set_result: s(format!(

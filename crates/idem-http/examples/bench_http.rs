@@ -235,12 +235,16 @@ async fn main() {
         a.requests, a.concurrency
     );
     let bare = serve(app()).await;
-    let mem = serve(app().layer(IdempotencyKeyLayer::new(MemoryStore::new()))).await;
-    let lite =
-        serve(app().layer(IdempotencyKeyLayer::new(
-            sqlite(dir.path(), "http.sqlite", a.synchronous).await,
-        )))
-        .await;
+    // The benchmark's requests have no authentication, so no principal.
+    let mem =
+        serve(app().layer(IdempotencyKeyLayer::new(MemoryStore::new()).allow_anonymous())).await;
+    let lite = serve(
+        app().layer(
+            IdempotencyKeyLayer::new(sqlite(dir.path(), "http.sqlite", a.synchronous).await)
+                .allow_anonymous(),
+        ),
+    )
+    .await;
     let raw_lite = sqlite(dir.path(), "raw.sqlite", a.synchronous).await;
 
     // Warm up each server (connections, allocator, SQLite pages).

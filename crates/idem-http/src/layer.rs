@@ -1,6 +1,7 @@
 //! The layer and its configuration.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use http::{HeaderName, Method};
@@ -43,6 +44,10 @@ pub(crate) struct Config {
     pub(crate) scope_prefix: String,
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) skipped_headers: Vec<HeaderName>,
+    pub(crate) allow_anonymous: bool,
+    /// Whether a request without a principal was already logged (once per layer and its
+    /// clones: the log says how to fix the setup, not how often it went wrong).
+    pub(crate) logged_no_principal: Arc<AtomicBool>,
 }
 
 /// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
@@ -58,6 +63,7 @@ pub(crate) struct Config {
 /// | same key, different method, path or body | `422 Unprocessable Content` |
 /// | no key where [`required`](Self::required) | `400 Bad Request` |
 /// | empty, too long, repeated or control characters in the key | `400 Bad Request` naming it |
+/// | a key, but no [`Principal`](crate::Principal) in the request (see below) | `500 Internal Server Error`; the handler does not run |
 ///
 /// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)). A `5xx`
 /// from the handler (or a service error) releases the key so the client may retry; any other
@@ -67,6 +73,18 @@ pub(crate) struct Config {
 /// when the `axum` feature is on and the layer is added with `Router::layer`, else the request
 /// path — and the [`Principal`](crate::Principal) the application put in the request's
 /// extensions, so one client can never replay another's response.
+///
+/// # Authentication runs first
+///
+/// The principal is there only if authentication ran *before* this layer. In axum the layer
+/// added last runs first, so add this layer, then the authentication:
+/// `router.layer(idempotency).layer(auth)`. Layered the other way round, every request would
+/// reach this layer as "no principal" and one user's retry could replay another user's stored
+/// response. So a request with a key and no principal is refused with `500`
+/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal), logged once with
+/// `tracing::error!`) and the handler does not run. Routes whose callers are anonymous (a
+/// public endpoint, a webhook without a verified sender) opt out with
+/// [`allow_anonymous`](Self::allow_anonymous).
 ///
 /// From the claim on, the work runs on a spawned tokio task: a client that disconnects
 /// mid-request cannot strand a claimed key or cancel the handler between its effect and the
@@ -78,14 +96,15 @@ pub(crate) struct Config {
 /// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
 /// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored`,
 /// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
-/// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `body_too_large`,
-/// `body_unreadable`.
+/// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
+/// `body_too_large`, `body_unreadable`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use idem_core::MemoryStore;
 /// use idem_http::IdempotencyKeyLayer;
 ///
+/// // Behind the authentication, which puts a `Principal` in each request.
 /// let layer = IdempotencyKeyLayer::new(MemoryStore::new())
 ///     .required(true)
 ///     .lease(Duration::from_secs(60))
@@ -107,8 +126,9 @@ impl<St> Clone for IdempotencyKeyLayer<St> {
 
 impl<St> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
-    /// `PATCH`, key optional, keys up to 255 bytes, bodies up to 256 KiB, lease 30 s, retention
-    /// 24 h, scope prefix `http`, fingerprint of the raw body bytes.
+    /// `PATCH`, key optional, a [`Principal`](crate::Principal) required with a key, keys up to
+    /// 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`,
+    /// fingerprint of the raw body bytes.
     pub fn new(store: St) -> Self {
         Self {
             store: Arc::new(store),
@@ -123,6 +143,8 @@ impl<St> IdempotencyKeyLayer<St> {
                 scope_prefix: "http".to_owned(),
                 fingerprint: FingerprintSpec::Bytes,
                 skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
+                allow_anonymous: false,
+                logged_no_principal: Arc::new(AtomicBool::new(false)),
             },
         }
     }
@@ -143,6 +165,26 @@ impl<St> IdempotencyKeyLayer<St> {
     /// passed through without deduplication).
     pub fn required(mut self, required: bool) -> Self {
         self.cfg.required = required;
+        self
+    }
+
+    /// Accepts keyed requests without a [`Principal`](crate::Principal): all such callers of a
+    /// route share one scope, so one anonymous caller's key replays to any other anonymous
+    /// caller who sends the same key. For routes whose callers really are anonymous; requests
+    /// with a principal are still kept apart. Without it a keyed request without a principal
+    /// is refused with `500`, because it means the authentication runs after this layer (see
+    /// [the layer's docs](Self#authentication-runs-first)).
+    ///
+    /// ```
+    /// use idem_core::MemoryStore;
+    /// use idem_http::IdempotencyKeyLayer;
+    ///
+    /// // A public sign-up form: no authentication, keys are random per form.
+    /// let layer = IdempotencyKeyLayer::new(MemoryStore::new()).allow_anonymous();
+    /// # let _ = layer;
+    /// ```
+    pub fn allow_anonymous(mut self) -> Self {
+        self.cfg.allow_anonymous = true;
         self
     }
 

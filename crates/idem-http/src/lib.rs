@@ -3,7 +3,9 @@
 //!
 //! - [`IdempotencyKeyLayer`]: the layer and its settings; its docs list the semantics.
 //! - [`Principal`]: the caller, put in the request's extensions by your authentication, so one
-//!   client never replays another's response.
+//!   client never replays another's response. The authentication must run before the layer: a
+//!   keyed request without a principal is refused with `500` unless the layer
+//!   [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
 //! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
 //! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
 //!
@@ -12,16 +14,27 @@
 //!
 //! ```no_run
 //! # #[cfg(feature = "axum")] mod m {
+//! use axum::extract::Request;
+//! use axum::middleware::{self, Next};
+//! use axum::response::Response;
 //! use axum::{Router, routing::post};
 //! use idem_core::MemoryStore;
-//! use idem_http::IdempotencyKeyLayer;
+//! use idem_http::{IdempotencyKeyLayer, Principal};
 //!
 //! async fn pay() -> &'static str { "paid" }
+//!
+//! // Your authentication: it puts the caller in the request's extensions.
+//! async fn authenticate(mut req: Request, next: Next) -> Response {
+//!     req.extensions_mut().insert(Principal::new("customer-42"));
+//!     next.run(req).await
+//! }
 //!
 //! # async fn serve() {
 //! let app: Router = Router::new()
 //!     .route("/payments", post(pay))
-//!     .layer(IdempotencyKeyLayer::new(MemoryStore::new()).required(true));
+//!     // axum runs the layer added last first: authentication, then idempotency.
+//!     .layer(IdempotencyKeyLayer::new(MemoryStore::new()).required(true))
+//!     .layer(middleware::from_fn(authenticate));
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
 //! axum::serve(listener, app).await.unwrap();
 //! # } }

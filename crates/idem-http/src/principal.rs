@@ -1,9 +1,15 @@
 //! Who is calling: part of the scope, so one client never replays another's response.
 
 /// The authenticated caller, as your authentication middleware puts it in the request's
-/// extensions (before the idempotency layer runs). Requests with different principals never
-/// share a stored response, even with the same key; requests without one share the route's
-/// scope.
+/// extensions. Requests with different principals never share a stored response, even with the
+/// same key.
+///
+/// The authentication must run *before* the idempotency layer (in axum, add it with `.layer`
+/// *after* the [`IdempotencyKeyLayer`](crate::IdempotencyKeyLayer)). A keyed request that
+/// reaches the layer without a principal is refused with `500`
+/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal)), unless the layer was
+/// configured with [`allow_anonymous`](crate::IdempotencyKeyLayer::allow_anonymous); then such
+/// requests share the route's scope.
 ///
 /// ```
 /// use idem_http::Principal;

@@ -31,6 +31,11 @@ pub enum ProblemKind {
     /// `409`: a request with this key was processed, but its response was larger than the layer
     /// stores; the handler is not run again. An operator may release the key.
     ResponseNotStored,
+    /// `500`: a request with a key reached the layer without a
+    /// [`Principal`](crate::Principal): the authentication runs after the layer instead of
+    /// before it (or lets the caller through without one). The handler does not run. See
+    /// [`IdempotencyKeyLayer::allow_anonymous`](crate::IdempotencyKeyLayer::allow_anonymous).
+    NoPrincipal,
     /// `500`: the handler's response body failed while it was read for storing; the key is
     /// released.
     ResponseUnreadable,
@@ -45,7 +50,7 @@ impl ProblemKind {
             Self::Reused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::StoredResponseCorrupt | Self::ResponseUnreadable => {
+            Self::StoredResponseCorrupt | Self::NoPrincipal | Self::ResponseUnreadable => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
         }
@@ -63,6 +68,7 @@ impl ProblemKind {
             Self::StoreUnavailable => "Idempotency store is unavailable",
             Self::StoredResponseCorrupt => "Stored response could not be read",
             Self::ResponseNotStored => "Request was processed; its response was not stored",
+            Self::NoPrincipal => "No authenticated caller reached the idempotency layer",
             Self::ResponseUnreadable => "Response body failed",
         }
     }
@@ -87,6 +93,7 @@ impl ProblemKind {
             Self::StoreUnavailable => anchor!("StoreUnavailable"),
             Self::StoredResponseCorrupt => anchor!("StoredResponseCorrupt"),
             Self::ResponseNotStored => anchor!("ResponseNotStored"),
+            Self::NoPrincipal => anchor!("NoPrincipal"),
             Self::ResponseUnreadable => anchor!("ResponseUnreadable"),
         }
     }

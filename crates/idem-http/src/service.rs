@@ -5,6 +5,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -105,9 +106,24 @@ where
                 return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
             }
         };
+        if !cfg.allow_anonymous && req.extensions().get::<Principal>().is_none() {
+            count(cfg, "no_principal");
+            if !cfg.logged_no_principal.swap(true, Ordering::Relaxed) {
+                tracing::error!(target: "idem", scope_prefix = %cfg.scope_prefix,
+                    method = %req.method(), path = req.uri().path(), "{NO_PRINCIPAL}");
+            }
+            return ready(Problem::new(ProblemKind::NoPrincipal, NO_PRINCIPAL));
+        }
         Box::pin(guarded(inner, Arc::clone(&self.store), Arc::clone(cfg), key, req))
     }
 }
+
+/// Why a keyed request without a principal is refused: without one, every caller of the route
+/// would share a scope, and one user's retry could replay another user's response.
+const NO_PRINCIPAL: &str = "no Principal in the request: the authentication layer must run \
+    before the idempotency layer and put the caller's Principal in the request's extensions \
+    (in axum, add IdempotencyKeyLayer with .layer() before the authentication's .layer()); \
+    for routes whose callers are anonymous, configure the layer with .allow_anonymous()";
 
 fn ready<R, E>(p: Problem) -> ResponseFuture<Response<R>, E>
 where

@@ -14,7 +14,10 @@ async fn each_outcome_is_counted() {
     let snapshotter = recorder.snapshotter();
     recorder.install().expect("the only recorder in this binary");
 
-    let app = serve(IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix("api")).await;
+    let layer = IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix("api");
+    let app = serve(layer.clone().allow_anonymous()).await;
+    // The same layer without the opt-out refuses a keyed request without a principal.
+    serve(layer).await.send(Req::post("/payments", "k", r#"{"cents":1}"#)).await;
     let body = r#"{"cents":1}"#;
     // First: `/flaky` answers 503 on the server's first handler call.
     app.send(Req::post("/flaky", "f", body)).await;
@@ -46,6 +49,7 @@ async fn each_outcome_is_counted() {
         ("released", 1),
         ("malformed_key", 1),
         ("no_key", 1),
+        ("no_principal", 1),
         ("in_progress", 0),
     ] {
         assert_eq!(count(outcome), n, "{outcome}");

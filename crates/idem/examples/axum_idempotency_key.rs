@@ -84,7 +84,9 @@ async fn app(store: SqliteStore, provider: Provider) -> Router {
     Router::new()
         .route("/payments", post(pay))
         .with_state(provider)
-        // Layers run outside in: authentication first, so the principal is in the scope.
+        // axum runs the layer added last first: authentication, then idempotency, so the
+        // principal is in the scope. Added the other way round, the idempotency layer would see
+        // no principal and refuse every keyed request with a 500 (its log says why).
         .layer(idempotency)
         .layer(middleware::from_fn(authenticate))
 }

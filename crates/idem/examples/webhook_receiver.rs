@@ -89,6 +89,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new()
         .route(
             "/webhooks/github",
+            // `verify` is added last, so it runs first and the sender is in the scope.
             post(github).layer(github_dedup).layer(middleware::from_fn(verify)),
         )
         .route("/webhooks/stripe", post(stripe))

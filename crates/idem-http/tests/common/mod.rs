@@ -138,8 +138,25 @@ async fn auth(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
+/// Which middleware sees a request first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Authentication, then the idempotency layer (the order the layer needs).
+    AuthFirst,
+    /// The idempotency layer, then authentication (the mistake the layer must refuse).
+    IdemFirst,
+}
+
 /// The test routes behind `layer` (and the auth middleware in front of it).
 pub fn router<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> (Router, Handlers) {
+    router_in(layer, Order::AuthFirst)
+}
+
+/// The test routes behind `layer` and the auth middleware, in `order`.
+pub fn router_in<St: DedupStore + 'static>(
+    layer: IdempotencyKeyLayer<St>,
+    order: Order,
+) -> (Router, Handlers) {
     let h = Handlers {
         calls: Arc::new(watch::channel(0).0),
         gate: Arc::new(Semaphore::new(0)),
@@ -153,15 +170,26 @@ pub fn router<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> (Rout
         .route("/big", post(big))
         .route("/orders/{id}/pay", post(order_pay))
         .route("/list", get(list))
-        .with_state(h.clone())
-        .layer(layer)
-        .layer(middleware::from_fn(auth));
+        .with_state(h.clone());
+    // axum runs the layer added last first.
+    let app = match order {
+        Order::AuthFirst => app.layer(layer).layer(middleware::from_fn(auth)),
+        Order::IdemFirst => app.layer(middleware::from_fn(auth)).layer(layer),
+    };
     (app, h)
 }
 
 /// Serves [`router`] on 127.0.0.1:0.
 pub async fn serve<St: DedupStore + 'static>(layer: IdempotencyKeyLayer<St>) -> App {
-    let (app, h) = router(layer);
+    serve_in(layer, Order::AuthFirst).await
+}
+
+/// Serves [`router_in`] on 127.0.0.1:0.
+pub async fn serve_in<St: DedupStore + 'static>(
+    layer: IdempotencyKeyLayer<St>,
+    order: Order,
+) -> App {
+    let (app, h) = router_in(layer, order);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let server = tokio::spawn(async move {

@@ -62,10 +62,23 @@
 //!
 //! # Producer duplicates and JetStream's own window
 //! JetStream drops a publish whose `Nats-Msg-Id` it saw within the stream's
-//! `duplicate_window` (2 minutes by default): a producer's quick retry never reaches the
-//! consumer, and the publish ack says `duplicate`. A retry after the window is stored as a new
-//! message, and idem makes its delivery a duplicate. The window covers the producer side only;
-//! redeliveries (a lost ack, a crash, `ack_wait`) are idem's.
+//! `duplicate_window` (2 minutes by default) before any consumer sees it: the publish ack says
+//! `duplicate` (with the stored copy's sequence) and nothing is stored. The two layers combine
+//! like this:
+//!
+//! | a second copy of a message… | JetStream | idem |
+//! | --- | --- | --- |
+//! | re-published inside the window | drops it; one message is stored | never sees it |
+//! | re-published after the window | stores it as a new message | a duplicate (or a conflict, if the body changed) |
+//! | redelivered (lost ack, crash, `ack_wait`, `Nak`) | delivers it again | a duplicate |
+//!
+//! So idem only sees the duplicates of redelivery and of re-publishes after the window. The
+//! window compares ids only: a re-publish inside it with another body under the same id is
+//! dropped too, so idem cannot report it as a conflict. In tests this shows as fewer
+//! deliveries than publishes: publishing one id twice in a row delivers one message, and the
+//! report counts one processed and no duplicate. To make idem see a producer's retry, publish
+//! it after the window (this crate's tests use a 100 ms window and wait three windows, since
+//! the server forgets ids on a timer).
 //!
 //! # Publishing (outbox relay)
 //! [`JetStreamPublisher`] is the JetStream [`Publisher`](idem_core::outbox::Publisher) of an

@@ -36,6 +36,11 @@ impl Env {
     /// `Nats-Msg-Id` sent after it ([`Env::retry`]) is stored and delivered: JetStream's send-side
     /// dedup does not cover a retry that comes late, and idem must.
     pub async fn new(url: &str) -> Self {
+        Self::with_duplicate_window(url, DUP_WINDOW).await
+    }
+
+    /// [`Env::new`] with the main stream's duplicate window set to `window`.
+    pub async fn with_duplicate_window(url: &str, window: Duration) -> Self {
         let client = async_nats::connect(url).await.expect("connect to NATS");
         let js = jetstream::new(client.clone());
         let sfx = suffix();
@@ -44,7 +49,7 @@ impl Env {
         js.create_stream(stream::Config {
             name: name.clone(),
             subjects: vec![format!("{subject}.>")],
-            duplicate_window: DUP_WINDOW,
+            duplicate_window: window,
             ..Default::default()
         })
         .await

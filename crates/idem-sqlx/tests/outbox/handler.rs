@@ -2,6 +2,7 @@
 //! marker, vanish with a rollback, and keep their ids when the handler runs again.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::common;
 
 use std::collections::HashSet;

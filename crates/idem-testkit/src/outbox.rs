@@ -220,6 +220,22 @@ pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S
     assert_ne!(fresh[0], fresh[1], "messages without an id get distinct random ids");
 }
 
+/// Ids are compared byte for byte: ids differing only by case or a trailing space are three
+/// messages, whatever the database's collation does with text.
+pub async fn ids_differing_by_case_or_a_trailing_space_are_apart<S: OutboxStore, C: TimeControl>(
+    h: Harness<S, C>,
+) {
+    let s = &h.store;
+    for id in ["order-8", "Order-8", "order-8 "] {
+        s.send(vec![msg("q", "x").id(MessageId::new(id).unwrap())]).await.unwrap();
+    }
+    assert_eq!(s.counts().await.unwrap().pending, 3, "three ids, three messages");
+    let mut ids: Vec<String> =
+        s.claim(10, h.unit).await.unwrap().iter().map(|l| l.message.id().to_string()).collect();
+    ids.sort();
+    assert_eq!(ids, ["Order-8", "order-8", "order-8 "]);
+}
+
 pub async fn bad_messages_are_refused_whole<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     let e = s.send(vec![msg("q", "ok"), msg("bad\ndest", "x")]).await.unwrap_err();
@@ -270,6 +286,7 @@ macro_rules! outbox_conformance {
             failures_retry_then_park,
             purge_removes_only_old_sent_rows,
             an_id_is_enqueued_once,
+            ids_differing_by_case_or_a_trailing_space_are_apart,
             remove_sent_deletes_only_held_rows,
             bad_messages_are_refused_whole,
             messages_round_trip,

@@ -18,8 +18,8 @@ use crate::outbox::{DEFAULT_OUTBOX_TABLE, Enqueue, counts_of, cut, pending_of, p
 /// "Now" by the server clock in microseconds, plus the test skew (bound as the next `?`).
 const NOW: &str = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
 
-const COLUMNS: &str = "seq, token, CAST(failures AS SIGNED), message_id, destination, payload, \
-     headers, ordering_key";
+const COLUMNS: &str = "seq, token, CAST(failures AS SIGNED), CONVERT(message_id USING utf8mb4), \
+     destination, payload, headers, ordering_key";
 
 struct Sql {
     ddl: Vec<String>,
@@ -35,14 +35,15 @@ struct Sql {
 impl Sql {
     fn new(table: &str) -> Self {
         let t = format!("`{table}`");
-        // Binary collation: ids, destinations and ordering keys compare byte for byte.
+        // Binary collation: destinations and ordering keys compare by case. Ids are bytes: the
+        // unique key must not merge `x` and `x ` (MariaDB's `utf8mb4_bin` pads spaces).
         let text = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin";
         let s = |x: String| -> Arc<str> { x.into() };
         Self {
             ddl: vec![format!(
                 "CREATE TABLE IF NOT EXISTS {t} (\
                    seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
-                   message_id VARCHAR(255) {text} NOT NULL, \
+                   message_id VARBINARY(255) NOT NULL, \
                    destination VARCHAR(255) {text} NOT NULL, \
                    ordering_key VARCHAR(255) {text} NULL, \
                    payload LONGBLOB NOT NULL, \

@@ -2,6 +2,9 @@
 # Local services for idem's integration tests (see ../shared/SERVICES.md):
 #   .ci/services.sh up      install what is missing (Debian), start each service that does not answer
 #   .ci/services.sh status  print which services answer; exit 1 if any does not
+#   .ci/services.sh restart postgres|mariadb|rabbitmq
+#                           restart one shared server and wait until it answers again (the
+#                           server-restart tests run this mid-load)
 # Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT.
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
 # missing one is built with `cargo install` once per machine (11-21 min cold, measured), then reused.
@@ -16,6 +19,9 @@ wait_port() {
 PG_PORT=${PG_PORT:-5432}; MYSQL_PORT=${MYSQL_PORT:-3306}; REDIS_PORT=${REDIS_PORT:-6379}
 AMQP_PORT=${AMQP_PORT:-5672}; MQTT_PORT=${MQTT_PORT:-1883}; NATS_PORT=${NATS_PORT:-4222}
 KAFKA_PORT=${KAFKA_PORT:-9092}; TANSU_VERSION=0.6.0
+# libsql: the Kafka restart test keeps a private broker's log in a SQLite file (the shared broker
+# stays in memory). A tansu built with other features is rebuilt once.
+TANSU_FEATURES=dynostore,libsql; TANSU_MARK=$HOME/.cache/idem-tansu-features
 COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosmosdb-server, see up()
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
@@ -39,6 +45,7 @@ install_missing() {
   command -v rabbitmq-server >/dev/null || pkgs+=(rabbitmq-server)
   command -v mosquitto       >/dev/null || pkgs+=(mosquitto)
   command -v nats-server     >/dev/null || pkgs+=(nats-server)
+  command -v faketime        >/dev/null || pkgs+=(faketime)   # the clock-skew tests
   if ((${#pkgs[@]})); then
     log "installing: ${pkgs[*]}"; export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
@@ -86,12 +93,14 @@ up() {
     wait_port "$NATS_PORT" 15 nats; }
   # Kafka protocol: tansu on loopback only, in-memory storage (its default listener is 0.0.0.0).
   port_open "$KAFKA_PORT" || { local tansu; tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
-    if [[ ! -x $tansu ]]; then
-      log "installing tansu $TANSU_VERSION from crates.io (cold build, 11-21 min measured; once per machine)"
+    if [[ ! -x $tansu || $(cat "$TANSU_MARK" 2>/dev/null) != "$TANSU_VERSION $TANSU_FEATURES" ]]; then
+      log "installing tansu $TANSU_VERSION ($TANSU_FEATURES) from crates.io (cold build, 16-21 min measured; once per machine)"
       local t0=$SECONDS
-      cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore \
+      cargo install tansu --version "$TANSU_VERSION" --locked --force --features "$TANSU_FEATURES" \
         --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \
         || { tail -30 "$STATE/tansu-install.log"; exit 1; }
+      tansu=$HOME/.cargo/bin/tansu
+      mkdir -p "$(dirname "$TANSU_MARK")"; echo "$TANSU_VERSION $TANSU_FEATURES" >"$TANSU_MARK"
       log "tansu installed in $((SECONDS - t0))s"
     fi
     nohup setsid "$tansu" broker --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
@@ -122,8 +131,33 @@ up() {
   log "all services ready"
 }
 
+# Stops and starts one shared server the way an operator would, then waits for it to answer.
+restart() {
+  local t0=$SECONDS
+  case "${1:-}" in
+    postgres)
+      local v; v=$(ls /etc/postgresql | sort -V | tail -1)
+      $SUDO pg_ctlcluster --skip-systemctl-redirect "$v" main restart -m fast
+      wait_port "$PG_PORT" 30 postgres ;;
+    mariadb)
+      # `shutdown` returns before the process is gone; a start before then is refused.
+      local pid i; pid=$(pgrep -xo mariadbd || true)
+      mariadb-admin -uroot -h127.0.0.1 -P"$MYSQL_PORT" shutdown
+      for ((i = 0; i < 300; i++)); do [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      $SUDO install -d -o mysql -g mysql /run/mysqld
+      $SUDO start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd -- --user=mysql
+      wait_port "$MYSQL_PORT" 60 mariadb ;;
+    rabbitmq)
+      $SUDO rabbitmqctl -q stop_app && $SUDO rabbitmqctl -q start_app
+      wait_port "$AMQP_PORT" 60 rabbitmq ;;
+    *) echo "usage: $0 restart postgres|mariadb|rabbitmq" >&2; exit 64 ;;
+  esac
+  log "$1 restarted in $((SECONDS - t0))s"
+}
+
 case "${1:-}" in
   up) up ;;
   status) status ;;
-  *) echo "usage: $0 up|status" >&2; exit 64 ;;
+  restart) restart "${2:-}" ;;
+  *) echo "usage: $0 up|status|restart <service>" >&2; exit 64 ;;
 esac

@@ -174,3 +174,117 @@ mod tests {
         );
     }
 }
+
+/// Property tests over arbitrary header bytes (512 cases each; see `docs/RELIABILITY.md`).
+#[cfg(test)]
+mod props {
+    use super::*;
+    use http::HeaderValue;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config;
+
+    fn config() -> Config {
+        Config { cases: 512, failure_persistence: None, ..Config::default() }
+    }
+
+    fn name() -> HeaderName {
+        HeaderName::from_static("idempotency-key")
+    }
+
+    fn read_one(raw: &[u8], limit: usize) -> Option<Result<Option<String>, KeyProblem>> {
+        let mut h = HeaderMap::new();
+        h.append(name(), HeaderValue::from_bytes(raw).ok()?);
+        Some(read(&h, &name(), limit))
+    }
+
+    /// Keys as the rules allow them: visible ASCII and spaces.
+    fn key(limit: usize) -> impl Strategy<Value = String> {
+        proptest::collection::vec(prop_oneof![4 => 0x21u8..0x7f, 1 => Just(b' ')], 1..=limit)
+            .prop_map(|b| b.into_iter().map(char::from).collect())
+    }
+
+    /// `key` as a structured-field string.
+    fn quoted(key: &str) -> String {
+        format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Any bytes a client can put in the header: an accepted key meets the rules (non-empty,
+        /// within the limit, visible ASCII and spaces); a refusal says which rule, truthfully,
+        /// and names the header.
+        #[test]
+        fn arbitrary_bytes_never_panic_and_refusals_are_truthful(
+            raw in prop_oneof![
+                // Mostly bytes a header value may hold (tab, visible ASCII, obs-text), the
+                // ones it may not (CR, LF, NUL, DEL) now and then.
+                proptest::collection::vec(
+                    prop_oneof![1 => Just(b'\t'), 6 => 0x20u8..0x7f, 2 => 0x80u8.., 1 => any::<u8>()],
+                    0..48,
+                ),
+                r#"[ "\\a-c\t]{0,24}"#.prop_map(String::into_bytes),
+            ],
+            limit in 1usize..32,
+        ) {
+            let answer = read_one(&raw, limit);
+            prop_assume!(answer.is_some(), "not a header value");
+            let Some(answer) = answer else { return Ok(()) };
+            let trimmed = raw.trim_ascii_start().trim_ascii_end();
+            match answer {
+                Ok(Some(k)) => {
+                    prop_assert!(!k.is_empty() && k.len() <= limit, "{:?}", k);
+                    prop_assert!(k.bytes().all(|b| (0x20..0x7f).contains(&b)), "{:?}", k);
+                    if !trimmed.starts_with(b"\"") {
+                        prop_assert_eq!(k.as_bytes(), trimmed);
+                    }
+                }
+                Ok(None) => prop_assert!(false, "a present header read as absent"),
+                Err(e) => {
+                    prop_assert!(e.to_string().contains("Idempotency-Key"), "{}", e);
+                    match e {
+                        KeyProblem::InvalidCharacter { offset, .. } => {
+                            let bad = |b: &u8| !(0x20..0x7f).contains(b);
+                            prop_assert!(bad(&raw[offset]) && !raw[..offset].iter().any(bad));
+                        }
+                        KeyProblem::TooLong { len, limit: l, .. } => {
+                            prop_assert!(len > limit && l == limit);
+                        }
+                        KeyProblem::Empty { .. } => {
+                            prop_assert!(trimmed.is_empty() || trimmed == b"\"\"");
+                        }
+                        KeyProblem::BadQuoting { .. } => prop_assert!(trimmed.starts_with(b"\"")),
+                        other => prop_assert!(false, "{other:?} for one header"),
+                    }
+                }
+            }
+        }
+
+        /// Every key the rules allow comes back as it was sent quoted, and bare when it can be
+        /// sent bare (no surrounding space, no leading quote).
+        #[test]
+        fn valid_keys_round_trip((limit, k) in (1usize..40).prop_flat_map(|l| (Just(l), key(l)))) {
+            prop_assert_eq!(read_one(quoted(&k).as_bytes(), limit), Some(Ok(Some(k.clone()))));
+            if k.trim_matches(' ') == k && !k.starts_with('"') {
+                prop_assert_eq!(read_one(k.as_bytes(), limit), Some(Ok(Some(k.clone()))));
+            }
+            // One byte over the limit is refused with the length and the limit.
+            let long = format!("{k}{}", "x".repeat(limit + 1 - k.len()));
+            prop_assert_eq!(
+                read_one(quoted(&long).as_bytes(), limit),
+                Some(Err(KeyProblem::TooLong { header: name(), len: limit + 1, limit }))
+            );
+        }
+
+        /// A header sent more than once is refused, whatever the copies hold.
+        #[test]
+        fn repeated_headers_are_refused(copies in proptest::collection::vec(key(8), 2..5)) {
+            let mut h = HeaderMap::new();
+            for c in &copies {
+                h.append(name(), HeaderValue::from_str(c)?);
+            }
+            let e = read(&h, &name(), 8).unwrap_err();
+            prop_assert_eq!(e, KeyProblem::Repeated { header: name(), count: copies.len() });
+        }
+    }
+}

@@ -51,13 +51,15 @@ impl StoredResponse {
         }
         let status = StatusCode::from_u16(r.u16()?).ok()?;
         let count = r.u16()?;
-        let mut headers = HeaderMap::with_capacity(usize::from(count));
+        // The count is not trusted: `HeaderMap::with_capacity` panics past 24,576 and `append`
+        // past 32,768 entries, so grow as headers are read and refuse what does not fit.
+        let mut headers = HeaderMap::new();
         for _ in 0..count {
             let n = usize::from(r.u16()?);
             let name = HeaderName::from_bytes(r.take(n)?).ok()?;
             let n = usize::from(r.u16()?);
             let value = HeaderValue::from_bytes(r.take(n)?).ok()?;
-            headers.append(name, value);
+            headers.try_append(name, value).ok()?;
         }
         Some(Self { status, headers, body: Bytes::copy_from_slice(r.0) })
     }
@@ -96,5 +98,82 @@ mod tests {
         assert_eq!(StoredResponse::decode(&bytes), Some(r));
         assert_eq!(StoredResponse::decode(&bytes[..bytes.len() - 12]).map(|d| d.status), None);
         assert_eq!(StoredResponse::decode(b"IDH2\x00\xc8\x00\x00"), None);
+    }
+}
+
+/// Property tests of the stored-response decoder (512 cases each; see `docs/RELIABILITY.md`).
+#[cfg(test)]
+mod props {
+    use proptest::collection::vec;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config;
+
+    use super::*;
+
+    fn response() -> impl Strategy<Value = StoredResponse> {
+        let header = ("[a-z0-9-]{1,12}", "[ -~]{0,16}");
+        (100u16..1000, vec(header, 0..5), vec(any::<u8>(), 0..32)).prop_map(|(s, hs, body)| {
+            let mut headers = HeaderMap::new();
+            for (n, v) in hs {
+                headers.append(HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
+            }
+            StoredResponse { status: StatusCode::from_u16(s).unwrap(), headers, body: body.into() }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(Config { cases: 512, failure_persistence: None, ..Config::default() })]
+
+        /// Every response replays exactly: status, each header in order (repeats kept), body.
+        #[test]
+        fn responses_round_trip(r in response()) {
+            prop_assert_eq!(StoredResponse::decode(&r.encode()), Some(r));
+        }
+
+        /// Cut, changed or random bytes: refused or decoded, never a panic; what decodes
+        /// encodes back to the same bytes (up to header-name case, which HTTP ignores).
+        #[test]
+        fn hostile_bytes_decode_to_what_they_encode(
+            bytes in prop_oneof![
+                (response(), any::<prop::sample::Index>()).prop_map(|(r, cut)| {
+                    let b = r.encode();
+                    b[..cut.index(b.len())].to_vec()
+                }),
+                (response(), any::<prop::sample::Index>(), any::<u8>()).prop_map(|(r, at, x)| {
+                    let mut b = r.encode();
+                    let at = at.index(b.len());
+                    b[at] = x;
+                    b
+                }),
+                vec(any::<u8>(), 0..64).prop_map(|b| [&MAGIC[..], &b].concat()),
+            ],
+        ) {
+            if let Some(r) = StoredResponse::decode(&bytes) {
+                prop_assert_eq!(r.encode(), lower_names(&bytes));
+            }
+        }
+    }
+
+    /// Regression: a header count of 24,832 (bytes 6–7 = `61 00`) panicked in
+    /// `HeaderMap::with_capacity` before a single header was read. Found by
+    /// `hostile_bytes_decode_to_what_they_encode`; this is its minimal input.
+    #[test]
+    fn a_huge_header_count_is_refused_not_a_panic() {
+        assert_eq!(StoredResponse::decode(b"IDH1\x00\x64\x61\x00\x00\x00\x00\x00"), None);
+        assert_eq!(StoredResponse::decode(b"IDH1\x00\x64\xff\xff"), None);
+    }
+
+    /// `bytes` with the header names in lower case, as `HeaderName` keeps them.
+    fn lower_names(bytes: &[u8]) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let count = usize::from(u16::from_be_bytes([bytes[6], bytes[7]]));
+        let mut at = 8;
+        for _ in 0..count {
+            let n = usize::from(u16::from_be_bytes([bytes[at], bytes[at + 1]]));
+            out[at + 2..at + 2 + n].make_ascii_lowercase();
+            at += 2 + n;
+            at += 2 + usize::from(u16::from_be_bytes([bytes[at], bytes[at + 1]]));
+        }
+        out
     }
 }

@@ -17,6 +17,8 @@
 //! One table holds lease records and inbox markers alike, keyed by the 32-byte SHA-256 of the
 //! key ([`idem_core::DedupKey::hash`]), with the raw scope and id beside it for display.
 
+#[cfg(test)]
+mod cells;
 pub mod inbox;
 pub mod outbox;
 mod row;

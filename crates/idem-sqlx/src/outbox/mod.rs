@@ -27,6 +27,7 @@ use idem_core::StoreError;
 use idem_core::outbox::{MessageId, OutboxError, OutboxMessage, Outgoing, Pending, Ticket};
 
 use crate::Tx;
+use crate::row::{nullable, required};
 
 /// Default outbox table name.
 pub const DEFAULT_OUTBOX_TABLE: &str = "idem_outbox";
@@ -118,6 +119,7 @@ pub(crate) fn cut(reason: &str) -> &str {
 }
 
 /// A leased row's columns, as the claim statements return them.
+#[cfg_attr(test, derive(Debug, Clone))]
 struct Leased {
     seq: i64,
     token: i64,
@@ -156,23 +158,21 @@ where
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
-    let decode = |r: &R| -> Result<Leased, sqlx::Error> {
+    let decode = |r: &R| -> Result<Leased, StoreError> {
         Ok(Leased {
-            seq: r.try_get(0)?,
-            token: r.try_get(1)?,
-            failures: r.try_get(2)?,
-            id: r.try_get(3)?,
-            destination: r.try_get(4)?,
-            payload: r.try_get(5)?,
-            headers: r.try_get(6)?,
-            ordering_key: r.try_get(7)?,
+            seq: required(r, 0, "seq")?,
+            token: required(r, 1, "token")?,
+            failures: required(r, 2, "failures")?,
+            id: required(r, 3, "message_id")?,
+            destination: required(r, 4, "destination")?,
+            payload: required(r, 5, "payload")?,
+            headers: required(r, 6, "headers")?,
+            ordering_key: nullable(r, 7, "ordering_key")?,
         })
     };
     let mut out = Vec::with_capacity(rows.len());
     for r in &rows {
-        let leased = decode(r)
-            .map_err(|e| StoreError::Corrupt { what: format!("leased outbox row: {e}") })?;
-        out.push(leased.into_pending()?);
+        out.push(decode(r)?.into_pending()?);
     }
     out.sort_by_key(|p| p.ticket.row);
     Ok(out)
@@ -205,5 +205,177 @@ mod tests {
         let c = cut(&long);
         assert!(c.len() <= MAX_REASON_BYTES && c.len() >= MAX_REASON_BYTES - 1);
         assert_eq!(cut("short"), "short");
+    }
+}
+
+/// Property tests of the leased-row decoder: values in and out of their domains, of the right
+/// SQL type or not (512 cases each; see `docs/RELIABILITY.md`).
+#[cfg(test)]
+mod props {
+    use idem_core::outbox::encode_headers;
+    use proptest::collection::vec;
+    use proptest::option;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::cells::config;
+    #[cfg(feature = "sqlite")]
+    use crate::cells::{Cell, for_rows, with_swaps};
+
+    /// Header lists, and their stored text.
+    fn pairs() -> impl Strategy<Value = Vec<(String, String)>> {
+        vec((".{0,4}", ".{0,4}"), 0..4)
+    }
+
+    /// Stored header text that is not a JSON array of string pairs: a cut-off encoding,
+    /// trailing bytes, other shapes.
+    fn bad_headers() -> impl Strategy<Value = String> {
+        prop_oneof![
+            (pairs(), any::<prop::sample::Index>()).prop_map(|(p, cut)| {
+                let text = encode_headers(&p);
+                let mut end = cut.index(text.len());
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                text[..end].to_owned()
+            }),
+            (pairs(), r"[x,\]}]{1,3}")
+                .prop_map(|(p, junk)| format!("{}{junk}", encode_headers(&p))),
+            prop::sample::select(vec![
+                r#"{"a":"b"}"#,
+                "null",
+                r#""x""#,
+                r#"[["a"]]"#,
+                r#"[["a","b","c"]]"#,
+                r#"[[1,"b"]]"#,
+                r#"[["a",null]]"#,
+                r#"[{"a":"b"}]"#,
+                "[[]]",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    /// A leased row and, when its headers are well formed, the headers it holds.
+    fn leased() -> impl Strategy<Value = (Leased, Option<Vec<(String, String)>>)> {
+        let headers = prop_oneof![
+            3 => pairs().prop_map(|p| (encode_headers(&p), Some(p))),
+            1 => bad_headers().prop_map(|t| (t, None)),
+        ];
+        let failures = prop_oneof![
+            4 => 0..=i64::from(u32::MAX),
+            1 => prop::sample::select(vec![-1, i64::from(u32::MAX) + 1, i64::MIN, i64::MAX]),
+        ];
+        let text = ".{0,6}";
+        (
+            (any::<i64>(), any::<i64>(), failures, text, text),
+            (vec(any::<u8>(), 0..16), headers, option::of(text)),
+        )
+            .prop_map(
+                |(
+                    (seq, token, failures, id, destination),
+                    (payload, (headers, pairs), ordering_key),
+                )| {
+                    let row = Leased {
+                        seq,
+                        token,
+                        failures,
+                        id,
+                        destination,
+                        payload,
+                        headers,
+                        ordering_key,
+                    };
+                    (row, pairs)
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// A leased row decodes to the message it holds, exactly, or fails as corrupt naming
+        /// the failure count or the headers.
+        #[test]
+        fn leased_values_decode_exactly_or_are_corrupt((row, pairs) in leased()) {
+            let failures_ok = u32::try_from(row.failures).is_ok();
+            match (row.clone().into_pending(), failures_ok, pairs) {
+                (Ok(p), true, Some(pairs)) => {
+                    prop_assert_eq!(p.ticket, Ticket { row: row.seq, token: row.token });
+                    prop_assert_eq!(i64::from(p.failures), row.failures);
+                    prop_assert_eq!(p.message.id().as_str(), row.id.as_str());
+                    prop_assert_eq!(p.message.destination(), row.destination.as_str());
+                    prop_assert_eq!(p.message.payload(), row.payload.as_slice());
+                    prop_assert_eq!(p.message.headers(), pairs.as_slice());
+                    prop_assert_eq!(p.message.ordering_key(), row.ordering_key.as_deref());
+                }
+                (Err(StoreError::Corrupt { what }), false, _) => {
+                    prop_assert!(what.starts_with("outbox failures"), "{}", what);
+                }
+                (Err(StoreError::Corrupt { what }), true, None) => {
+                    prop_assert!(what.starts_with("outbox headers"), "{}", what);
+                }
+                (got, failures_ok, pairs) => {
+                    prop_assert!(false, "{got:?} (failures ok: {failures_ok}, headers {pairs:?})");
+                }
+            }
+        }
+    }
+
+    #[cfg(feature = "sqlite")]
+    fn cells_of(r: &Leased) -> Vec<Cell> {
+        vec![
+            Cell::Int(r.seq),
+            Cell::Int(r.token),
+            Cell::Int(r.failures),
+            Cell::Text(r.id.clone()),
+            Cell::Text(r.destination.clone()),
+            Cell::Blob(r.payload.clone()),
+            Cell::Text(r.headers.clone()),
+            r.ordering_key.clone().map_or(Cell::Null, Cell::Text),
+        ]
+    }
+
+    /// The row `cells` hold when each has its column's declared type (or is text where bytes
+    /// belong); `None` when one does not.
+    #[cfg(feature = "sqlite")]
+    fn leased_of(cells: &[Cell]) -> Option<Leased> {
+        let int = |c: &Cell| if let Cell::Int(v) = c { Some(*v) } else { None };
+        let text = |c: &Cell| if let Cell::Text(s) = c { Some(s.clone()) } else { None };
+        Some(Leased {
+            seq: int(&cells[0])?,
+            token: int(&cells[1])?,
+            failures: int(&cells[2])?,
+            id: text(&cells[3])?,
+            destination: text(&cells[4])?,
+            payload: cells[5].bytes()?,
+            headers: text(&cells[6])?,
+            ordering_key: match &cells[7] {
+                Cell::Null => None,
+                c => Some(text(c)?),
+            },
+        })
+    }
+
+    /// Real SQLite rows with any value of any type in any of the 8 columns: `pending_of` gives
+    /// the message they hold, exactly, or corrupt.
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn sqlite_leased_rows_of_any_types_decode_exactly_or_are_corrupt() {
+        let cells = leased().prop_map(|(row, _)| cells_of(&row));
+        for_rows(with_swaps(cells, 8), |cells, row| {
+            match (pending_of(vec![row]), leased_of(cells).map(Leased::into_pending)) {
+                (Ok(got), Some(Ok(want))) => {
+                    prop_assert_eq!(got.len(), 1);
+                    prop_assert_eq!(got[0].ticket, want.ticket);
+                    prop_assert_eq!(got[0].failures, want.failures);
+                    prop_assert_eq!(&got[0].message, &want.message);
+                }
+                (Err(StoreError::Corrupt { .. }), None | Some(Err(StoreError::Corrupt { .. }))) => {
+                }
+                (got, want) => prop_assert!(false, "{got:?}, expected {want:?} from {cells:?}"),
+            }
+            Ok(())
+        });
     }
 }

@@ -22,7 +22,10 @@ pub use entity::{EntityMark, EntityTable};
 pub use inbox::PostgresInbox;
 pub use outbox::PostgresOutbox;
 
-use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
+use crate::row::{
+    Loser, classify_loser, decode_row, decode_row_at, fenced, i64_of, lease_from_parts, nullable,
+    required,
+};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
 use sql::Sql;
 
@@ -427,35 +430,13 @@ fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option
 
 /// The lease in a winning upsert's `RETURNING attempt, token, prev_state, fingerprint, lease_until`.
 fn lease_of(key: &DedupKey, row: &PgRow) -> Result<Lease, StoreError> {
-    let get = |e| backend("claim", e);
-    let attempt: i64 = row.try_get(0).map_err(get)?;
-    let token: i64 = row.try_get(1).map_err(get)?;
-    let prev: Option<i64> = row.try_get(2).map_err(get)?;
-    let fp: Option<Vec<u8>> = row.try_get(3).map_err(get)?;
-    let until: Option<i64> = row.try_get(4).map_err(get)?;
-    lease_from_parts(key, attempt, token, prev, fp, until.unwrap_or_default())
-}
-
-fn lease_from_parts(
-    key: &DedupKey,
-    attempt: i64,
-    token: i64,
-    prev: Option<i64>,
-    fp: Option<Vec<u8>>,
-    until: i64,
-) -> Result<Lease, StoreError> {
-    let corrupt = |what: String| StoreError::Corrupt { what };
-    Ok(Lease::new(
-        key.clone(),
-        fp.map(|f| Fingerprint::from_slice(&f))
-            .transpose()
-            .map_err(|n| corrupt(format!("fingerprint of {n} bytes")))?,
-        u64::try_from(token).map_err(|_| corrupt(format!("token {token}")))?,
-        u32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))?,
-        Timestamp::from_micros(until),
-        prev.map(|c| RecordState::from_code(c).ok_or_else(|| corrupt(format!("state {c}"))))
-            .transpose()?,
-    ))
+    let attempt = required(row, 0, "attempt")?;
+    let token = required(row, 1, "token")?;
+    let prev = nullable(row, 2, "prev_state")?;
+    let fp = nullable(row, 3, "fingerprint")?;
+    // A claim always sets the lease end: a NULL is corrupt, not a lease that ended in 1970.
+    let until = required(row, 4, "lease_until")?;
+    lease_from_parts(key, attempt, token, prev, fp, until)
 }
 
 /// Classifies a driver error: serialization failures, deadlocks, lost connections and pool
@@ -637,32 +618,12 @@ fn decode_claimed(
     for row in rows {
         let get = |e| backend("claim_many", e);
         let won: bool = row.try_get(0).map_err(get)?;
-        let raw = decode_offset(row)?;
+        // The record columns follow the leading `won` flag.
+        let raw = decode_row_at(row, 1)?;
         let now: i64 = row.try_get(14).map_err(get)?;
         found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
     }
     Ok(())
-}
-
-/// Decodes the record columns that follow the leading `won` flag of a `claim_many` row.
-fn decode_offset(row: &PgRow) -> Result<Record, StoreError> {
-    let get = |e| backend("claim_many", e);
-    let raw = crate::row::RawRecord {
-        key_hash: row.try_get(1).map_err(get)?,
-        scope: row.try_get(2).map_err(get)?,
-        key_id: row.try_get(3).map_err(get)?,
-        state: row.try_get(4).map_err(get)?,
-        fingerprint: row.try_get(5).map_err(get)?,
-        result: row.try_get(6).map_err(get)?,
-        attempt: row.try_get(7).map_err(get)?,
-        token: row.try_get(8).map_err(get)?,
-        prev_state: row.try_get(9).map_err(get)?,
-        created_at: row.try_get(10).map_err(get)?,
-        updated_at: row.try_get(11).map_err(get)?,
-        lease_until: row.try_get(12).map_err(get)?,
-        expires_at: row.try_get(13).map_err(get)?,
-    };
-    raw.decode()
 }
 
 impl InspectStore for PostgresStore {

@@ -15,16 +15,18 @@ use idem_core::{
     IdentifierError, InspectStore, Lease, ListFilter, Record, RecordState, StoreError, Timestamp,
     VersionGuard,
 };
+use sqlx::AssertSqlSafe;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, Row};
 
 pub use inbox::SqliteInbox;
 pub use outbox::SqliteOutbox;
 
-use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
+use crate::row::{
+    Loser, classify_loser, decode_row, fenced, i64_of, lease_from_parts, nullable, required,
+};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
 use sql::Sql;
 
@@ -186,23 +188,11 @@ impl SqliteStore {
             .await
             .map_err(|e| backend("claim", e))?;
         let Some(row) = row else { return Ok(None) };
-        let get = |e| backend("claim", e);
-        let attempt: i64 = row.try_get(0).map_err(get)?;
-        let token: i64 = row.try_get(1).map_err(get)?;
-        let prev: Option<i64> = row.try_get(2).map_err(get)?;
-        let fp: Option<Vec<u8>> = row.try_get(3).map_err(get)?;
-        let corrupt = |what: String| StoreError::Corrupt { what };
-        Ok(Some(Lease::new(
-            req.key.clone(),
-            fp.map(|f| idem_core::Fingerprint::from_slice(&f))
-                .transpose()
-                .map_err(|n| corrupt(format!("fingerprint of {n} bytes")))?,
-            u64::try_from(token).map_err(|_| corrupt(format!("token {token}")))?,
-            u32::try_from(attempt).map_err(|_| corrupt(format!("attempt {attempt}")))?,
-            until,
-            prev.map(|c| RecordState::from_code(c).ok_or_else(|| corrupt(format!("state {c}"))))
-                .transpose()?,
-        )))
+        let attempt = required(&row, 0, "attempt")?;
+        let token = required(&row, 1, "token")?;
+        let prev = nullable(&row, 2, "prev_state")?;
+        let fp = nullable(&row, 3, "fingerprint")?;
+        lease_from_parts(&req.key, attempt, token, prev, fp, until.as_micros()).map(Some)
     }
 
     /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.

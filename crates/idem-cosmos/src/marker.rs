@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::limits::{MAX_ITEM_BYTES, check_id, check_partition, check_partition_key, check_size};
-use crate::store::doc::fingerprint_from_hex;
+use crate::store::doc::fingerprint_field;
 use crate::{Error, ThrottlePolicy};
 
 /// Field of the document holding the request fingerprint (hex), unless configured otherwise.
@@ -142,7 +142,8 @@ impl CosmosMarker {
     /// Validation before any request: [`Error::InvalidId`], [`Error::InvalidPartitionKey`],
     /// [`Error::WrongPartition`] (the document's partition key field differs from
     /// `partition_key`), [`Error::TooLarge`] (over the 2 MB item limit),
-    /// [`Error::Json`]. Then [`Error::Throttled`] and [`Error::Cosmos`].
+    /// [`Error::Json`]. Then [`Error::Throttled`] and [`Error::Cosmos`]; [`Error::Corrupt`]
+    /// when the stored document's fingerprint field is not a fingerprint.
     ///
     /// # Cancel safety
     /// Cancel safe in effect: the document was created or it was not; a later call decides.
@@ -179,7 +180,7 @@ impl CosmosMarker {
                 Err(e) if e.status().is_not_found() => continue,
                 Err(e) => return Err(self.throttle.fail("read_item", e)),
             };
-            return Ok(self.compare(stored, &doc, fingerprint));
+            return self.compare(stored, &doc, fingerprint, &id);
         }
         Err(Error::Corrupt { what: format!("document {id} kept appearing and disappearing") })
     }
@@ -189,11 +190,12 @@ impl CosmosMarker {
         stored: Value,
         incoming: &Value,
         fingerprint: Option<Fingerprint>,
-    ) -> MarkerOutcome {
-        let stored_fingerprint = stored
-            .get(&self.fingerprint_field)
-            .and_then(Value::as_str)
-            .and_then(fingerprint_from_hex);
+        id: &str,
+    ) -> Result<MarkerOutcome, Error> {
+        let stored_fingerprint =
+            fingerprint_field(&stored, &self.fingerprint_field).map_err(|()| Error::Corrupt {
+                what: format!("field {} of document {id}", self.fingerprint_field),
+            })?;
         let same = if self.compare.is_empty() {
             match (stored_fingerprint, fingerprint) {
                 (Some(s), Some(i)) => s == i,
@@ -203,11 +205,11 @@ impl CosmosMarker {
         } else {
             self.compare.iter().all(|p| stored.pointer(p) == incoming.pointer(p))
         };
-        if same {
+        Ok(if same {
             MarkerOutcome::Duplicate(stored)
         } else {
             MarkerOutcome::Conflict { stored, stored_fingerprint, incoming: fingerprint }
-        }
+        })
     }
 }
 

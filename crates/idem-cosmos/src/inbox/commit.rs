@@ -15,7 +15,7 @@ use crate::limits::{
     check_partition_key, check_size,
 };
 use crate::marker::DEFAULT_FINGERPRINT_FIELD;
-use crate::store::doc::fingerprint_from_hex;
+use crate::store::doc::fingerprint_field;
 
 /// How a batch ended (its errors aside).
 pub(super) enum Committed {
@@ -26,6 +26,7 @@ pub(super) enum Committed {
 }
 
 /// A stored marker, as far as the decision needs it.
+#[derive(Debug, PartialEq)]
 pub(super) struct Marker {
     pub(super) fingerprint: Option<Fingerprint>,
     pub(super) result: Option<Vec<u8>>,
@@ -186,17 +187,23 @@ impl CosmosInbox {
             Err(e) if e.status().is_not_found() => return Ok(None),
             Err(e) => return Err(self.throttle.fail("read_item", e)),
         };
-        let corrupt = |what: &str| Error::Corrupt { what: format!("{what} of marker {id}") };
-        let fingerprint = match doc.get(DEFAULT_FINGERPRINT_FIELD).and_then(Value::as_str) {
-            None => None,
-            Some(h) => Some(fingerprint_from_hex(h).ok_or_else(|| corrupt("fingerprint"))?),
-        };
-        let result = match doc.get("idemResult").and_then(Value::as_str) {
-            None => None,
-            Some(b) => Some(STANDARD.decode(b).map_err(|_| corrupt("result"))?),
-        };
-        Ok(Some(Marker { fingerprint, result }))
+        marker_of(&doc, &id).map(Some)
     }
+}
+
+/// The marker a stored document holds. A field that is absent (or null) is none; one of
+/// another type or not decodable is corrupt, never none: a missing fingerprint would make any
+/// payload a duplicate.
+fn marker_of(doc: &Value, id: &str) -> Result<Marker, Error> {
+    let corrupt = |what: &str| Error::Corrupt { what: format!("{what} of marker {id}") };
+    let fingerprint =
+        fingerprint_field(doc, DEFAULT_FINGERPRINT_FIELD).map_err(|()| corrupt("fingerprint"))?;
+    let result = match doc.get("idemResult") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(b)) => Some(STANDARD.decode(b).map_err(|_| corrupt("result"))?),
+        Some(_) => return Err(corrupt("result")),
+    };
+    Ok(Marker { fingerprint, result })
 }
 
 /// Validates one document of the batch; its size in bytes.
@@ -217,5 +224,75 @@ mod tests {
         let mut m = Map::new();
         set_path(&mut m, "/customer/id", "c-1".into());
         assert_eq!(Value::Object(m), serde_json::json!({"customer": {"id": "c-1"}}));
+    }
+}
+
+/// Property tests of the stored-marker decoder (512 cases; see `docs/RELIABILITY.md`).
+#[cfg(test)]
+mod props {
+    use proptest::prelude::*;
+    use proptest::test_runner::Config;
+    use serde_json::json;
+
+    use super::*;
+
+    /// A marker field: its value (`None`: absent) and what it decodes to when well formed.
+    fn field<T: Clone + std::fmt::Debug + 'static>(
+        good: impl Strategy<Value = (Value, T)> + 'static,
+        bad: Vec<Value>,
+    ) -> BoxedStrategy<(Option<Value>, Option<Option<T>>)> {
+        prop_oneof![
+            3 => good.prop_map(|(v, t)| (Some(v), Some(Some(t)))),
+            1 => Just((None, Some(None))),
+            1 => Just((Some(Value::Null), Some(None))),
+            2 => prop::sample::select(bad).prop_map(|v| (Some(v), None)),
+        ]
+        .boxed()
+    }
+
+    proptest! {
+        #![proptest_config(Config { cases: 512, failure_persistence: None, ..Config::default() })]
+
+        /// A marker's fingerprint and result are what the document holds, or it is corrupt:
+        /// a fingerprint of another type is never read as none.
+        #[test]
+        fn markers_decode_exactly_or_are_corrupt(
+            fp in field(
+                any::<[u8; 32]>().prop_map(|b| (Value::from(hex::encode(b)), Fingerprint(b))),
+                vec![json!(5), json!(true), json!(["ab"]), json!("abc"), json!("zz".repeat(32))],
+            ),
+            result in field(
+                proptest::collection::vec(any::<u8>(), 0..8)
+                    .prop_map(|b| (Value::from(STANDARD.encode(&b)), b)),
+                vec![json!(5), json!("!!"), json!({})],
+            ),
+        ) {
+            let mut doc = json!({"id": "m", "other": 1});
+            for (name, v) in [(DEFAULT_FINGERPRINT_FIELD, &fp.0), ("idemResult", &result.0)] {
+                if let Some(v) = v {
+                    doc[name] = v.clone();
+                }
+            }
+            match (marker_of(&doc, "m"), fp.1, result.1) {
+                (Ok(m), Some(f), Some(r)) => {
+                    prop_assert_eq!(m, Marker { fingerprint: f, result: r });
+                }
+                (Err(Error::Corrupt { what }), f, r) => {
+                    prop_assert!(f.is_none() || r.is_none(), "corrupt ({}) but both are fine", what);
+                    prop_assert!(what.ends_with("of marker m"), "{}", what);
+                }
+                (got, f, r) => prop_assert!(false, "{got:?} for {f:?}, {r:?}"),
+            }
+        }
+    }
+
+    /// Regression: a fingerprint field holding a number was read as "no fingerprint", so a
+    /// reused id with other content counted as a duplicate instead of a conflict.
+    #[test]
+    fn a_fingerprint_of_another_type_is_corrupt() {
+        let doc = json!({"id": "m", DEFAULT_FINGERPRINT_FIELD: 5});
+        assert!(matches!(marker_of(&doc, "m"), Err(Error::Corrupt { .. })));
+        let none = json!({"id": "m"});
+        assert_eq!(marker_of(&none, "m").unwrap(), Marker { fingerprint: None, result: None });
     }
 }

@@ -23,10 +23,11 @@ impl CosmosStore {
         }
         let items = self
             .container
-            .query_items::<RecordDoc>(query, FeedScope::full_container(), None)
+            .query_items::<serde_json::Value>(query, FeedScope::full_container(), None)
             .await
             .map_err(|e| self.throttle.fail("query", e))?;
-        items.try_collect().await.map_err(|e| self.throttle.fail("query", e))
+        let docs: Vec<_> = items.try_collect().await.map_err(|e| self.throttle.fail("query", e))?;
+        docs.into_iter().map(RecordDoc::from_json).collect()
     }
 
     async fn records(&self, scope: Option<&str>) -> Result<Vec<Record>, StoreError> {

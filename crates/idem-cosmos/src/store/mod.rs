@@ -155,10 +155,10 @@ impl CosmosStore {
     async fn read(&self, id: &str) -> Result<Option<RecordDoc>, Error> {
         let res = self.throttle.run(|| self.container.read_item(id.to_owned(), id, None)).await;
         match res {
-            Ok(r) => r
-                .into_model::<RecordDoc>()
-                .map(Some)
-                .map_err(|e| self.throttle.fail("read_item", e)),
+            Ok(r) => {
+                let doc = r.into_model().map_err(|e| self.throttle.fail("read_item", e))?;
+                RecordDoc::from_json(doc).map(Some)
+            }
             Err(e) if e.status().is_not_found() => Ok(None),
             Err(e) => Err(self.throttle.fail("read_item", e)),
         }

@@ -78,13 +78,30 @@ pub(crate) fn record(v: &[u8], hash: KeyHash) -> Result<Record, StoreError> {
     let lease = r.int("lease end")?;
     let expires = r.int("expiry")?;
     let fp = fingerprint(r.bytes()?)?;
-    let has_result = r.u8()? == 1;
+    let has_result = match r.u8()? {
+        0 => false,
+        1 => true,
+        other => return Err(corrupt(format!("has-result flag {other}"))),
+    };
     let result = r.bytes()?;
+    if !has_result && !result.is_empty() {
+        return Err(corrupt(format!("{} result bytes without the has-result flag", result.len())));
+    }
     let text = |b: &[u8], what: &str| {
         String::from_utf8(b.to_vec()).map_err(|_| corrupt(format!("{what} is not UTF-8")))
     };
     let scope = text(r.bytes()?, "scope")?;
     let id = text(r.bytes()?, "id")?;
+    if !r.0.is_empty() {
+        return Err(corrupt(format!("record value has {} bytes past its end", r.0.len())));
+    }
+    // -1 stands for none; the scripts write nothing below it.
+    if prev < -1 {
+        return Err(corrupt(format!("previous state code {prev}")));
+    }
+    if lease < -1 {
+        return Err(corrupt(format!("lease end {lease}")));
+    }
     Ok(Record {
         key_hash: hash,
         scope,
@@ -154,5 +171,177 @@ mod tests {
         assert!(record(&pack(9, -1, 1.0, &[], None), h).is_err(), "unknown state");
         assert!(record(&pack(0, -1, 1.5, &[], None), h).is_err(), "fractional time");
         assert!(record(&pack(0, -1, 1.0, &[1; 7], None), h).is_err(), "short fingerprint");
+    }
+}
+
+/// Property tests: packed values that are well formed, cut, flipped, extended or random
+/// (512 cases each; see `docs/RELIABILITY.md`).
+#[cfg(test)]
+mod props {
+    use proptest::collection::vec;
+    use proptest::option;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config;
+
+    use super::*;
+
+    fn config() -> Config {
+        Config { cases: 512, failure_persistence: None, ..Config::default() }
+    }
+
+    /// Offsets of the five doubles (after state, previous state and attempt).
+    const DOUBLES: [usize; 5] = [6, 14, 22, 30, 38];
+
+    /// Integers a double holds exactly, as the reader accepts them.
+    const EXACT: i64 = 9_000_000_000_000_000;
+
+    fn state() -> impl Strategy<Value = RecordState> {
+        prop::sample::select(RecordState::ALL.to_vec())
+    }
+
+    fn any_record() -> impl Strategy<Value = Record> {
+        let text = ".{0,6}";
+        (
+            (any::<[u8; 32]>(), text, text, state(), option::of(any::<[u8; 32]>())),
+            (option::of(vec(any::<u8>(), 0..8)), any::<u32>(), 0..=EXACT, option::of(state())),
+            ([-EXACT..=EXACT, -EXACT..=EXACT, -EXACT..=EXACT], option::of(0..=EXACT)),
+        )
+            .prop_map(
+                |((hash, scope, id, state, fp), (result, attempt, token, previous), times)| {
+                    let ([created, updated, expires], lease) = times;
+                    Record {
+                        key_hash: KeyHash(hash),
+                        scope,
+                        id,
+                        state,
+                        fingerprint: fp.map(Fingerprint),
+                        result,
+                        attempt,
+                        token: token.unsigned_abs(),
+                        previous,
+                        created_at: Timestamp::from_micros(created),
+                        updated_at: Timestamp::from_micros(updated),
+                        lease_until: lease.map(Timestamp::from_micros),
+                        expires_at: Timestamp::from_micros(expires),
+                    }
+                },
+            )
+    }
+
+    /// The value the scripts write for `r` (`struct.pack('>BbI4dddddI4c0BI4c0I4c0I4c0', …)`).
+    #[allow(clippy::cast_precision_loss)] // below 2^53: exact
+    fn pack(r: &Record) -> Vec<u8> {
+        let mut v = vec![u8::try_from(r.state.code()).unwrap()];
+        v.extend(r.previous.map_or(-1, |p| i8::try_from(p.code()).unwrap()).to_be_bytes());
+        v.extend(r.attempt.to_be_bytes());
+        let lease = r.lease_until.map_or(-1, Timestamp::as_micros);
+        for n in
+            [i64::try_from(r.token).unwrap(), r.created_at.as_micros(), r.updated_at.as_micros()]
+                .into_iter()
+                .chain([lease, r.expires_at.as_micros()])
+        {
+            v.extend((n as f64).to_be_bytes());
+        }
+        let field = |v: &mut Vec<u8>, b: &[u8]| {
+            v.extend(u32::try_from(b.len()).unwrap().to_be_bytes());
+            v.extend(b);
+        };
+        field(&mut v, r.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]));
+        v.push(u8::from(r.result.is_some()));
+        field(&mut v, r.result.as_deref().unwrap_or_default());
+        field(&mut v, r.scope.as_bytes());
+        field(&mut v, r.id.as_bytes());
+        v
+    }
+
+    /// `v` with -0.0 doubles written as 0.0: the one other spelling of an integer a double has.
+    fn without_negative_zeros(mut v: Vec<u8>) -> Vec<u8> {
+        for at in DOUBLES {
+            if v.get(at..at + 8) == Some(&(-0.0f64).to_be_bytes()[..]) {
+                v[at..at + 8].copy_from_slice(&0.0f64.to_be_bytes());
+            }
+        }
+        v
+    }
+
+    /// Packed records cut short, with a byte changed, with bytes appended, or random bytes.
+    fn hostile_value() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            (any_record(), any::<prop::sample::Index>()).prop_map(|(r, cut)| {
+                let v = pack(&r);
+                v[..cut.index(v.len())].to_vec()
+            }),
+            (any_record(), any::<prop::sample::Index>(), any::<u8>()).prop_map(|(r, at, b)| {
+                let mut v = pack(&r);
+                let at = at.index(v.len());
+                v[at] = b;
+                v
+            }),
+            (any_record(), vec(any::<u8>(), 1..4)).prop_map(|(r, tail)| [pack(&r), tail].concat()),
+            vec(any::<u8>(), 0..96),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// What the scripts write decodes to the record it was written for.
+        #[test]
+        fn packed_records_round_trip(r in any_record()) {
+            prop_assert_eq!(record(&pack(&r), r.key_hash)?, r);
+        }
+
+        /// Any value: corrupt, or the one record whose packing it is — no byte is ignored
+        /// and no flag or code outside the layout is read as something else.
+        #[test]
+        fn hostile_values_are_corrupt_or_exact(v in hostile_value()) {
+            match record(&v, KeyHash([1; 32])) {
+                Ok(r) => prop_assert_eq!(pack(&r), without_negative_zeros(v)),
+                Err(StoreError::Corrupt { .. }) => {}
+                Err(e) => prop_assert!(false, "{e:?}"),
+            }
+        }
+    }
+
+    /// Regressions found by `hostile_values_are_corrupt_or_exact`: each of these decoded to a
+    /// record (bytes dropped, a flag or code read as another).
+    #[test]
+    fn malformed_layouts_are_corrupt() {
+        let r = Record {
+            key_hash: KeyHash([1; 32]),
+            scope: "s".into(),
+            id: "i".into(),
+            state: RecordState::InProgress,
+            fingerprint: None,
+            result: None,
+            attempt: 1,
+            token: 5,
+            previous: None,
+            created_at: Timestamp::from_micros(1),
+            updated_at: Timestamp::from_micros(1),
+            lease_until: None,
+            expires_at: Timestamp::from_micros(2),
+        };
+        let good = pack(&r);
+        let changed = |at: usize, b: &[u8]| {
+            let mut v = good.clone();
+            v.splice(at..at + b.len(), b.iter().copied());
+            v
+        };
+        let has_result = 46 + 4; // after the doubles and the empty fingerprint
+        for (what, v) in [
+            ("trailing byte", [good.clone(), vec![0]].concat()),
+            ("has-result flag 2", changed(has_result, &[2])),
+            ("result without the flag", {
+                let mut v = good.clone();
+                v.splice(has_result + 1..has_result + 5, [0, 0, 0, 1, b'x']);
+                v
+            }),
+            ("previous state -2", changed(1, &[0xfe])),
+            ("lease end -2", changed(30, &(-2.0f64).to_be_bytes())),
+        ] {
+            assert!(matches!(record(&v, r.key_hash), Err(StoreError::Corrupt { .. })), "{what}");
+        }
+        assert_eq!(record(&good, r.key_hash).unwrap(), r);
     }
 }

@@ -25,6 +25,7 @@ pub mod service;
 #[cfg(feature = "source")]
 pub mod source;
 mod wait;
+pub mod workload;
 
 pub use wait::wait_for;
 

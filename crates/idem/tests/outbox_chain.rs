@@ -165,20 +165,6 @@ async fn chain_child() {
     }
 }
 
-/// Input ids: every order once, 2,000 of them twice, shuffled.
-fn inputs() -> Vec<String> {
-    let mut rng = rand::rng();
-    let mut ids: Vec<String> = (0..UNIQUE).map(|i| format!("order-{i:05}")).collect();
-    for _ in 0..DUPLICATES {
-        let i = rng.random_range(0..UNIQUE);
-        ids.push(format!("order-{i:05}"));
-    }
-    for i in (1..ids.len()).rev() {
-        ids.swap(i, rng.random_range(0..=i));
-    }
-    ids
-}
-
 async fn count(pool: &sqlx::PgPool, sql: String) -> (i64, i64) {
     sqlx::query_as(AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
 }
@@ -210,7 +196,7 @@ async fn chain<B: Broker>(broker: B, name: &str) {
     .unwrap();
     broker.create(&spec).await;
 
-    let ids = inputs();
+    let ids = idem_testkit::workload::ids_with_duplicates("order", UNIQUE, DUPLICATES);
     let messages: Vec<OutboxMessage> = ids
         .iter()
         .map(|id| {

@@ -12,7 +12,11 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "idem",
     version,
-    about = "Idempotent message consumers: demo, benchmark and operator tools"
+    about = "Idempotent message consumers: demo, benchmark and operator tools",
+    long_about = "Idempotent message consumers: demo, benchmark and operator tools.\n\n\
+        The operator verbs (inspect, stats, purge, release, fail) work on every store: \
+        --store takes a SQLite file or a postgres://, mysql://, mariadb:// or redis:// URL, \
+        with --schema (PostgreSQL), --table (SQL stores) and --prefix (Redis namespace)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,41 +32,31 @@ enum Command {
     /// PostgreSQL or MySQL store throughput (per message, inbox, group commit, batches) beside
     /// the bare SQL primitives, same run.
     BenchSql(bench_sql::BenchSqlArgs),
-    /// List records.
-    Inspect {
-        #[command(flatten)]
-        store: ops::StoreArgs,
-        /// Only this scope.
-        #[arg(long)]
-        scope: Option<String>,
-        /// Only this state (in_progress, completed, released, failed, in_doubt).
-        #[arg(long)]
-        state: Option<String>,
-        /// At most this many, most recent first.
-        #[arg(long, default_value_t = 50)]
-        limit: usize,
-    },
-    /// Count records by state.
-    Stats {
-        #[command(flatten)]
-        store: ops::StoreArgs,
-        /// Only this scope.
-        #[arg(long)]
-        scope: Option<String>,
-    },
-    /// Delete expired records in bounded batches.
+    /// List dedup records: what a key's state is, its attempt count, its stored result or
+    /// failure reason. Read only.
+    Inspect(ops::InspectArgs),
+    /// Count records by state (and by scope), with the oldest in-progress lease: a quick check
+    /// for stuck consumers and records parked in doubt. Read only.
+    Stats(ops::StatsArgs),
+    /// Delete expired records (retention passed, no live lease) in bounded batches, so claims
+    /// are never blocked for longer than one batch. Consumers' stores also purge on their own.
     Purge {
         #[command(flatten)]
         store: ops::StoreArgs,
-        /// Records per batch.
+        /// Records deleted per batch (one statement or script each).
         #[arg(long, default_value_t = 1000)]
         batch: usize,
+        /// Stop after deleting this many in all.
+        #[arg(long)]
+        max: Option<u64>,
     },
     /// Publish what handlers enqueued in an outbox table (PostgreSQL, MySQL or SQLite) to
     /// RabbitMQ, NATS JetStream, Redis Streams or Kafka, at least once, each message under its
     /// stable id; or show the outbox's counts, or retry parked rows.
     Relay(relay::RelayArgs),
-    /// Release a record (in progress, in doubt, failed) so the next delivery runs again.
+    /// Release a record (in progress, in doubt, failed, even completed) so the next delivery
+    /// runs the handler again. A consumer still holding its lease is fenced out: its completion
+    /// fails with "lease lost" and changes nothing.
     Release {
         #[command(flatten)]
         store: ops::StoreArgs,
@@ -70,6 +64,23 @@ enum Command {
         scope: String,
         /// The key's id.
         id: String,
+    },
+    /// Mark a record failed, after checking that its effect did not happen: for records parked
+    /// in doubt (or stuck in progress). The reason is stored on the record; a resubmitted
+    /// message runs the handler again. A consumer still holding its lease is fenced out.
+    /// Refuses completed records (use `release` to run one again on purpose).
+    Fail {
+        #[command(flatten)]
+        store: ops::StoreArgs,
+        /// The key's scope.
+        #[arg(long)]
+        scope: String,
+        /// The key's id.
+        #[arg(long)]
+        id: String,
+        /// Why, for whoever reads the record next (shown by `inspect`).
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -87,12 +98,13 @@ async fn main() -> std::process::ExitCode {
         Command::Demo(args) => demo::run(args).await.map(|ok| if ok { 0 } else { 1 }),
         Command::Bench(args) => bench::run(args).await.map(|()| 0),
         Command::BenchSql(args) => bench_sql::run(args).await.map(|()| 0),
-        Command::Inspect { store, scope, state, limit } => {
-            ops::inspect(&store, scope, state, limit).await.map(|()| 0)
-        }
-        Command::Stats { store, scope } => ops::stats(&store, scope).await.map(|()| 0),
-        Command::Purge { store, batch } => ops::purge(&store, batch).await.map(|()| 0),
+        Command::Inspect(args) => ops::inspect(args).await.map(|()| 0),
+        Command::Stats(args) => ops::stats(args).await.map(|()| 0),
+        Command::Purge { store, batch, max } => ops::purge(&store, batch, max).await.map(|()| 0),
         Command::Release { store, scope, id } => ops::release(&store, scope, id).await.map(|()| 0),
+        Command::Fail { store, scope, id, reason } => {
+            ops::fail(&store, scope, id, reason).await.map(|()| 0)
+        }
         Command::Relay(args) => relay::run(args).await.map(|()| 0),
     };
     match result {

@@ -297,4 +297,8 @@ impl<S: InspectStore + 'static> InspectStore for Batched<S> {
     async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {
         self.inner.force_release(key).await
     }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        self.inner.force_fail(key, reason).await
+    }
 }

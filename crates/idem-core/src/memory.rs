@@ -214,6 +214,22 @@ impl InspectStore for MemoryStore {
         rec.updated_at = now;
         Ok(true)
     }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let now = self.clock.now();
+        let mut inner = self.lock();
+        let Some(rec) = inner.records.get_mut(&key.hash()) else { return Ok(false) };
+        if rec.state == RecordState::Completed {
+            return Ok(false);
+        }
+        rec.state = RecordState::Failed;
+        rec.result = Some(reason.as_bytes().to_vec());
+        rec.token = next_token(Some(rec.token), now);
+        rec.lease_until = None;
+        rec.updated_at = now;
+        Ok(true)
+    }
 }
 
 impl VersionGuard for MemoryStore {

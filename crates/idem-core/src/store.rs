@@ -344,4 +344,25 @@ pub trait InspectStore: Send + Sync {
         &self,
         key: &DedupKey,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Operator failure, for a record parked in doubt whose effect the operator has checked:
+    /// unless it is completed, the record becomes [`RecordState::Failed`] with `reason` stored as
+    /// its result, and its token moves on as in [`InspectStore::force_release`], so a consumer
+    /// still holding a lease is fenced out. A failed record is re-claimable: a resubmitted
+    /// message runs the handler again. Its expiry is unchanged. A completed record is left
+    /// alone, in the same atomic write (its effect happened: failing it would let a resubmission
+    /// repeat it; [`force_release`](InspectStore::force_release) is the deliberate way).
+    /// Returns whether a record was failed: `false` when absent or completed.
+    ///
+    /// # Errors
+    /// [`StoreError::TooLarge`] when `reason` exceeds the store's limit (nothing changes);
+    /// backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: the record was failed or it was not.
+    fn force_fail(
+        &self,
+        key: &DedupKey,
+        reason: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }

@@ -476,6 +476,40 @@ pub async fn force_release_fences_the_holder<S: Store, C: TimeControl>(h: Harnes
     assert!(!h.store.force_release(&unique_key("conf")).await.expect("absent key"));
 }
 
+/// An operator failure fences out the current holder, replaces an in-doubt record's reason
+/// with the operator's, leaves the key re-claimable, and never touches a completed record.
+pub async fn force_fail_fences_the_holder<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let k = unique_key("conf");
+    let l = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert!(h.store.force_fail(&k, "operator: held too long").await.expect("force_fail"));
+    assert!(matches!(
+        h.store.complete(l, None, retain(&h)).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    let rec = h.store.get(&k).await.expect("get").expect("record");
+    assert_eq!(rec.state, RecordState::Failed);
+    assert_eq!(rec.lease_until, None);
+    assert_eq!(rec.result.as_deref(), Some(&b"operator: held too long"[..]));
+
+    // The case it exists for: a parked in-doubt record the operator has checked.
+    let l = acquire(&h, &req(&h, &k, fp(1))).await;
+    let token = l.token();
+    h.store.fail(l, FailKind::InDoubt, "lease expired", retain(&h)).await.expect("park");
+    assert!(h.store.force_fail(&k, "checked: not applied").await.expect("force_fail"));
+    let rec = h.store.get(&k).await.expect("get").expect("record");
+    assert_eq!(rec.state, RecordState::Failed);
+    assert!(rec.token > token, "the token moves on: {} after {token}", rec.token);
+    assert_eq!(rec.result.as_deref(), Some(&b"checked: not applied"[..]));
+    let l = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert_eq!(l.previous(), Some(RecordState::Failed));
+    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    // A completed record is left alone, decided in the store's one write: its effect happened.
+    assert!(!h.store.force_fail(&k, "too late").await.expect("force_fail on completed"));
+    let rec = h.store.get(&k).await.expect("get").expect("record");
+    assert_eq!(rec.state, RecordState::Completed, "a completed record stays completed");
+    assert!(!h.store.force_fail(&unique_key("conf"), "absent").await.expect("absent key"));
+}
+
 /// `count` and `list` see what was written.
 pub async fn inspect_counts_and_lists<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let scope = format!("conf-inspect-{}", SEQ.fetch_add(1, Ordering::Relaxed));

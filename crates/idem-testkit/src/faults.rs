@@ -163,4 +163,12 @@ impl<S: idem_core::InspectStore> idem_core::InspectStore for FaultyStore<S> {
     async fn force_release(&self, key: &idem_core::DedupKey) -> Result<bool, StoreError> {
         self.inner.force_release(key).await
     }
+
+    async fn force_fail(
+        &self,
+        key: &idem_core::DedupKey,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        self.inner.force_fail(key, reason).await
+    }
 }

@@ -162,6 +162,7 @@ macro_rules! dedup_store_conformance {
             claim_many_large_batch,
             failed_is_reclaimable_in_doubt_is_not,
             force_release_fences_the_holder,
+            force_fail_fences_the_holder,
             inspect_counts_and_lists,
             inspect_scope_filter_is_exact,
             oversized_result_is_refused,

@@ -6,7 +6,7 @@ use idem_core::claim::next_token;
 use idem_core::{Counts, DedupKey, InspectStore, ListFilter, Record, RecordState, StoreError};
 
 use super::doc::{RecordDoc, doc_id};
-use super::{CosmosStore, MAX_ROUNDS, Write, contended};
+use super::{CosmosStore, MAX_RESULT_BYTES, MAX_ROUNDS, Write, contended};
 use crate::Error;
 
 impl CosmosStore {
@@ -110,5 +110,29 @@ impl InspectStore for CosmosStore {
             }
         }
         Err(contended("force_release"))
+    }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let id = doc_id(key);
+        for _ in 0..MAX_ROUNDS {
+            let Some(doc) = self.read(&id).await? else { return Ok(false) };
+            let mut rec = doc.to_record()?;
+            // Decided on the version the If-Match write is conditional on.
+            if rec.state == RecordState::Completed {
+                return Ok(false);
+            }
+            let now = self.now();
+            rec.state = RecordState::Failed;
+            rec.result = Some(reason.as_bytes().to_vec());
+            rec.token = next_token(Some(rec.token), now);
+            rec.lease_until = None;
+            rec.updated_at = now;
+            match self.write(&rec, doc.etag.as_deref(), now).await? {
+                Write::Done => return Ok(true),
+                Write::Lost => {}
+            }
+        }
+        Err(contended("force_fail"))
     }
 }

@@ -3,7 +3,7 @@
 use idem_core::{Counts, DedupKey, InspectStore, ListFilter, Record, StoreError, Timestamp};
 use redis::Value;
 
-use super::{RedisStore, backend, decode};
+use super::{MAX_RESULT_BYTES, RedisStore, backend, decode};
 
 /// Keys per `SCAN` step (a hint to the server, not a bound).
 const SCAN_COUNT: usize = 1000;
@@ -78,7 +78,7 @@ impl RedisStore {
     }
 }
 
-/// Operator access. `get` and `force_release` touch one key; `list` and `count` **scan the
+/// Operator access. `get`, `force_release` and `force_fail` touch one key; `list` and `count` **scan the
 /// whole database** (`SCAN MATCH` on the namespace prefix, pages of 1,000, then one pipelined
 /// `GET` per page): O(keys in the database) time and round trips, and `list` holds every
 /// matching record in memory to sort it. Fine for operator tools; not for a hot path.
@@ -142,6 +142,20 @@ impl InspectStore for RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| backend("force_release", e))?;
+        Ok(n == 1)
+    }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let n: i64 = self
+            .scripts
+            .force_fail
+            .key(self.record_key(key))
+            .arg(reason.as_bytes())
+            .arg(self.offset_us())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| backend("force_fail", e))?;
         Ok(n == 1)
     }
 }

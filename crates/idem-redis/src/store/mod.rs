@@ -75,6 +75,7 @@ struct Scripts {
     release: Script,
     extend: Script,
     force_release: Script,
+    force_fail: Script,
     purge: Script,
     now: Script,
 }
@@ -89,6 +90,7 @@ impl Scripts {
             release: Script::new(&scripts::release()),
             extend: Script::new(&scripts::extend()),
             force_release: Script::new(&scripts::force_release()),
+            force_fail: Script::new(&scripts::force_fail()),
             purge: Script::new(&scripts::purge()),
             now: Script::new(&scripts::now()),
         }

@@ -186,6 +186,25 @@ return 1"
     )
 }
 
+/// Operator failure unless completed: failed, with the reason as its result. KEYS: the
+/// record. ARGV: reason, offset. Replies 1, or 0 (absent or completed).
+pub(crate) fn force_fail() -> String {
+    format!(
+        "{PRELUDE}
+local r = load(KEYS[1])
+if (not r) or r.st == 1 then return 0 end
+local now = now_us(ARGV[2])
+r.st = 3
+r.tok = math.max(r.tok + 1, now)
+r.up = now
+r.lu = -1
+r.hasres = 1
+r.res = ARGV[1]
+save(KEYS[1], r, now)
+return 1"
+    )
+}
+
 /// Deletes the given records that are logically expired (retention passed, no live lease), at
 /// most ARGV[2] of them. KEYS: candidates. ARGV: offset, limit. Replies how many it deleted.
 /// Only needed with a test clock offset: without one, Redis' TTL deletes each record at its

@@ -654,4 +654,20 @@ impl InspectStore for MySqlStore {
             .map_err(|e| backend("force_release", e))?;
         Ok(done.rows_affected() == 1)
     }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let b = self
+            .binds()
+            .bytes("hash", Some(&key.hash().0))
+            .bytes("result", Some(reason.as_bytes()));
+        let done = self
+            .sql
+            .force_fail
+            .query(&b)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("force_fail", e))?;
+        Ok(done.rows_affected() == 1)
+    }
 }

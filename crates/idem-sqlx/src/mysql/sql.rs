@@ -150,6 +150,7 @@ pub(super) struct Sql {
     pub lease_until: Stmt,
     pub purge: Stmt,
     pub force_release: Stmt,
+    pub force_fail: Stmt,
     pub count: Stmt,
     pub list: Stmt,
     pub set_result: Stmt,
@@ -238,6 +239,10 @@ impl Sql {
             force_release: s(format!(
                 "UPDATE {t} SET state = 2, token = GREATEST(token + 1, {NOW}), lease_until = NULL, \
                  updated_at = {NOW} WHERE key_hash = :hash"
+            )),
+            force_fail: s(format!(
+                "UPDATE {t} SET state = 3, result = :result, token = GREATEST(token + 1, {NOW}), \
+                 lease_until = NULL, updated_at = {NOW} WHERE key_hash = :hash AND state <> 1"
             )),
             count: s(format!(
                 "SELECT state, CAST(count(*) AS SIGNED), \

@@ -662,6 +662,18 @@ impl InspectStore for PostgresStore {
             .map_err(|e| backend("force_release", e))?;
         Ok(done.rows_affected() == 1)
     }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.force_fail)))
+            .bind(&key.hash().0[..])
+            .bind(self.skew())
+            .bind(reason.as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("force_fail", e))?;
+        Ok(done.rows_affected() == 1)
+    }
 }
 
 impl VersionGuard for PostgresStore {

@@ -33,6 +33,7 @@ pub(super) struct Sql {
     pub extend: Arc<str>,
     pub purge: Arc<str>,
     pub force_release: Arc<str>,
+    pub force_fail: Arc<str>,
     pub count: Arc<str>,
     pub list: Arc<str>,
     pub set_result: Arc<str>,
@@ -173,6 +174,11 @@ impl Sql {
             force_release: s(format!(
                 "UPDATE {t} SET state = 2, token = GREATEST(token + 1, {now}), lease_until = NULL, \
                    updated_at = {now} WHERE key_hash = $1",
+                now = now(2)
+            )),
+            force_fail: s(format!(
+                "UPDATE {t} SET state = 3, result = $3, token = GREATEST(token + 1, {now}), \
+                   lease_until = NULL, updated_at = {now} WHERE key_hash = $1 AND state <> 1",
                 now = now(2)
             )),
             count: s(format!(

@@ -468,6 +468,19 @@ impl InspectStore for SqliteStore {
             .map_err(|e| backend("force_release", e))?;
         Ok(done.rows_affected() == 1)
     }
+
+    async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
+        StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
+        let now = self.now();
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.force_fail)))
+            .bind(&key.hash().0[..])
+            .bind(i64_of(next_token(None, now), "token")?)
+            .bind(reason.as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("force_fail", e))?;
+        Ok(done.rows_affected() == 1)
+    }
 }
 
 impl VersionGuard for SqliteStore {

@@ -24,6 +24,7 @@ pub(super) struct Sql {
     pub extend: Arc<str>,
     pub purge: Arc<str>,
     pub force_release: Arc<str>,
+    pub force_fail: Arc<str>,
     pub count: Arc<str>,
     pub list: Arc<str>,
     pub set_result: Arc<str>,
@@ -106,6 +107,10 @@ impl Sql {
             force_release: s(format!(
                 "UPDATE {t} SET state = 2, token = max(token + 1, ?2), lease_until = NULL, updated_at = ?2 \
                  WHERE key_hash = ?1"
+            )),
+            force_fail: s(format!(
+                "UPDATE {t} SET state = 3, result = ?3, token = max(token + 1, ?2), lease_until = NULL, \
+                 updated_at = ?2 WHERE key_hash = ?1 AND state <> 1"
             )),
             count: s(format!(
                 "SELECT state, count(*), \

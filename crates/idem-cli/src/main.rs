@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_sql;
+mod chaos;
 mod demo;
 mod ops;
 mod relay;
@@ -27,6 +28,10 @@ struct Cli {
 enum Command {
     /// The order-processing story: a naive consumer and an idem consumer on the same faulty traffic.
     Demo(demo::DemoArgs),
+    /// Verify exactly-once effects on your broker and store: workers killed and stalled while
+    /// they consume, then a table of lost, duplicated and unexpected effects.
+    #[command(long_about = chaos::ABOUT)]
+    Chaos(chaos::ChaosArgs),
     /// SQLite store throughput beside the bare SQL primitive, same run.
     Bench(bench::BenchArgs),
     /// PostgreSQL or MySQL store throughput (per message, inbox, group commit, batches) beside
@@ -96,6 +101,7 @@ async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await.map(|ok| if ok { 0 } else { 1 }),
+        Command::Chaos(args) => chaos::run(args).await,
         Command::Bench(args) => bench::run(args).await.map(|()| 0),
         Command::BenchSql(args) => bench_sql::run(args).await.map(|()| 0),
         Command::Inspect(args) => ops::inspect(args).await.map(|()| 0),

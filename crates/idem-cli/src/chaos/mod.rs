@@ -1,0 +1,452 @@
+//! `idem chaos`: a verifier run against your own broker and store. Workers consuming with idem
+//! are killed and stalled while they work; at the end the ledger of their effects is compared
+//! with what was published.
+
+mod broker;
+mod store;
+mod verdict;
+mod worker;
+
+use std::collections::HashSet;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use idem::outbox::{MessageId, OutboxMessage, Outgoing};
+use rand::Rng;
+use rand::seq::SliceRandom;
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+use broker::{Admin, BrokerUrl};
+use store::{Ledger, Names, StoreUrl};
+use verdict::{Effect, Events, ORIGINAL, REUSED, Table, Tally};
+
+/// `idem chaos --help`: what it does and what the table's columns mean.
+pub(crate) const ABOUT: &str = "\
+Verifies exactly-once effects on your broker and store. Publishes N messages with producer duplicates (same id, same body) and reused ids (same id, \
+another body) into a fresh queue or stream, runs K worker processes consuming them with idem \
+(transactional inbox on SQL stores: one ledger row per effect in the handler's transaction; \
+two-phase on Redis: RPUSH of <id>:<attempt> to a ledger list, then complete), SIGKILLs a random \
+worker at random intervals and starts a new one, then drains and checks the ledger.
+
+Columns of the table:
+  attempted               messages published (unique + duplicates + reused)
+  unique                  distinct ids published with their original body
+  reused (other body)     ids published a second time with another body
+  effects                 ledger entries written by handlers
+  lost                    unique ids with no effect                        (must be 0)
+  duplicated              inbox: an id with more than one row; two-phase: the same
+                          <id>:<attempt> twice                             (must be 0)
+  reruns after takeover   two-phase: an id run again under a later attempt after its lease
+                          was taken over (safe with the downstream idempotency key)
+  unexpected              effects of a reused body, or of ids never published (must be 0)
+  dead letters            distinct ids in the dead-letter queue (must equal reused)
+  kills, stalls           SIGKILLs sent; SIGSTOP/SIGCONT pauses longer than the lease
+  worker exits            workers that ended by themselves (replaced)
+  left in broker          messages still queued after the workers stopped
+  wall time               the whole run
+
+Exit status: 0 when nothing was lost, duplicated or unexpected and every reused id was \
+dead-lettered; 1 otherwise (or on --timeout); 2 when the run could not be set up. The run's \
+queue/stream and tables/keys (named idem_chaos_<tag>) are deleted at the end unless --keep.";
+
+/// A fault injected into the workers, to prove the verifier catches it. Test only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Fault {
+    /// The ledger row commits on its own connection before the inbox transaction: a kill
+    /// between the two repeats the effect.
+    EffectOutsideTx,
+}
+
+/// `--kill-every 200ms..1s`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Interval {
+    min: Duration,
+    max: Duration,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: f64 =
+        n.parse().map_err(|_| format!("{s:?}: expected a number and a unit (ms, s, m)"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?}; use ms, s or m")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+}
+
+fn parse_interval(s: &str) -> Result<Interval, String> {
+    let (a, b) =
+        s.split_once("..").ok_or_else(|| format!("{s:?}: expected MIN..MAX, as 200ms..1s"))?;
+    let (min, max) = (parse_duration(a)?, parse_duration(b)?);
+    if min.is_zero() || min > max {
+        return Err(format!("{s:?}: MIN must be above zero and not above MAX"));
+    }
+    Ok(Interval { min, max })
+}
+
+/// `idem chaos`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ChaosArgs {
+    /// The broker: amqp://… (RabbitMQ) or nats://… (JetStream).
+    #[arg(long)]
+    broker: String,
+    /// The store: a SQLite file, postgres://…, mysql://… (inbox mode) or redis://… (two-phase).
+    #[arg(long)]
+    store: String,
+    /// Messages published in all (unique + duplicates + reused).
+    #[arg(long, default_value_t = 10_000)]
+    messages: usize,
+    /// Share of the messages that repeat an id with the same body.
+    #[arg(long, default_value_t = 0.2)]
+    duplicates: f64,
+    /// Share of the messages that reuse an id with another body (must be dead-lettered).
+    #[arg(long, default_value_t = 0.005)]
+    reused: f64,
+    /// Worker processes running at once.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// SIGKILL a random worker after a random pause in this range (then start a new one).
+    #[arg(long, default_value = "200ms..1s", value_parser = parse_interval)]
+    kill_every: Interval,
+    /// Also SIGSTOP one worker for longer than the lease, then SIGCONT it.
+    #[arg(long)]
+    stall: bool,
+    /// The idem lease of each claim.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    lease: Duration,
+    /// Give up draining after this long.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    timeout: Duration,
+    /// Keep the run's queue, stream, tables and keys.
+    #[arg(long)]
+    keep: bool,
+    /// TEST ONLY: make the workers wrong on purpose, to see the verifier fail.
+    #[arg(long, value_enum)]
+    fault: Option<Fault>,
+    /// Run as one worker (started by `idem chaos`).
+    #[arg(long, hide = true)]
+    worker: bool,
+    /// The run's tag (worker mode).
+    #[arg(long, hide = true)]
+    tag: Option<String>,
+}
+
+/// Runs the verifier (or, with `--worker`, one worker); the exit code.
+pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
+    if args.worker {
+        return worker::run(&args).await;
+    }
+    let broker = BrokerUrl::parse(&args.broker)?;
+    let store = StoreUrl::parse(&args.store)?;
+    let plan = Plan::new(&args)?;
+    let names = Names::new(&plan.tag);
+    let admin = Admin::create(&broker, &plan.tag).await?;
+    let ledger = match Ledger::create(&store, &names).await {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = admin.delete().await;
+            return Err(e);
+        }
+    };
+    let outcome = verify(&args, &plan, &broker, &admin, &store, &names, &ledger).await;
+    if args.keep {
+        eprintln!("kept: queue/stream and tables/keys tagged {}", plan.tag);
+    } else {
+        let (a, b) = (admin.delete().await, ledger.drop_all(&store, &names).await);
+        a.context("deleting the run's queue or stream")?;
+        b.context("dropping the run's tables or keys")?;
+    }
+    outcome
+}
+
+/// What is published.
+struct Plan {
+    tag: String,
+    /// Originals and duplicates, shuffled.
+    first: Vec<(String, &'static str)>,
+    unique: HashSet<String>,
+    /// Ids published again with another body once their original has an effect.
+    reused: Vec<String>,
+}
+
+impl Plan {
+    fn new(args: &ChaosArgs) -> anyhow::Result<Self> {
+        let ratio = |r: f64, what: &str| -> anyhow::Result<usize> {
+            anyhow::ensure!((0.0..1.0).contains(&r), "--{what} {r}: expected a share in [0, 1)");
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // in [0, messages)
+            Ok((args.messages as f64 * r).round() as usize)
+        };
+        let (dups, reused) = (ratio(args.duplicates, "duplicates")?, ratio(args.reused, "reused")?);
+        let Some(unique) = args.messages.checked_sub(dups + reused).filter(|u| *u > 0) else {
+            bail!(
+                "--messages {} leaves no unique message after the duplicates and reused",
+                args.messages
+            )
+        };
+        anyhow::ensure!(reused <= unique, "--reused: more reused ids than unique ones");
+        anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+        let mut rng = rand::rng();
+        let tag = format!("{:08x}", rng.random::<u32>());
+        let ids: Vec<String> = (0..unique).map(|i| format!("{tag}-{i:06}")).collect();
+        let mut first: Vec<(String, &str)> = ids.iter().map(|id| (id.clone(), ORIGINAL)).collect();
+        for _ in 0..dups {
+            first.push((ids[rng.random_range(0..unique)].clone(), ORIGINAL));
+        }
+        first.shuffle(&mut rng);
+        let mut picked = ids.clone();
+        picked.shuffle(&mut rng);
+        picked.truncate(reused);
+        let reused = picked;
+        Ok(Self { tag, first, unique: ids.into_iter().collect(), reused })
+    }
+
+    fn attempted(&self) -> u64 {
+        (self.first.len() + self.reused.len()) as u64
+    }
+}
+
+fn message(destination: &str, id: &str, body: &str) -> anyhow::Result<OutboxMessage> {
+    let payload = serde_json::json!({ "id": id, "body": body }).to_string();
+    Ok(Outgoing::new(destination, payload).id(MessageId::new(id)?).into_message(MessageId::random))
+}
+
+/// One worker process.
+struct Worker {
+    child: Child,
+    stalled: bool,
+}
+
+impl Worker {
+    /// Starts `idem chaos --worker …` and waits for its `ready` line.
+    async fn start(args: &ChaosArgs, tag: &str) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the idem binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["chaos", "--worker", "--tag", tag, "--broker", &args.broker])
+            .args(["--store", &args.store, "--lease", &format!("{}ms", args.lease.as_millis())])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if args.fault == Some(Fault::EffectOutsideTx) {
+            cmd.args(["--fault", "effect-outside-tx"]);
+        }
+        let mut child = cmd.spawn().context("starting a worker")?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(l) = lines.next_line().await? {
+                if l == "ready" {
+                    return Ok::<bool, std::io::Error>(true);
+                }
+            }
+            Ok(false)
+        })
+        .await;
+        match ready {
+            Ok(Ok(true)) => Ok(Self { child, stalled: false }),
+            Ok(_) => {
+                let status = child.wait().await?;
+                bail!("a worker ended before it was ready ({status}); its error is above")
+            }
+            Err(_) => bail!("a worker was not ready within 30 s"),
+        }
+    }
+
+    fn signal(&self, sig: &str) -> anyhow::Result<()> {
+        let pid = self.child.id().context("worker already ended")?;
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .with_context(|| format!("kill {sig} {pid}"))?
+            .success();
+        anyhow::ensure!(ok, "kill {sig} {pid} failed");
+        Ok(())
+    }
+}
+
+/// Publishes, runs the workers under faults, drains, prints the table; the exit code.
+async fn verify(
+    args: &ChaosArgs,
+    plan: &Plan,
+    broker: &BrokerUrl,
+    admin: &Admin,
+    store: &StoreUrl,
+    names: &Names,
+    ledger: &Ledger,
+) -> anyhow::Result<u8> {
+    let started = Instant::now();
+    let destination = broker.destination(&plan.tag);
+    let first: Vec<OutboxMessage> = plan
+        .first
+        .iter()
+        .map(|(id, body)| message(&destination, id, body))
+        .collect::<anyhow::Result<_>>()?;
+    admin.publish(&first).await?;
+    // No reused id goes out inside JetStream's duplicate window of its original, which would
+    // drop it unseen.
+    let reuse_from = Instant::now() + 2 * broker::NATS_DUPLICATE_WINDOW;
+    let mut workers = Vec::with_capacity(args.workers);
+    for _ in 0..args.workers {
+        workers.push(Worker::start(args, &plan.tag).await?);
+    }
+    let goal = (plan.unique.len() + plan.reused.len()) as u64;
+    let bar = indicatif::ProgressBar::new(goal).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} settled  {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut events = Events::default();
+    let mut pending_reused: Vec<String> = plan.reused.clone();
+    let mut rng = rand::rng();
+    let pause = |rng: &mut rand::rngs::ThreadRng| {
+        rng.random_range(args.kill_every.min..=args.kill_every.max)
+    };
+    let mut next_kill = Instant::now() + pause(&mut rng);
+    let mut stall: Option<(usize, Instant)> = None;
+    let mut stall_done = !args.stall;
+    let mut next_poll = Instant::now();
+    let mut quiet_polls = 0;
+    let deadline = started + args.timeout;
+    loop {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = Instant::now();
+        // Workers that ended by themselves are replaced like killed ones.
+        for w in &mut workers {
+            if w.child.try_wait()?.is_some() {
+                events.worker_exits += 1;
+                *w = Worker::start(args, &plan.tag).await?;
+            }
+        }
+        if now >= next_kill {
+            let candidates: Vec<usize> =
+                (0..workers.len()).filter(|i| !workers[*i].stalled).collect();
+            if let Some(&i) = candidates.get(rng.random_range(0..candidates.len().max(1))) {
+                workers[i].child.kill().await.context("killing a worker")?;
+                events.kills += 1;
+                workers[i] = Worker::start(args, &plan.tag).await?;
+            }
+            next_kill = Instant::now() + pause(&mut rng);
+        }
+        if let Some((i, until)) = stall
+            && now >= until
+        {
+            workers[i].signal("-CONT")?;
+            workers[i].stalled = false;
+            events.stalls += 1;
+            stall = None;
+            stall_done = true;
+        }
+        if now < next_poll {
+            continue;
+        }
+        next_poll = now + Duration::from_millis(250);
+        let effects = ledger.effects(store, names).await?;
+        let applied: HashSet<&str> = effects.iter().map(|e| e.id.as_str()).collect();
+        // A reused id is published once its original has an effect, so the reused body is
+        // always the later one: idem must call it a conflict.
+        let (due, later): (Vec<String>, Vec<String>) = pending_reused
+            .drain(..)
+            .partition(|id| now >= reuse_from && applied.contains(id.as_str()));
+        pending_reused = later;
+        if !due.is_empty() {
+            let msgs: Vec<OutboxMessage> = due
+                .iter()
+                .map(|id| message(&destination, id, REUSED))
+                .collect::<anyhow::Result<_>>()?;
+            admin.publish(&msgs).await?;
+        }
+        let dead = admin.dead_letters().await?;
+        let settled = plan.unique.iter().filter(|id| applied.contains(id.as_str())).count()
+            + plan
+                .reused
+                .iter()
+                .filter(|id| dead.contains(*id) || applied_reused(&effects, id))
+                .count();
+        bar.set_position(settled as u64);
+        bar.set_message(format!("kills {}  stalls {}", events.kills, events.stalls));
+        if !stall_done && stall.is_none() && settled as u64 * 5 >= goal {
+            let i = rng.random_range(0..workers.len());
+            workers[i].signal("-STOP")?;
+            workers[i].stalled = true;
+            stall = Some((i, now + args.lease + (args.lease / 2).max(Duration::from_secs(1))));
+        }
+        let backlog = admin.backlog().await?;
+        let complete = settled as u64 == goal && pending_reused.is_empty() && stall.is_none();
+        quiet_polls = if complete && backlog == 0 { quiet_polls + 1 } else { 0 };
+        // Three quiet polls in a row: what the workers hold has been settled.
+        if quiet_polls >= 3 {
+            break;
+        }
+        if now >= deadline {
+            events.timed_out = true;
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    if let Some((i, _)) = stall {
+        workers[i].signal("-CONT")?;
+    }
+    for mut w in workers {
+        drop(w.child.stdin.take()); // the stop signal
+        if tokio::time::timeout(Duration::from_secs(30), w.child.wait()).await.is_err() {
+            eprintln!("a worker did not stop within 30 s of its stdin closing; killed");
+            w.child.kill().await?;
+        }
+    }
+    events.left_in_broker = admin.backlog().await?;
+    events.wall = started.elapsed();
+    let effects = ledger.effects(store, names).await?;
+    let reused: HashSet<String> = plan.reused.iter().cloned().collect();
+    let tally = Tally::count(
+        plan.attempted(),
+        &plan.unique,
+        &reused,
+        &effects,
+        &admin.dead_letters().await?,
+    );
+    println!(
+        "idem chaos: {} × {} ({} workers)",
+        redact_scheme(&args.broker),
+        redact_scheme(&args.store),
+        args.workers
+    );
+    println!("{}", Table { tally: &tally, events: &events });
+    Ok(if tally.passed() && !events.timed_out { 0 } else { 1 })
+}
+
+fn applied_reused(effects: &[Effect], id: &str) -> bool {
+    effects.iter().any(|e| e.id == id && e.body == REUSED)
+}
+
+/// The URL without its password, or the file name.
+fn redact_scheme(s: &str) -> String {
+    store::redact(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_durations_and_intervals() {
+        assert_eq!(parse_duration("200ms"), Ok(Duration::from_millis(200)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert!(parse_duration("5 parsecs").is_err());
+        let i = parse_interval("150ms..1s").ok();
+        assert_eq!(
+            i.map(|i| (i.min, i.max)),
+            Some((Duration::from_millis(150), Duration::from_secs(1)))
+        );
+        assert!(parse_interval("1s..100ms").is_err());
+        assert!(parse_interval("1s").is_err());
+    }
+}

@@ -1,0 +1,252 @@
+//! The store side of a run: the dedup tables and the ledger the workers write their effects to.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use idem::redis::redis::{self, AsyncCommands as _};
+use idem::sqlx::{self, AssertSqlSafe};
+use idem::{MySqlStore, PostgresStore, SqliteStore};
+
+use super::verdict::Effect;
+
+const ACCEPTED: &str = "a SQLite file, postgres://, mysql:// or redis://";
+
+/// Where idem keeps its records during a run, as given by `--store`.
+#[derive(Debug, Clone)]
+pub(crate) enum StoreUrl {
+    Sqlite(PathBuf),
+    Postgres(String),
+    MySql(String),
+    Redis(String),
+}
+
+impl StoreUrl {
+    pub(crate) fn parse(s: &str) -> anyhow::Result<Self> {
+        Ok(if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            Self::Postgres(s.to_owned())
+        } else if s.starts_with("mysql://") || s.starts_with("mariadb://") {
+            Self::MySql(s.replacen("mariadb://", "mysql://", 1))
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Self::Redis(s.to_owned())
+        } else if let Some(path) = s.strip_prefix("sqlite://") {
+            Self::Sqlite(path.into())
+        } else if s.contains("://") {
+            bail!("--store {s}: unsupported scheme; expected {ACCEPTED}")
+        } else {
+            Self::Sqlite(s.into())
+        })
+    }
+}
+
+/// The run's names in the store, all derived from its tag.
+#[derive(Debug, Clone)]
+pub(crate) struct Names {
+    /// PostgreSQL schema; MySQL and SQLite table; Redis namespace.
+    pub(crate) base: String,
+}
+
+impl Names {
+    pub(crate) fn new(tag: &str) -> Self {
+        Self { base: format!("idem_chaos_{tag}") }
+    }
+
+    pub(crate) fn ledger_table(&self, store: &StoreUrl) -> String {
+        match store {
+            StoreUrl::Postgres(_) => format!("\"{}\".ledger", self.base),
+            _ => format!("{}_ledger", self.base),
+        }
+    }
+
+    /// The Redis ledger list, inside the namespace so one `SCAN` finds everything of the run.
+    pub(crate) fn redis_ledger(&self) -> String {
+        format!("idem:{{{}}}:chaos-ledger", self.base)
+    }
+}
+
+/// An open connection to the store, for setting up, reading the ledger and cleaning up.
+pub(crate) enum Ledger {
+    Pg(sqlx::PgPool),
+    My(sqlx::MySqlPool),
+    Sqlite(sqlx::SqlitePool),
+    Redis(redis::aio::ConnectionManager),
+}
+
+pub(crate) async fn pg_pool(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to PostgreSQL at {}", redact(url)))
+}
+
+pub(crate) async fn my_pool(url: &str, max: u32) -> anyhow::Result<sqlx::MySqlPool> {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to MySQL at {}", redact(url)))
+}
+
+pub(crate) async fn sqlite_pool(path: &PathBuf) -> anyhow::Result<sqlx::SqlitePool> {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    // One connection per process (SQLite has one writer); a generous busy timeout because
+    // another worker may hold the write lock while it is stopped (--stall).
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(30));
+    SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts)
+        .await
+        .with_context(|| format!("opening SQLite file {}", path.display()))
+}
+
+pub(crate) async fn redis_conn(url: &str) -> anyhow::Result<redis::aio::ConnectionManager> {
+    let client = redis::Client::open(url).with_context(|| format!("--store {}", redact(url)))?;
+    client
+        .get_connection_manager()
+        .await
+        .with_context(|| format!("connecting to Redis at {}", redact(url)))
+}
+
+/// `scheme://host:port/…` without the password, for messages.
+pub(crate) fn redact(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((_, host)) => format!("{scheme}://…@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+impl Ledger {
+    /// Creates the run's dedup table(s) and its ledger.
+    pub(crate) async fn create(store: &StoreUrl, names: &Names) -> anyhow::Result<Self> {
+        let ledger = names.ledger_table(store);
+        Ok(match store {
+            StoreUrl::Postgres(url) => {
+                let pool = pg_pool(url, 2).await?;
+                let sql = format!("CREATE SCHEMA \"{}\"", names.base);
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
+                PostgresStore::new(pool.clone()).with_schema(&names.base)?.migrate().await?;
+                let sql = format!("CREATE TABLE {ledger} (id TEXT NOT NULL, body TEXT NOT NULL)");
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
+                Self::Pg(pool)
+            }
+            StoreUrl::MySql(url) => {
+                let pool = my_pool(url, 2).await?;
+                MySqlStore::new(pool.clone()).with_table_name(&names.base)?.migrate().await?;
+                let sql = format!(
+                    "CREATE TABLE {ledger} (id VARCHAR(128) NOT NULL, body VARCHAR(16) NOT NULL)"
+                );
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
+                Self::My(pool)
+            }
+            StoreUrl::Sqlite(path) => {
+                let pool = sqlite_pool(path).await?;
+                SqliteStore::new(pool.clone()).with_table_name(&names.base)?.migrate().await?;
+                let sql = format!("CREATE TABLE {ledger} (id TEXT NOT NULL, body TEXT NOT NULL)");
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
+                Self::Sqlite(pool)
+            }
+            StoreUrl::Redis(url) => Self::Redis(redis_conn(url).await?),
+        })
+    }
+
+    /// Every effect so far.
+    pub(crate) async fn effects(
+        &self,
+        store: &StoreUrl,
+        names: &Names,
+    ) -> anyhow::Result<Vec<Effect>> {
+        let sql = format!("SELECT id, body FROM {}", names.ledger_table(store));
+        let rows: Vec<(String, String)> = match self {
+            Self::Pg(pool) => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await?,
+            Self::My(pool) => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await?,
+            Self::Sqlite(pool) => sqlx::query_as(AssertSqlSafe(sql)).fetch_all(pool).await?,
+            Self::Redis(conn) => {
+                let items: Vec<String> = conn.clone().lrange(names.redis_ledger(), 0, -1).await?;
+                return items.iter().map(|s| parse_redis_effect(s)).collect();
+            }
+        };
+        Ok(rows.into_iter().map(|(id, body)| Effect { id, body, attempt: None }).collect())
+    }
+
+    /// Drops everything the run created in the store.
+    pub(crate) async fn drop_all(&self, store: &StoreUrl, names: &Names) -> anyhow::Result<()> {
+        let base = &names.base;
+        match self {
+            Self::Pg(pool) => {
+                let sql = format!("DROP SCHEMA \"{base}\" CASCADE");
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
+            }
+            Self::My(pool) => {
+                let sql = format!("DROP TABLE {base}, {}", names.ledger_table(store));
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
+            }
+            Self::Sqlite(pool) => {
+                let sql = format!("DROP TABLE {base}; DROP TABLE {}", names.ledger_table(store));
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
+            }
+            Self::Redis(conn) => {
+                let mut conn = conn.clone();
+                let pattern = format!("idem:{{{base}}}:*");
+                let keys: Vec<String> = {
+                    let mut it: redis::AsyncIter<'_, String> = conn.scan_match(&pattern).await?;
+                    let mut keys = Vec::new();
+                    while let Some(k) = futures_util::StreamExt::next(&mut it).await {
+                        keys.push(k?);
+                    }
+                    keys
+                };
+                for chunk in keys.chunks(500) {
+                    let _: () = conn.del(chunk).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `<id>:<attempt>:<body>`, as the two-phase worker pushes it.
+fn parse_redis_effect(s: &str) -> anyhow::Result<Effect> {
+    let mut parts = s.rsplitn(3, ':');
+    let (Some(body), Some(attempt), Some(id)) = (parts.next(), parts.next(), parts.next()) else {
+        bail!("ledger entry {s:?} is not <id>:<attempt>:<body>")
+    };
+    let attempt = attempt.parse().with_context(|| format!("ledger entry {s:?}: attempt"))?;
+    Ok(Effect { id: id.to_owned(), body: body.to_owned(), attempt: Some(attempt) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_store_urls() {
+        assert!(matches!(StoreUrl::parse("x.db"), Ok(StoreUrl::Sqlite(_))));
+        assert!(
+            matches!(StoreUrl::parse("mariadb://root@h/test"), Ok(StoreUrl::MySql(u)) if u.starts_with("mysql://"))
+        );
+        let e = StoreUrl::parse("mongodb://h").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("postgres://") && e.contains("redis://"), "{e}");
+    }
+
+    #[test]
+    fn parses_redis_effects() {
+        let e = parse_redis_effect("t-000001:2:original").ok();
+        assert_eq!(e.map(|e| (e.id, e.attempt)), Some(("t-000001".into(), Some(2))));
+        assert!(parse_redis_effect("nonsense").is_err());
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("amqp://guest:pw@h:5672/%2f"), "amqp://…@h:5672/%2f");
+    }
+}

@@ -1,0 +1,176 @@
+//! The hidden worker mode (`idem chaos --worker`): one idem consumer writing one ledger entry
+//! per handler run, until its stdin closes.
+
+use std::future::Future;
+use std::io::Write as _;
+use std::pin::Pin;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use idem::consumer::{Context, HandlerError};
+use idem::driver::{Source, SourceConfig};
+use idem::extract::Envelope;
+use idem::redis::redis::AsyncCommands as _;
+use idem::sqlx::{self, AssertSqlSafe};
+use idem::{Consumer, Driver, MySqlStore, PostgresStore, SqliteStore, Tx};
+
+use super::broker::{self, BrokerUrl, NATS_CONSUMER};
+use super::store::{self, Names, StoreUrl};
+use super::{ChaosArgs, Fault};
+
+/// Inbox markers outlive any redelivery of the run.
+const RETAIN: Duration = Duration::from_secs(86_400);
+const SCOPE: &str = "chaos";
+
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), HandlerError<String>>> + Send>>;
+
+pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
+    let tag = args.tag.as_deref().context("--worker needs --tag")?;
+    let broker = BrokerUrl::parse(&args.broker)?;
+    let store = StoreUrl::parse(&args.store)?;
+    let names = Names::new(tag);
+    match &broker {
+        BrokerUrl::Amqp(url) => {
+            let conn = broker::amqp_connect(url).await?;
+            let config = idem::amqp::AmqpConfig::new(&conn, broker.destination(tag))
+                .prefetch(64)
+                .retry_delay(Duration::from_millis(200), Duration::from_secs(2));
+            consume(config, &store, &names, args).await
+        }
+        BrokerUrl::Nats(url) => {
+            let js = broker::nats_connect(url).await?;
+            let pull = js
+                .get_consumer_from_stream(NATS_CONSUMER, &BrokerUrl::stream(tag))
+                .await
+                .with_context(|| format!("opening consumer {NATS_CONSUMER} of the run's stream"))?;
+            let source = idem::nats::JetStream::new(js, pull, BrokerUrl::dead_letter_subject(tag))
+                .retry_delay(Duration::from_millis(200));
+            consume(source, &store, &names, args).await
+        }
+    }
+}
+
+/// Resolves when stdin closes: the orchestrator's stop signal.
+async fn stdin_closed() {
+    use tokio::io::AsyncReadExt;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = [0u8; 64];
+    while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+}
+
+fn ready() -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// `(id, body)` of a chaos message; a payload that is not one is a permanent failure.
+fn read(m: &impl Envelope) -> Result<(String, String), HandlerError<String>> {
+    let v: serde_json::Value = serde_json::from_slice(m.payload())
+        .map_err(|e| HandlerError::Permanent(format!("payload: {e}")))?;
+    let field = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
+    match (field("id"), field("body")) {
+        (Some(id), Some(body)) => Ok((id, body)),
+        _ => Err(HandlerError::Permanent("payload without id and body".into())),
+    }
+}
+
+/// The inbox handler for one SQL database: the ledger row joins the batch's transaction, or
+/// (under `--fault effect-outside-tx`) commits on its own before it.
+macro_rules! sql_writer {
+    ($db:ty, $pool:expr, $sql:expr, $fault:expr) => {{
+        let (pool, sql, outside) = ($pool.clone(), $sql, $fault);
+        move |mut tx: Tx<$db>, m: <C::Source as Source>::Message| -> HandlerFuture {
+            let read = read(&m);
+            let (pool, sql) = (pool.clone(), sql.clone());
+            Box::pin(async move {
+                let (id, body) = read?;
+                let q = sqlx::query(AssertSqlSafe(sql)).bind(id).bind(body);
+                let done = if outside { q.execute(&pool).await } else { q.execute(&mut *tx).await };
+                done.map_err(|e| HandlerError::Transient(e.to_string()))?;
+                Ok(())
+            })
+        }
+    }};
+}
+
+async fn consume<C>(
+    config: C,
+    store: &StoreUrl,
+    names: &Names,
+    args: &ChaosArgs,
+) -> anyhow::Result<u8>
+where
+    C: SourceConfig,
+    <C::Source as Source>::Message: Envelope,
+    <C::Source as Source>::Error: Send + Sync,
+{
+    let outside = args.fault == Some(Fault::EffectOutsideTx);
+    let ledger = names.ledger_table(store);
+    let builder = Driver::builder(config).batch(32).idle_wait(Duration::from_millis(100));
+    match store {
+        StoreUrl::Postgres(url) => {
+            let pool = store::pg_pool(url, 4).await?;
+            let inbox = PostgresStore::new(pool.clone()).with_schema(&names.base)?.inbox(RETAIN);
+            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let driver = builder.engine(engine).build().await?;
+            ready()?;
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES ($1, $2)");
+            driver.run(sql_writer!(sqlx::Postgres, pool, sql, outside), stdin_closed()).await?;
+        }
+        StoreUrl::MySql(url) => {
+            let pool = store::my_pool(url, 4).await?;
+            let inbox = MySqlStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
+            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let driver = builder.engine(engine).build().await?;
+            ready()?;
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
+            driver.run(sql_writer!(sqlx::MySql, pool, sql, outside), stdin_closed()).await?;
+        }
+        StoreUrl::Sqlite(path) => {
+            let pool = store::sqlite_pool(path).await?;
+            let inbox = SqliteStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
+            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let driver = builder.engine(engine).build().await?;
+            ready()?;
+            // SQLite has one connection per worker, held by the batch: a write "outside" it
+            // would wait for itself, so the fault opens a second pool.
+            let pool = if outside { store::sqlite_pool(path).await? } else { pool };
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
+            driver.run(sql_writer!(sqlx::Sqlite, pool, sql, outside), stdin_closed()).await?;
+        }
+        StoreUrl::Redis(url) => {
+            anyhow::ensure!(
+                !outside,
+                "--fault effect-outside-tx needs a SQL store (two-phase effects are outside already)"
+            );
+            let dedup = idem::redis::RedisStore::builder(url)?
+                .namespace(&names.base)?
+                .response_timeout(Duration::from_secs(2))
+                .connect()
+                .await
+                .with_context(|| format!("connecting to Redis at {}", store::redact(url)))?;
+            let engine = Consumer::builder(dedup).scope(SCOPE).lease(args.lease).build()?;
+            let driver = builder.engine(engine).build().await?;
+            let conn = store::redis_conn(url).await?;
+            let key = names.redis_ledger();
+            ready()?;
+            let handler = move |ctx: Context, m: <C::Source as Source>::Message| -> HandlerFuture {
+                let read = read(&m);
+                let (mut conn, key) = (conn.clone(), key.clone());
+                Box::pin(async move {
+                    let (id, body) = read?;
+                    let entry = format!("{id}:{}:{body}", ctx.attempt());
+                    let _: i64 = conn
+                        .rpush(key, entry)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    Ok(())
+                })
+            };
+            driver.run(handler, stdin_closed()).await?;
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,155 @@
+//! `idem chaos` end to end on real servers: the built binary publishes, runs workers it kills
+//! (and stalls), and its table must show exactly-once effects; a worker wrong on purpose must
+//! make it fail.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
+
+use std::process::{Command, Output};
+
+fn require(service: &str, var: &str, default: &str) -> Option<String> {
+    idem_testkit::service::require(service, var, default)
+}
+
+fn pg() -> Option<String> {
+    require("postgres", "IDEM_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test")
+}
+
+fn mysql() -> Option<String> {
+    require("mariadb", "IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+}
+
+fn redis() -> Option<String> {
+    require("redis", "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/")
+}
+
+fn amqp() -> Option<String> {
+    require("amqp", "IDEM_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
+}
+
+fn nats() -> Option<String> {
+    let url = require("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")?;
+    Some(if url.contains("://") { url } else { format!("nats://{url}") })
+}
+
+/// Runs `idem chaos` with the short settings of these tests plus `extra`.
+fn chaos(broker: &str, store: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["chaos", "--broker", broker, "--store", store];
+    args.extend([
+        "--messages",
+        "2000",
+        "--workers",
+        "3",
+        "--kill-every",
+        "100ms..300ms",
+        "--lease",
+        "1s",
+        "--timeout",
+        "60s",
+    ]);
+    args.extend(extra);
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(&args).output().unwrap();
+    println!("{}\n({:.1} s)", text(&out), started.elapsed().as_secs_f64());
+    out
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// The number in the table's row `name`.
+fn row(out: &Output, name: &str) -> u64 {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with("  "))
+        .unwrap_or_else(|| panic!("no row {name:?} in:\n{stdout}"));
+    line[name.len()..].split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Exit 0 and a table of exactly-once effects: nothing lost, duplicated or unexpected, every
+/// reused id dead-lettered, every unique id applied once, at least one worker killed.
+fn assert_exactly_once(out: &Output) {
+    assert!(out.status.success(), "idem chaos failed:\n{}", text(out));
+    assert_eq!(row(out, "attempted"), 2000);
+    assert_eq!(row(out, "lost"), 0);
+    assert_eq!(row(out, "duplicated"), 0);
+    assert_eq!(row(out, "unexpected"), 0);
+    assert_eq!(row(out, "dead letters"), row(out, "reused (other body)"));
+    assert_eq!(row(out, "reused (other body)"), 10);
+    assert_eq!(row(out, "effects"), row(out, "unique") + row(out, "reruns after takeover"));
+    assert!(row(out, "kills") >= 1, "no worker was killed:\n{}", text(out));
+    assert_eq!(row(out, "left in broker"), 0);
+}
+
+#[test]
+fn rabbitmq_postgres_inbox() {
+    let (Some(b), Some(s)) = (amqp(), pg()) else { return };
+    assert_exactly_once(&chaos(&b, &s, &[]));
+}
+
+#[test]
+fn nats_sqlite_inbox() {
+    let Some(b) = nats() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("chaos.sqlite");
+    assert_exactly_once(&chaos(&b, file.to_str().unwrap(), &[]));
+}
+
+/// Two-phase on Redis, with one worker stopped (SIGSTOP) past its lease and continued.
+#[test]
+fn rabbitmq_redis_two_phase_with_a_stall() {
+    let (Some(b), Some(s)) = (amqp(), redis()) else { return };
+    let out = chaos(&b, &s, &["--stall"]);
+    assert_exactly_once(&out);
+    assert_eq!(row(&out, "stalls"), 1);
+}
+
+#[test]
+fn nats_mysql_inbox() {
+    let (Some(b), Some(s)) = (nats(), mysql()) else { return };
+    assert_exactly_once(&chaos(&b, &s, &[]));
+}
+
+#[test]
+fn rabbitmq_mysql_inbox() {
+    let (Some(b), Some(s)) = (amqp(), mysql()) else { return };
+    assert_exactly_once(&chaos(&b, &s, &[]));
+}
+
+/// The verifier can fail: workers whose effect commits outside the inbox transaction repeat
+/// effects when killed, and `idem chaos` says so and exits 1.
+#[test]
+fn a_faulty_worker_fails_the_verifier() {
+    let (Some(b), Some(s)) = (amqp(), pg()) else { return };
+    let out = chaos(&b, &s, &["--fault", "effect-outside-tx"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(row(&out, "duplicated") + row(&out, "lost") > 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL"));
+}
+
+#[test]
+fn unsupported_schemes_are_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["chaos", "--broker", "mqtt://127.0.0.1", "--store", "x.db"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let t = text(&out);
+    assert!(t.contains("mqtt://") && t.contains("amqp://") && t.contains("nats://"), "{t}");
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["chaos", "--broker", "nats://127.0.0.1:4222", "--store", "mongodb://h"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(t.contains("mongodb://") && t.contains("postgres://"), "{t}");
+}
+
+#[test]
+fn help_explains_the_columns() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(["chaos", "--help"]).output().unwrap();
+    let t = text(&out);
+    for word in ["lost", "duplicated", "unexpected", "dead letters", "TEST ONLY", "--kill-every"] {
+        assert!(t.contains(word), "--help lacks {word:?}:\n{t}");
+    }
+    assert!(!t.contains("--worker "), "the worker mode is hidden:\n{t}");
+}

@@ -16,17 +16,23 @@ use idem::outbox::{OutboxMessage, Publisher};
 
 use super::store::redact;
 
-const ACCEPTED: &str = "amqp:// (RabbitMQ) or nats:// (JetStream)";
+const ACCEPTED: &str =
+    "amqp:// (RabbitMQ), nats:// (JetStream), redis:// (Redis Streams) or kafka:// (Kafka)";
 /// The shortest duplicate window JetStream accepts.
 pub(crate) const NATS_DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
 /// The durable JetStream consumer every worker pulls from.
 pub(crate) const NATS_CONSUMER: &str = "chaos";
+/// The Redis Streams consumer group every worker reads in.
+pub(crate) const STREAM_GROUP: &str = "chaos";
 
 /// The broker, as given by `--broker`.
 #[derive(Debug, Clone)]
 pub(crate) enum BrokerUrl {
     Amqp(String),
     Nats(String),
+    Redis(String),
+    /// `host:port[,host:port]` after `kafka://`.
+    Kafka(String),
 }
 
 impl BrokerUrl {
@@ -35,18 +41,30 @@ impl BrokerUrl {
             Ok(Self::Amqp(s.to_owned()))
         } else if s.starts_with("nats://") {
             Ok(Self::Nats(s.to_owned()))
-        } else if s.starts_with("redis://") || s.starts_with("kafka://") {
-            bail!(
-                "--broker {s}: Redis Streams and Kafka are not supported by `idem chaos` yet; use {ACCEPTED}"
-            )
+        } else if s.starts_with("redis://") || s.starts_with("rediss://") {
+            Ok(Self::Redis(s.to_owned()))
+        } else if let Some(brokers) = s.strip_prefix("kafka://") {
+            if cfg!(feature = "kafka") {
+                Ok(Self::Kafka(brokers.trim_end_matches('/').to_owned()))
+            } else {
+                bail!("--broker {s}: this idem was built without the `kafka` feature")
+            }
         } else {
             bail!("--broker {s}: unsupported scheme; expected {ACCEPTED}")
         }
     }
 
-    /// The queue (RabbitMQ) or subject (NATS) of the run with `tag`.
+    /// The queue (RabbitMQ), subject (NATS) or stream key (Redis) of the run with `tag`.
     pub(crate) fn destination(&self, tag: &str) -> String {
-        format!("idem.chaos.{tag}")
+        match self {
+            Self::Redis(_) => format!("idem:chaos:{tag}"),
+            _ => format!("idem.chaos.{tag}"),
+        }
+    }
+
+    /// Where the Redis Streams source dead-letters (its default).
+    pub(crate) fn dead_letter_stream(&self, tag: &str) -> String {
+        format!("{}:dead-letter", self.destination(tag))
     }
 
     /// The JetStream stream holding the run's subject and its dead-letter subject.
@@ -65,6 +83,20 @@ pub(crate) async fn amqp_connect(url: &str) -> anyhow::Result<Connection> {
         .with_context(|| format!("connecting to RabbitMQ at {}", redact(url)))
 }
 
+pub(crate) async fn redis_client(url: &str) -> anyhow::Result<idem::redis::redis::Client> {
+    idem::redis::redis::Client::open(url).with_context(|| format!("--broker {}", redact(url)))
+}
+
+async fn redis_connect(url: &str) -> anyhow::Result<idem::redis::redis::aio::ConnectionManager> {
+    let client = redis_client(url).await?;
+    let connecting = idem::redis::redis::aio::ConnectionManager::new(client);
+    tokio::time::timeout(Duration::from_secs(5), connecting)
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out"))
+        .and_then(|r| r.map_err(anyhow::Error::from))
+        .with_context(|| format!("connecting to Redis at {}", redact(url)))
+}
+
 pub(crate) async fn nats_connect(url: &str) -> anyhow::Result<jetstream::Context> {
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
@@ -76,8 +108,24 @@ pub(crate) async fn nats_connect(url: &str) -> anyhow::Result<jetstream::Context
 
 /// The orchestrator's connection to the broker.
 pub(crate) enum Admin {
-    Amqp { conn: Connection, publisher: idem::amqp::AmqpPublisher, topology: Topology },
-    Nats { js: jetstream::Context, publisher: idem::nats::JetStreamPublisher, tag: String },
+    Amqp {
+        conn: Connection,
+        publisher: idem::amqp::AmqpPublisher,
+        topology: Topology,
+    },
+    Nats {
+        js: jetstream::Context,
+        publisher: idem::nats::JetStreamPublisher,
+        tag: String,
+    },
+    #[cfg(feature = "kafka")]
+    Kafka(super::kafka::KafkaAdmin),
+    Redis {
+        conn: idem::redis::redis::aio::ConnectionManager,
+        publisher: idem::redis::StreamPublisher,
+        stream: String,
+        dead_letter: String,
+    },
 }
 
 impl Admin {
@@ -128,6 +176,31 @@ impl Admin {
                 let publisher = idem::nats::JetStreamPublisher::new(js.clone());
                 Ok(Self::Nats { js, publisher, tag: tag.to_owned() })
             }
+            BrokerUrl::Redis(url) => {
+                let mut conn = redis_connect(url).await?;
+                // The group first, from the stream's start, so the backlog counts every entry.
+                let _: () = idem::redis::redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(&destination)
+                    .arg(STREAM_GROUP)
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .query_async(&mut conn)
+                    .await
+                    .with_context(|| format!("creating group {STREAM_GROUP} on {destination}"))?;
+                let publisher = idem::redis::StreamPublisher::new(conn.clone());
+                let dead_letter = broker.dead_letter_stream(tag);
+                Ok(Self::Redis { conn, publisher, stream: destination, dead_letter })
+            }
+            #[cfg(feature = "kafka")]
+            BrokerUrl::Kafka(brokers) => {
+                let dead_letter = format!("{destination}.dlq");
+                Ok(Self::Kafka(
+                    super::kafka::KafkaAdmin::create(brokers, destination, dead_letter).await?,
+                ))
+            }
+            #[cfg(not(feature = "kafka"))]
+            BrokerUrl::Kafka(_) => bail!("this idem was built without the `kafka` feature"),
         }
     }
 
@@ -137,6 +210,9 @@ impl Admin {
             let results = match self {
                 Self::Amqp { publisher, .. } => publisher.publish(chunk).await,
                 Self::Nats { publisher, .. } => publisher.publish(chunk).await,
+                Self::Redis { publisher, .. } => publisher.publish(chunk).await,
+                #[cfg(feature = "kafka")]
+                Self::Kafka(k) => k.publish(chunk).await,
             };
             for r in results {
                 r.context("publishing the input")?;
@@ -162,6 +238,36 @@ impl Admin {
                 let info = c.info().await?;
                 Ok(info.num_pending + info.num_ack_pending as u64)
             }
+            Self::Redis { conn, stream, .. } => {
+                // XINFO GROUPS: `pending` (delivered, not acked) and `lag` (not yet delivered;
+                // Redis 7).
+                let mut conn = conn.clone();
+                let groups: Vec<std::collections::HashMap<String, idem::redis::redis::Value>> =
+                    idem::redis::redis::cmd("XINFO")
+                        .arg("GROUPS")
+                        .arg(stream)
+                        .query_async(&mut conn)
+                        .await?;
+                let number = |v: Option<&idem::redis::redis::Value>| -> anyhow::Result<u64> {
+                    match v {
+                        Some(idem::redis::redis::Value::Int(n)) => {
+                            Ok(u64::try_from(*n).unwrap_or(0))
+                        }
+                        other => {
+                            bail!("XINFO GROUPS answered {other:?}; Redis 7 or later is needed")
+                        }
+                    }
+                };
+                let mut n = 0;
+                for g in groups.iter().filter(|g| {
+                    matches!(g.get("name"), Some(idem::redis::redis::Value::BulkString(b)) if b == STREAM_GROUP.as_bytes())
+                }) {
+                    n += number(g.get("pending"))? + number(g.get("lag"))?;
+                }
+                Ok(n)
+            }
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => k.backlog().await,
         }
     }
 
@@ -211,6 +317,24 @@ impl Admin {
                     }
                 }
             }
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => ids = k.dead_letters().await?,
+            Self::Redis { conn, dead_letter, .. } => {
+                let mut conn = conn.clone();
+                let reply: idem::redis::redis::streams::StreamRangeReply =
+                    idem::redis::redis::cmd("XRANGE")
+                        .arg(dead_letter)
+                        .arg("-")
+                        .arg("+")
+                        .query_async(&mut conn)
+                        .await?;
+                for entry in reply.ids {
+                    if let Some(idem::redis::redis::Value::BulkString(b)) = entry.map.get("payload")
+                    {
+                        ids.insert(payload_id(b)?);
+                    }
+                }
+            }
         }
         Ok(ids)
     }
@@ -233,6 +357,16 @@ impl Admin {
             }
             Self::Nats { js, tag, .. } => {
                 js.delete_stream(BrokerUrl::stream(tag)).await?;
+            }
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => k.delete().await?,
+            Self::Redis { conn, stream, dead_letter, .. } => {
+                let mut conn = conn.clone();
+                let _: () = idem::redis::redis::cmd("DEL")
+                    .arg(stream)
+                    .arg(dead_letter)
+                    .query_async(&mut conn)
+                    .await?;
             }
         }
         Ok(())

@@ -3,6 +3,8 @@
 //! with what was published.
 
 mod broker;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod store;
 mod verdict;
 mod worker;
@@ -95,7 +97,8 @@ fn parse_interval(s: &str) -> Result<Interval, String> {
 /// `idem chaos`.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ChaosArgs {
-    /// The broker: amqp://… (RabbitMQ) or nats://… (JetStream).
+    /// The broker: amqp://… (RabbitMQ), nats://… (JetStream), redis://… (Redis Streams) or
+    /// kafka://host:port (Kafka; the `kafka` feature).
     #[arg(long)]
     broker: String,
     /// The store: a SQLite file, postgres://…, mysql://… (inbox mode) or redis://… (two-phase).

@@ -47,6 +47,32 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
                 .retry_delay(Duration::from_millis(200));
             consume(source, &store, &names, args).await
         }
+        BrokerUrl::Redis(url) => {
+            let client = broker::redis_client(url).await?;
+            // A killed worker's entries are taken over by another after this idle time.
+            let config = idem::redis::StreamConfig::new(
+                client,
+                broker.destination(tag),
+                broker::STREAM_GROUP,
+                format!("worker-{}", std::process::id()),
+            )
+            .reclaim_idle(Duration::from_secs(2));
+            consume(config, &store, &names, args).await
+        }
+        #[cfg(feature = "kafka")]
+        BrokerUrl::Kafka(brokers) => {
+            let topic = broker.destination(tag);
+            let config = idem::kafka::Kafka::new(
+                &super::kafka::consumer_config(brokers),
+                &[topic.as_str()],
+                format!("{topic}.dlq"),
+            )
+            .retry_delay(Duration::from_millis(200))
+            .close_timeout(Duration::from_secs(5));
+            consume(config, &store, &names, args).await
+        }
+        #[cfg(not(feature = "kafka"))]
+        BrokerUrl::Kafka(_) => anyhow::bail!("this idem was built without the `kafka` feature"),
     }
 }
 

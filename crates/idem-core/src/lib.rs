@@ -8,6 +8,7 @@
 //! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
+//! - [`telemetry`]: the metrics every consumer emits, and [`describe_metrics`] for exporters.
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
@@ -26,6 +27,7 @@ pub mod outbox;
 pub mod record;
 pub mod retention;
 pub mod store;
+pub mod telemetry;
 pub mod time;
 pub mod version;
 
@@ -40,5 +42,6 @@ pub use memory::MemoryStore;
 pub use record::{Record, RecordState};
 pub use retention::RetentionWindow;
 pub use store::{Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError};
+pub use telemetry::describe_metrics;
 pub use time::Timestamp;
 pub use version::{Advance, VersionGuard};

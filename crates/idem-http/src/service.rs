@@ -135,7 +135,7 @@ where
 
 /// Counts one guarded request's outcome: `idem_http_requests_total{scope_prefix, outcome}`.
 fn count(cfg: &Config, outcome: &'static str) {
-    metrics::counter!("idem_http_requests_total", "scope_prefix" => cfg.scope_prefix.clone(),
+    metrics::counter!(idem_core::telemetry::HTTP_REQUESTS_TOTAL, "scope_prefix" => cfg.scope_prefix.clone(),
         "outcome" => outcome)
     .increment(1);
 }

@@ -28,6 +28,7 @@ struct Inner {
     consumer: String,
     stream_sequence: u64,
     delivered: i64,
+    pending: u64,
     acker: Acker,
 }
 
@@ -44,9 +45,10 @@ impl std::fmt::Debug for Delivery {
 
 impl Delivery {
     pub(crate) fn new(msg: async_nats::jetstream::Message) -> Result<Self, async_nats::Error> {
-        let (stream, consumer, stream_sequence, delivered) = {
+        let (stream, consumer, stream_sequence, delivered, pending) = {
             let info = msg.info()?;
-            (info.stream.to_owned(), info.consumer.to_owned(), info.stream_sequence, info.delivered)
+            let (stream, consumer) = (info.stream.to_owned(), info.consumer.to_owned());
+            (stream, consumer, info.stream_sequence, info.delivered, info.pending)
         };
         let (m, acker) = msg.split();
         Ok(Self {
@@ -58,6 +60,7 @@ impl Delivery {
                 consumer,
                 stream_sequence,
                 delivered,
+                pending,
                 acker,
             }),
         })
@@ -98,6 +101,12 @@ impl Delivery {
     /// How many times JetStream has delivered it, this time included.
     pub fn delivered(&self) -> i64 {
         self.inner.delivered
+    }
+
+    /// How many messages the consumer still had for delivery when this one was sent
+    /// (JetStream's `num_pending`, read from the delivery's metadata: no extra round trip).
+    pub fn pending(&self) -> u64 {
+        self.inner.pending
     }
 
     pub(crate) async fn reply(&self, kind: AckKind) -> Result<(), async_nats::Error> {

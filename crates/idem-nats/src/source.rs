@@ -324,6 +324,11 @@ impl Source for JetStreamSource {
         self.pull(max, wait).await
     }
 
+    /// The last delivery's `num_pending`: what the stream still holds for this consumer.
+    fn lag(&self, batch: &[Delivery]) -> Option<u64> {
+        batch.last().map(Delivery::pending)
+    }
+
     /// `Progress` for every message of the batch on the progress beat: the heartbeat runs
     /// beside the handlers, never instead of them, so a slow publish (a reconnecting client)
     /// cannot stall them.

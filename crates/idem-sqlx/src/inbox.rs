@@ -353,6 +353,7 @@ where
             // deadlock on the index gaps their new markers share whatever the key order, and a
             // busy SQLite or a serialization failure clears the same way.
             Err(e) if e.is_retryable() && attempt < MARK_ATTEMPTS => {
+                c.observe_store_error("mark_many", &e);
                 tracing::debug!(target: "idem", error = %e, attempt,
                     "marking the batch failed with a retryable error; marking again");
                 if let Err(e) = tx.rollback().await {
@@ -360,7 +361,10 @@ where
                 }
                 tokio::time::sleep(mark_backoff(attempt)).await;
             }
-            Err(e) => return all_failed(e),
+            Err(e) => {
+                c.observe_store_error("mark_many", &e);
+                return all_failed(e);
+            }
         }
     };
     let lender = Lender::new(tx);
@@ -417,8 +421,11 @@ where
     {
         return all_failed(e);
     }
-    if let Err(e) = tx.commit().await {
-        return Fast::Done(commit_failed(decided, I::error("commit", e)));
+    let started = Instant::now();
+    let committed = tx.commit().await;
+    c.observe_complete(started);
+    if let Err(e) = committed {
+        return Fast::Done(commit_failed(c, decided, I::error("commit", e)));
     }
     Fast::Done(decided)
 }
@@ -539,9 +546,12 @@ where
         Ok(tx) => tx,
         Err(e) => return failed_round(round, e),
     };
-    match tx.commit().await {
+    let started = Instant::now();
+    let committed = tx.commit().await;
+    c.observe_complete(started);
+    match committed {
         Ok(()) => decided,
-        Err(e) => commit_failed(decided, I::error("commit", e)),
+        Err(e) => commit_failed(c, decided, I::error("commit", e)),
     }
 }
 
@@ -618,10 +628,12 @@ fn failed_round<T, E>(round: &[Item], e: StoreError) -> Vec<(usize, Outcome<T, E
 
 /// After a failed commit nothing processed is durable: those become transient failures.
 /// Duplicates and conflicts were read from committed markers and stand.
-fn commit_failed<T, E>(
+fn commit_failed<B, T, E>(
+    c: &Consumer<B>,
     decided: Vec<(usize, Outcome<T, E>)>,
     e: StoreError,
 ) -> Vec<(usize, Outcome<T, E>)> {
+    c.observe_store_error("commit", &e);
     tracing::warn!(target: "idem", error = %e, "inbox commit failed; nothing of the batch is committed");
     let shared = Arc::new(e);
     decided

@@ -11,6 +11,9 @@
 //! in one transaction, and only then are the messages acked. The retry is acked as a duplicate
 //! without a second row; the reused id goes to the dead-letter queue with its reason. Exits
 //! non-zero if an order was stored twice or the conflict was not dead-lettered.
+//!
+//! With the `prometheus` feature it also serves its metrics on `IDEM_METRICS_ADDR` (default
+//! `127.0.0.1:0`, a free port) and prints its `idem_` counters at the end.
 
 use std::time::Duration;
 
@@ -30,6 +33,12 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
+    // One call: a /metrics endpoint with every idem counter and histogram (docs/OPERATIONS.md).
+    #[cfg(feature = "prometheus")]
+    let metrics = {
+        let addr = std::env::var("IDEM_METRICS_ADDR").unwrap_or_else(|_| "127.0.0.1:0".into());
+        idem::prometheus::install(addr.parse()?)?
+    };
     let url = std::env::var("IDEM_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
     let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
@@ -107,6 +116,12 @@ async fn main() -> Result<(), Error> {
     let topology = consumer.source().topology().clone();
     consumer.close().await?;
     println!("total: {total}");
+    #[cfg(feature = "prometheus")]
+    for line in metrics.render().lines() {
+        if line.starts_with("idem_outcomes_total") || line.starts_with("idem_dead_letters_total") {
+            println!("metric: {line}");
+        }
+    }
 
     let rows: Vec<(String, String)> =
         sqlx::query_as(AssertSqlSafe(format!("SELECT id, body FROM {orders_table} ORDER BY id")))

@@ -72,3 +72,6 @@ pub use idem_nats as nats;
 /// is the client crate they are built on.
 #[cfg(feature = "redis")]
 pub use idem_redis as redis;
+
+#[cfg(feature = "prometheus")]
+pub mod prometheus;

@@ -2,6 +2,7 @@
 
 mod backend;
 mod builder;
+mod complete;
 mod context;
 mod outcome;
 
@@ -22,11 +23,15 @@ pub use outcome::{
 };
 
 use crate::extract::{Envelope, ExtractError};
-use crate::store::Completion;
+use crate::telemetry::{
+    self, CLAIM_DURATION_SECONDS, COMPLETE_DURATION_SECONDS, MISSING_KEY_TOTAL, OUTCOMES_TOTAL,
+    TAKEOVERS_TOTAL,
+};
 use crate::{
     Claim, ClaimRequest, DedupKey, DedupStore, FailKind, KeyError, Lease, RecordState, StoreError,
 };
 use builder::Config;
+use complete::completed;
 
 type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -204,8 +209,20 @@ impl<B> Consumer<B> {
 
     /// Records how long a claim (or a batch of marks) took, in `idem_claim_duration_seconds`.
     pub fn observe_claim(&self, started: Instant) {
-        metrics::histogram!("idem_claim_duration_seconds", "scope" => self.cfg.scope.clone())
-            .record(started.elapsed().as_secs_f64());
+        telemetry::observe_duration(CLAIM_DURATION_SECONDS, &self.cfg.scope, started);
+    }
+
+    /// Records how long a completion (or an inbox batch's commit) took, in
+    /// `idem_complete_duration_seconds`.
+    pub fn observe_complete(&self, started: Instant) {
+        telemetry::observe_duration(COMPLETE_DURATION_SECONDS, &self.cfg.scope, started);
+    }
+
+    /// Counts a failed store call in `idem_store_errors_total{scope, op, retryable}`; `op`
+    /// names the call (`claim`, `complete_many`, `commit`, …). For backends; the engine's own
+    /// calls are counted already.
+    pub fn observe_store_error(&self, op: &'static str, e: &StoreError) {
+        telemetry::store_error(&self.cfg.scope, op, e);
     }
 
     /// Emits a finished delivery's `tracing` event and its `idem_outcomes_total` count: what
@@ -218,7 +235,7 @@ impl<B> Consumer<B> {
         attempt: u32,
     ) {
         let label = outcome.kind().as_str();
-        metrics::counter!("idem_outcomes_total", "scope" => self.cfg.scope.clone(), "outcome" => label)
+        metrics::counter!(OUTCOMES_TOTAL, "scope" => self.cfg.scope.clone(), "outcome" => label)
             .increment(1);
         let scope = self.cfg.scope.as_str();
         let key = key.map_or("", DedupKey::id);
@@ -246,7 +263,7 @@ impl<B> Consumer<B> {
         F: FnOnce(C) -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        metrics::counter!("idem_missing_key_total", "scope" => self.cfg.scope.clone()).increment(1);
+        metrics::counter!(MISSING_KEY_TOTAL, "scope" => self.cfg.scope.clone()).increment(1);
         let outcome = match handler(ctx).await {
             Ok(v) => Outcome::Processed(v),
             Err(e) => Outcome::from_handler_error(e),
@@ -307,6 +324,9 @@ impl<S: DedupStore> Consumer<S> {
         let started = Instant::now();
         let claim = self.store.claim(&req).await;
         self.observe_claim(started);
+        if let Err(e) = &claim {
+            self.observe_store_error("claim", e);
+        }
         let Decision { span, attempt, ran } = self.decide(claim, &req, handler, correlation).await;
         let outcome = match ran {
             Ran::Done(o) => o,
@@ -413,136 +433,15 @@ impl<S: DedupStore> Consumer<S> {
                     "store answered a batch with the wrong number of claims; claiming one by one");
             }
             Err(e) => {
+                self.observe_store_error("claim_many", &e);
                 tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
             }
         }
-        futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await
-    }
-
-    /// Completes a lease, trying again while the store fails for a retryable reason, for up to
-    /// the configured completion retry (the effect has run: giving up would leave the key
-    /// leased and its redelivered copy would run the handler again once the lease ran out).
-    /// Fencing makes a repeat of a completion that did apply fail; it never applies twice.
-    async fn complete_retrying(
-        &self,
-        mut lease: Lease,
-        stored: Option<&[u8]>,
-    ) -> Result<(), StoreError> {
-        let mut pauses = RetryPauses::new(self.cfg.complete_retry);
-        loop {
-            let again = lease.retry_copy();
-            match self.store.complete(lease, stored, self.cfg.retain).await {
-                Err(e) if e.is_retryable() => {
-                    let Some(pause) = pauses.next(&e, &self.cfg.scope) else { return Err(e) };
-                    tokio::time::sleep(pause).await;
-                    lease = again;
-                }
-                done => return done,
-            }
+        let claims = futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await;
+        for e in claims.iter().filter_map(|c| c.as_ref().err()) {
+            self.observe_store_error("claim", e);
         }
-    }
-
-    /// [`complete_retrying`](Self::complete_retrying) for a batch: one answer per completion,
-    /// in order. A retryable failure of the whole `complete_many`, or of single completions,
-    /// is tried again for the completions it concerns.
-    async fn complete_many_retrying(&self, items: Vec<Completion>) -> Vec<Result<(), StoreError>> {
-        let mut answers: Vec<Option<Result<(), StoreError>>> = items.iter().map(|_| None).collect();
-        let mut pending: Vec<(usize, Completion)> = items.into_iter().enumerate().collect();
-        let mut pauses = RetryPauses::new(self.cfg.complete_retry);
-        while !pending.is_empty() {
-            let again: Vec<(usize, Completion)> = pending
-                .iter()
-                .map(|(i, c)| {
-                    let copy = Completion {
-                        lease: c.lease.retry_copy(),
-                        result: c.result.clone(),
-                        retain_for: c.retain_for,
-                    };
-                    (*i, copy)
-                })
-                .collect();
-            let n = pending.len();
-            let batch = pending.into_iter().map(|(_, c)| c).collect();
-            let got = match self.store.complete_many(batch).await {
-                Ok(r) if r.len() == n => r,
-                Ok(r) => {
-                    tracing::error!(target: "idem", asked = n, got = r.len(),
-                        "store answered complete_many with the wrong number of results");
-                    shared_failure(n, StoreError::backend("complete_many", true, WrongCount))
-                        .collect()
-                }
-                Err(e) => shared_failure(n, e).collect(),
-            };
-            let mut retry = Vec::new();
-            let mut first_retryable = None;
-            for ((i, copy), answer) in again.into_iter().zip(got) {
-                match answer {
-                    Err(e) if e.is_retryable() => {
-                        retry.push((i, copy));
-                        answers[i] = Some(Err(e));
-                        first_retryable.get_or_insert(i);
-                    }
-                    done => answers[i] = Some(done),
-                }
-            }
-            let Some(first) = first_retryable else { break };
-            let pause = match &answers[first] {
-                Some(Err(e)) => pauses.next(e, &self.cfg.scope),
-                _ => None,
-            };
-            let Some(pause) = pause else { break };
-            tokio::time::sleep(pause).await;
-            pending = retry;
-        }
-        answers
-            .into_iter()
-            .map(|a| {
-                a.unwrap_or_else(|| Err(StoreError::backend("complete_many", true, WrongCount)))
-            })
-            .collect()
-    }
-
-    /// Records the completions of a batch's decisions in one `complete_many` (group commit),
-    /// then closes each decision with its outcome.
-    async fn complete_all<M: Envelope, T, E: Display>(
-        &self,
-        decided: Vec<(usize, ClaimRequest, Decision<T, E>)>,
-        msgs: &[M],
-    ) -> Vec<(usize, DedupKey, Outcome<T, E>)> {
-        let mut completions = Vec::new();
-        let mut waiting = Vec::with_capacity(decided.len());
-        for (i, req, Decision { span, attempt, ran }) in decided {
-            let state = match ran {
-                Ran::Complete { lease, value, stored } => {
-                    completions.push(Completion {
-                        lease,
-                        result: stored,
-                        retain_for: self.cfg.retain,
-                    });
-                    Err(value)
-                }
-                Ran::Done(o) => Ok(o),
-            };
-            waiting.push((i, req, span, attempt, state));
-        }
-        let n = completions.len();
-        let mut answers = match n {
-            0 => Vec::new().into_iter(),
-            _ => self.complete_many_retrying(completions).await.into_iter(),
-        };
-        waiting
-            .into_iter()
-            .map(|(i, req, span, attempt, state)| {
-                let outcome = state.unwrap_or_else(|value| {
-                    let done = answers.next().unwrap_or_else(|| {
-                        Err(StoreError::backend("complete_many", true, WrongCount))
-                    });
-                    completed(value, done)
-                });
-                let o = self.finish(span, attempt, outcome, &req.key, msgs[i].correlation_id());
-                (i, req.key, o)
-            })
-            .collect()
+        claims
     }
 
     /// Turns a claim into a decision: the outcome of a claim that was not acquired, or the
@@ -636,9 +535,16 @@ impl<S: DedupStore> Consumer<S> {
     {
         let cfg = &self.cfg;
         let attempt = lease.attempt();
-        if lease.took_over_expired() && cfg.expired_lease == ExpiredLeasePolicy::Park {
+        let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
+        if lease.took_over_expired() {
+            let policy = if park { "park" } else { "run" };
+            metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
+                .increment(1);
+        }
+        if lease.took_over_expired() && park {
             let reason = Cause::<String>::InDoubt { attempt }.to_string();
             if let Err(e) = self.store.fail(lease, FailKind::InDoubt, &reason, cfg.retain).await {
+                self.observe_store_error("fail", &e);
                 return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
             }
             return Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt }));
@@ -659,6 +565,7 @@ impl<S: DedupStore> Consumer<S> {
             Err(HandlerError::Transient(e)) => {
                 let key = lease.key().to_string();
                 if let Err(re) = self.store.release(lease).await {
+                    self.observe_store_error("release", &re);
                     tracing::warn!(target: "idem", %key, error = %re,
                         "could not release the claim after a transient failure; it frees itself when the lease ends");
                 }
@@ -671,6 +578,7 @@ impl<S: DedupStore> Consumer<S> {
                 if let Err(fe) =
                     self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain).await
                 {
+                    self.observe_store_error("fail", &fe);
                     tracing::warn!(target: "idem", %key, error = %fe,
                         "could not record the permanent failure; the key frees itself when the lease ends");
                 }
@@ -691,6 +599,7 @@ impl<S: DedupStore> Consumer<S> {
             loop {
                 tick.tick().await;
                 if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
+                    self.observe_store_error("extend", &e);
                     tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
                 }
             }
@@ -702,55 +611,6 @@ impl<S: DedupStore> Consumer<S> {
         }
     }
 }
-
-/// The pauses between tries of a completion: 25 ms, doubling up to 1 s, while the next try
-/// would start within the limit.
-struct RetryPauses {
-    deadline: tokio::time::Instant,
-    pause: Duration,
-}
-
-impl RetryPauses {
-    fn new(limit: Duration) -> Self {
-        Self { deadline: tokio::time::Instant::now() + limit, pause: Duration::from_millis(25) }
-    }
-
-    /// The pause before the next try after `e`, or `None` when the limit is reached.
-    fn next(&mut self, e: &StoreError, scope: &str) -> Option<Duration> {
-        let pause = self.pause;
-        if tokio::time::Instant::now() + pause > self.deadline {
-            return None;
-        }
-        self.pause = (pause * 2).min(Duration::from_secs(1));
-        tracing::warn!(target: "idem", scope, error = %e, ?pause,
-            "recording a completion failed; trying again");
-        metrics::counter!("idem_complete_retries_total", "scope" => scope.to_owned()).increment(1);
-        Some(pause)
-    }
-}
-
-/// The outcome of a handler whose completion was (or was not) recorded.
-fn completed<T, E>(value: T, done: Result<(), StoreError>) -> Outcome<T, E> {
-    match done {
-        Ok(()) => Outcome::Processed(value),
-        Err(e) => Outcome::failed(FailureKind::Transient, Cause::Store(e)),
-    }
-}
-
-/// `n` copies of one batch failure, each with its own error: the first the failure itself,
-/// the others pointing at it.
-fn shared_failure(n: usize, e: StoreError) -> std::vec::IntoIter<Result<(), StoreError>> {
-    let retryable = e.is_retryable();
-    let shared = Arc::new(e);
-    (0..n)
-        .map(|_| Err(StoreError::backend("complete_many", retryable, Arc::clone(&shared))))
-        .collect::<Vec<_>>()
-        .into_iter()
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("the store answered complete_many with the wrong number of results")]
-struct WrongCount;
 
 /// Why a message yields no usable key.
 #[derive(Debug, thiserror::Error)]

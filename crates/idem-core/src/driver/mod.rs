@@ -53,6 +53,7 @@ pub use source::{Action, DeadLetter, Opening, Settlement, Source, SourceConfig};
 
 use crate::Consumer;
 use crate::consumer::{Backend, Disposition, HandlerError, Outcome};
+use crate::telemetry::{BATCH_SIZE, DEAD_LETTERS_TOTAL, FETCH_FAILURES_TOTAL, SOURCE_LAG_MESSAGES};
 use builder::Settings;
 
 type Hook<M> = Arc<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
@@ -239,7 +240,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
                         return Err(Error::Fetch { attempts: failures, source: e });
                     }
                     report.fetch_failures += 1;
-                    metrics::counter!("idem_fetch_failures_total", "scope" => self.consumer.scope().to_owned())
+                    metrics::counter!(FETCH_FAILURES_TOTAL, "scope" => self.consumer.scope().to_owned())
                         .increment(1);
                     tracing::warn!(target: "idem", error = %e, failures, "fetch failed; retrying");
                     tokio::select! {
@@ -266,7 +267,15 @@ impl<S: Source, B: Backend> Driver<S, B> {
         let s = &self.settings;
         let limit = s.idle_wait + s.broker_timeout;
         match tokio::time::timeout(limit, self.source.fetch(s.batch, s.idle_wait)).await {
-            Ok(Ok(batch)) => Ok(batch),
+            Ok(Ok(batch)) => {
+                if let Some(lag) = self.source.lag(&batch) {
+                    // Precision is lost only past 2^53 messages.
+                    #[allow(clippy::cast_precision_loss)]
+                    metrics::gauge!(SOURCE_LAG_MESSAGES, "scope" => self.consumer.scope().to_owned())
+                        .set(lag as f64);
+                }
+                Ok(batch)
+            }
             Ok(Err(e)) => Err(Ok(e)),
             Err(_) => Err(Err(Error::BrokerTimeout { what: "a fetch", timeout: limit })),
         }
@@ -317,6 +326,12 @@ impl<S: Source, B: Backend> Driver<S, B> {
         E: Display + Send,
     {
         let mut report = Report { batches: 1, fetched: batch.len() as u64, ..Report::default() };
+        // Empty fetches (an idle `poll`) say nothing about batch sizes.
+        if !batch.is_empty() {
+            #[allow(clippy::cast_precision_loss)] // a batch is far below 2^53 messages
+            metrics::histogram!(BATCH_SIZE, "scope" => self.consumer.scope().to_owned())
+                .record(batch.len() as f64);
+        }
         let outcomes = {
             let decide = std::pin::pin!(self.consumer.decide_batch(&batch, handler));
             let beat = std::pin::pin!(self.source.keep_alive(&batch));
@@ -356,7 +371,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
             for (i, dl) in dead {
                 actions[i] = match copied.next() {
                     Some(Ok(())) => {
-                        metrics::counter!("idem_dead_letters_total", "scope" => dl.scope.clone(),
+                        metrics::counter!(DEAD_LETTERS_TOTAL, "scope" => dl.scope.clone(),
                             "outcome" => dl.outcome.as_str())
                         .increment(1);
                         Action::DeadLettered { reason: dl.reason }

@@ -68,6 +68,16 @@ pub trait Source: Send + Sync + Sized + 'static {
         None
     }
 
+    /// How many messages the broker still holds for this consumer after `batch` (just
+    /// fetched), when the fetch's own answer says so: recorded as the
+    /// `idem_source_lag_messages` gauge. Implement it only where it costs no broker round trip
+    /// (JetStream's delivery metadata carries it); a lag that needs a query per batch is
+    /// better left to the broker's own exporter. Default: unknown.
+    fn lag(&self, batch: &[Self::Message]) -> Option<u64> {
+        let _ = batch;
+        None
+    }
+
     /// Copies each message to the dead-letter destination with the [`DeadLetter`] headers and
     /// the message's original location, answering per item (in order) once the broker has
     /// confirmed the copy. A failed copy is never followed by the removal of the original.

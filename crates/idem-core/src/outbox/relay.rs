@@ -11,6 +11,7 @@ use futures_util::FutureExt;
 
 use super::{Failure, OutboxMessage, OutboxStore, PublishError, Publisher, Ticket};
 use crate::StoreError;
+use crate::telemetry::{OUTBOX_FAILURES_TOTAL, OUTBOX_PUBLISH_SECONDS, OUTBOX_PUBLISHED_TOTAL};
 
 /// Why a relay stopped.
 #[derive(Debug, thiserror::Error)]
@@ -405,7 +406,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 })
                 .collect(),
         };
-        metrics::histogram!("idem_outbox_publish_seconds").record(started.elapsed().as_secs_f64());
+        metrics::histogram!(OUTBOX_PUBLISH_SECONDS).record(started.elapsed().as_secs_f64());
         let mut sent: Vec<Ticket> = Vec::with_capacity(messages.len());
         let mut failures = Vec::new();
         for ((&(ticket, failed_before), m), r) in leased.iter().zip(&messages).zip(results) {
@@ -422,14 +423,14 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         let sent_n = sent.len() as u64;
         report.published += marked;
         report.lost_leases += sent_n.saturating_sub(marked);
-        metrics::counter!("idem_outbox_published_total").increment(marked);
+        metrics::counter!(OUTBOX_PUBLISHED_TOTAL).increment(marked);
         if !failures.is_empty() {
             let parked = failures.iter().filter(|f| f.retry_in.is_none()).count() as u64;
             self.store.mark_failed(&failures).await?;
             report.parked += parked;
             report.retried += failures.len() as u64 - parked;
-            metrics::counter!("idem_outbox_failures_total", "parked" => "true").increment(parked);
-            metrics::counter!("idem_outbox_failures_total", "parked" => "false")
+            metrics::counter!(OUTBOX_FAILURES_TOTAL, "parked" => "true").increment(parked);
+            metrics::counter!(OUTBOX_FAILURES_TOTAL, "parked" => "false")
                 .increment(failures.len() as u64 - parked);
         }
         Ok(messages.len())

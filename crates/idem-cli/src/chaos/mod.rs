@@ -170,6 +170,23 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
     outcome
 }
 
+/// SIGKILLs a random worker that is not stalled and starts a new one in its place.
+async fn kill_one(
+    workers: &mut [Worker],
+    events: &mut Events,
+    rng: &mut rand::rngs::ThreadRng,
+    args: &ChaosArgs,
+    tag: &str,
+) -> anyhow::Result<()> {
+    let candidates: Vec<usize> = (0..workers.len()).filter(|i| !workers[*i].stalled).collect();
+    if let Some(&i) = candidates.get(rng.random_range(0..candidates.len().max(1))) {
+        workers[i].child.kill().await.context("killing a worker")?;
+        events.kills += 1;
+        workers[i] = Worker::start(args, tag).await?;
+    }
+    Ok(())
+}
+
 /// What is published.
 struct Plan {
     tag: String,
@@ -330,13 +347,7 @@ async fn verify(
             }
         }
         if now >= next_kill {
-            let candidates: Vec<usize> =
-                (0..workers.len()).filter(|i| !workers[*i].stalled).collect();
-            if let Some(&i) = candidates.get(rng.random_range(0..candidates.len().max(1))) {
-                workers[i].child.kill().await.context("killing a worker")?;
-                events.kills += 1;
-                workers[i] = Worker::start(args, &plan.tag).await?;
-            }
+            kill_one(&mut workers, &mut events, &mut rng, args, &plan.tag).await?;
             next_kill = Instant::now() + pause(&mut rng);
         }
         if let Some((i, until)) = stall
@@ -351,8 +362,28 @@ async fn verify(
         if now < next_poll {
             continue;
         }
-        next_poll = now + Duration::from_millis(250);
-        let effects = ledger.effects(store, names).await?;
+        // Reading the ledger takes seconds once it holds hundreds of thousands of rows: the
+        // kills go on meanwhile, and the next read waits twice as long as this one took.
+        let (effects, dead, backlog) = {
+            let poll = async {
+                let effects = ledger.effects(store, names).await?;
+                let dead = admin.dead_letters().await?;
+                let backlog = admin.backlog().await?;
+                anyhow::Ok((effects, dead, backlog))
+            };
+            tokio::pin!(poll);
+            loop {
+                tokio::select! {
+                    r = &mut poll => break r?,
+                    () = tokio::time::sleep_until(next_kill.into()) => {
+                        kill_one(&mut workers, &mut events, &mut rng, args, &plan.tag).await?;
+                        next_kill = Instant::now() + pause(&mut rng);
+                    }
+                }
+            }
+        };
+        let now = Instant::now();
+        next_poll = now + Duration::from_millis(250).max(now.duration_since(next_poll) * 2);
         let applied: HashSet<&str> = effects.iter().map(|e| e.id.as_str()).collect();
         // A reused id is published once its original has an effect, so the reused body is
         // always the later one: idem must call it a conflict.
@@ -367,7 +398,6 @@ async fn verify(
                 .collect::<anyhow::Result<_>>()?;
             admin.publish(&msgs).await?;
         }
-        let dead = admin.dead_letters().await?;
         let settled = plan.unique.iter().filter(|id| applied.contains(id.as_str())).count()
             + plan
                 .reused
@@ -382,7 +412,6 @@ async fn verify(
             workers[i].stalled = true;
             stall = Some((i, now + args.lease + (args.lease / 2).max(Duration::from_secs(1))));
         }
-        let backlog = admin.backlog().await?;
         let complete = settled as u64 == goal && pending_reused.is_empty() && stall.is_none();
         quiet_polls = if complete && backlog == 0 { quiet_polls + 1 } else { 0 };
         // Three quiet polls in a row: what the workers hold has been settled.

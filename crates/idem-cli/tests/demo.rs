@@ -66,7 +66,8 @@ fn operator_tools_report_bad_input_clearly() {
     let out = idem().args(["stats", "--store", "/nonexistent/x.sqlite"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("no SQLite database file at /nonexistent/x.sqlite")
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no SQLite database file at /nonexistent/x.sqlite")
     );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.sqlite");

@@ -60,6 +60,35 @@ impl CosmosStore {
         }
         Ok(deleted)
     }
+
+    /// An operator's change to a record: `change` sets its state (or answers `false` to leave it
+    /// alone); the token moves on so a lease holder is fenced out, and the write is conditional
+    /// on the version read (`If-Match`), retried when another writer got there first. Whether
+    /// the record was changed.
+    async fn override_record(
+        &self,
+        key: &DedupKey,
+        op: &'static str,
+        change: impl Fn(&mut Record) -> bool,
+    ) -> Result<bool, StoreError> {
+        let id = doc_id(key);
+        for _ in 0..MAX_ROUNDS {
+            let Some(doc) = self.read(&id).await? else { return Ok(false) };
+            let mut rec = doc.to_record()?;
+            if !change(&mut rec) {
+                return Ok(false);
+            }
+            let now = self.now();
+            rec.token = next_token(Some(rec.token), now);
+            rec.lease_until = None;
+            rec.updated_at = now;
+            match self.write(&rec, doc.etag.as_deref(), now).await? {
+                Write::Done => return Ok(true),
+                Write::Lost => {}
+            }
+        }
+        Err(contended(op))
+    }
 }
 
 /// Operator access. `list` and `count` query across partitions and read every matching
@@ -95,44 +124,24 @@ impl InspectStore for CosmosStore {
     }
 
     async fn force_release(&self, key: &DedupKey) -> Result<bool, StoreError> {
-        let id = doc_id(key);
-        for _ in 0..MAX_ROUNDS {
-            let Some(doc) = self.read(&id).await? else { return Ok(false) };
-            let mut rec = doc.to_record()?;
-            let now = self.now();
+        self.override_record(key, "force_release", |rec| {
             rec.state = RecordState::Released;
-            rec.token = next_token(Some(rec.token), now);
-            rec.lease_until = None;
-            rec.updated_at = now;
-            match self.write(&rec, doc.etag.as_deref(), now).await? {
-                Write::Done => return Ok(true),
-                Write::Lost => {}
-            }
-        }
-        Err(contended("force_release"))
+            true
+        })
+        .await
     }
 
     async fn force_fail(&self, key: &DedupKey, reason: &str) -> Result<bool, StoreError> {
         StoreError::check_len("reason", reason.len(), MAX_RESULT_BYTES)?;
-        let id = doc_id(key);
-        for _ in 0..MAX_ROUNDS {
-            let Some(doc) = self.read(&id).await? else { return Ok(false) };
-            let mut rec = doc.to_record()?;
+        self.override_record(key, "force_fail", |rec| {
             // Decided on the version the If-Match write is conditional on.
             if rec.state == RecordState::Completed {
-                return Ok(false);
+                return false;
             }
-            let now = self.now();
             rec.state = RecordState::Failed;
             rec.result = Some(reason.as_bytes().to_vec());
-            rec.token = next_token(Some(rec.token), now);
-            rec.lease_until = None;
-            rec.updated_at = now;
-            match self.write(&rec, doc.etag.as_deref(), now).await? {
-                Write::Done => return Ok(true),
-                Write::Lost => {}
-            }
-        }
-        Err(contended("force_fail"))
+            true
+        })
+        .await
     }
 }

@@ -137,18 +137,6 @@ async fn next_batch<J>(
     Some((batch, permit))
 }
 
-/// The same failure for every caller of a batch (driver errors are not `Clone`).
-fn fan_out(op: &'static str, e: &StoreError) -> StoreError {
-    match e {
-        StoreError::LeaseLost { key } => StoreError::LeaseLost { key: key.clone() },
-        StoreError::TooLarge { field, len, limit } => {
-            StoreError::TooLarge { field, len: *len, limit: *limit }
-        }
-        StoreError::Corrupt { what } => StoreError::Corrupt { what: what.clone() },
-        other => StoreError::backend(op, other.is_retryable(), format!("batched {op}: {other:#}")),
-    }
-}
-
 async fn run_claims<S: DedupStore + 'static>(
     inner: Arc<S>,
     mut rx: mpsc::UnboundedReceiver<ClaimJob>,
@@ -174,12 +162,12 @@ async fn run_claims<S: DedupStore + 'static>(
                         what: format!("claim_many answered {} of {}", claims.len(), replies.len()),
                     };
                     for reply in replies {
-                        let _ = reply.send(Err(fan_out("claim", &e)));
+                        let _ = reply.send(Err(e.copy_for("claim")));
                     }
                 }
                 Err(e) => {
                     for reply in replies {
-                        let _ = reply.send(Err(fan_out("claim", &e)));
+                        let _ = reply.send(Err(e.copy_for("claim")));
                     }
                 }
             }
@@ -210,12 +198,12 @@ async fn run_completes<S: DedupStore + 'static>(
                         what: format!("complete_many answered {} of {n}", done.len()),
                     };
                     for reply in replies {
-                        let _ = reply.send(Err(fan_out("complete", &e)));
+                        let _ = reply.send(Err(e.copy_for("complete")));
                     }
                 }
                 Err(e) => {
                     for reply in replies {
-                        let _ = reply.send(Err(fan_out("complete", &e)));
+                        let _ = reply.send(Err(e.copy_for("complete")));
                     }
                 }
             }

@@ -57,6 +57,20 @@ impl StoreError {
         Self::Backend { op, retryable, source: source.into() }
     }
 
+    /// The same failure again, for each caller of a batch that failed as a whole (driver errors
+    /// are not `Clone`): the kind, retryability and message are kept, the source becomes text.
+    #[must_use]
+    pub fn copy_for(&self, op: &'static str) -> Self {
+        match self {
+            Self::LeaseLost { key } => Self::LeaseLost { key: key.clone() },
+            Self::TooLarge { field, len, limit } => {
+                Self::TooLarge { field, len: *len, limit: *limit }
+            }
+            Self::Corrupt { what } => Self::Corrupt { what: what.clone() },
+            other => Self::backend(op, other.is_retryable(), format!("batched {op}: {other:#}")),
+        }
+    }
+
     /// [`StoreError::TooLarge`] when `len` exceeds `limit`: the size check every store makes
     /// before writing a result or reason.
     ///

@@ -33,23 +33,49 @@ use idem_core::consumer::{Context, HandlerError};
 use idem_core::extract::{JsonPointer, Message};
 use idem_core::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome};
 use idem_redis::RedisStore;
-use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
 
 const LEASE: Duration = Duration::from_secs(30);
 const RETAIN: Duration = Duration::from_secs(60);
 const BATCH: usize = 16;
+/// `workload` shapes, tasks × messages per `process_batch` (1: `process`), from
+/// `IDEM_BENCH_SHAPES` (`1x1,16x1`) or these.
+const SHAPES: &str = "1x1,16x1,32x1,64x1,1x16,2x16,1x32,4x64";
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
-#[tokio::main]
-async fn main() -> Result<(), BoxErr> {
+/// `IDEM_BENCH_WORKERS` sets the runtime's worker threads (default: one per core).
+fn main() -> Result<(), BoxErr> {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("IDEM_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()) {
+        rt.worker_threads(n);
+    }
+    rt.enable_all().build()?.block_on(run())
+}
+
+async fn run() -> Result<(), BoxErr> {
     let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("primitives") => {
             let n = args.get(1).map_or(Ok(100_000), |s| s.parse())?;
             primitives(&url, n).await
+        }
+        // For profiling: only the store's claim + complete, `store TASKS PER_CALL N [scripts|coalesce]`.
+        Some("store") => {
+            let tasks = args.get(1).map_or(Ok(16), |s| s.parse())?;
+            let per_call = args.get(2).map_or(Ok(1), |s| s.parse())?;
+            let n = args.get(3).map_or(Ok(200_000), |s| s.parse())?;
+            let variant = args.get(4).map_or("", String::as_str);
+            let store = RedisStore::builder(&url)?
+                .namespace(&run_id())?
+                .fast_claim(variant != "scripts")
+                .coalesce_completions(variant == "coalesce")
+                .connect()
+                .await?;
+            let rate = store_rate(&store, n, tasks, per_call).await?;
+            println!("store {tasks} tasks x {per_call}: {rate:.0} msgs/s");
+            Ok(())
         }
         Some("workload") => {
             let file = args.get(1).map_or("/tmp/peers/workload.jsonl", String::as_str);
@@ -117,7 +143,7 @@ where
     Ok(n as f64 / started.elapsed().as_secs_f64())
 }
 
-async fn set_nx(conn: &mut ConnectionManager, key: &str) -> Result<(), BoxErr> {
+async fn set_nx(conn: &mut impl redis::aio::ConnectionLike, key: &str) -> Result<(), BoxErr> {
     let r: Option<String> = redis::cmd("SET")
         .arg(key)
         .arg("v")
@@ -132,32 +158,65 @@ async fn set_nx(conn: &mut ConnectionManager, key: &str) -> Result<(), BoxErr> {
     Ok(())
 }
 
+/// One message per call (claim + complete), or `per_call` per call (`claim_many` + concurrent
+/// completes).
+async fn store_rate(
+    store: &RedisStore,
+    n: usize,
+    tasks: usize,
+    per_call: usize,
+) -> Result<f64, BoxErr> {
+    let run = run_id();
+    let s = store.clone();
+    median3(n, tasks, per_call, move |i| {
+        let s = s.clone();
+        let r = run.clone();
+        async move {
+            let reqs = (i..i + per_call)
+                .map(|j| {
+                    DedupKey::new(r.clone(), format!("m-{j}"))
+                        .map(|k| ClaimRequest::new(k, None, LEASE, RETAIN))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let claims = if per_call == 1 {
+                vec![s.claim(&reqs[0]).await?]
+            } else {
+                s.claim_many(&reqs).await?
+            };
+            let done = claims.into_iter().map(|c| {
+                let s = s.clone();
+                async move {
+                    match c {
+                        Claim::Acquired(l) => {
+                            s.complete(l, None, RETAIN).await.map_err(BoxErr::from)
+                        }
+                        _ => Err(BoxErr::from("not acquired")),
+                    }
+                }
+            });
+            for d in futures_util::future::join_all(done).await {
+                d?;
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
 async fn primitives(url: &str, n: usize) -> Result<(), BoxErr> {
     let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
+    let scripts =
+        RedisStore::builder(url)?.namespace(&run_id())?.fast_claim(false).connect().await?;
     let conn = store.connection().clone();
     println!(
-        "| tasks | msgs per round trip | RedisStore claim+complete | raw SET NX PX | raw SET NX + SET XX | store / raw 2-cmd |"
+        "| tasks | msgs per round trip | RedisStore claim+complete | scripts only (before) | raw SET NX PX | raw SET NX + SET XX | store / raw 2-cmd |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
-    for tasks in [1usize, 16, 64] {
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for tasks in [1usize, 16, 32, 64] {
         let n = if tasks == 1 { n / 4 } else { n } / BATCH * BATCH;
         let run = run_id();
-        // RedisStore, one message per call.
-        let s = store.clone();
-        let r = run.clone();
-        let st = median3(n, tasks, 1, move |i| {
-            let s = s.clone();
-            let key = DedupKey::new(r.clone(), format!("m-{i}"));
-            async move {
-                let req = ClaimRequest::new(key?, None, LEASE, RETAIN);
-                let Claim::Acquired(l) = s.claim(&req).await? else {
-                    return Err("not acquired".into());
-                };
-                s.complete(l, None, RETAIN).await?;
-                Ok(())
-            }
-        })
-        .await?;
+        let st = store_rate(&store, n, tasks, 1).await?;
+        let sc = store_rate(&scripts, n, tasks, 1).await?;
         let c = conn.clone();
         let r = run.clone();
         let raw1 = median3(n, tasks, 1, move |i| {
@@ -185,40 +244,11 @@ async fn primitives(url: &str, n: usize) -> Result<(), BoxErr> {
             }
         })
         .await?;
-        println!("| {tasks} | 1 | {st:.0} | {raw1:.0} | {raw2:.0} | {:.2} |", st / raw2);
+        println!("| {tasks} | 1 | {st:.0} | {sc:.0} | {raw1:.0} | {raw2:.0} | {:.2} |", st / raw2);
 
         // Batches of 16 per round trip.
-        let s = store.clone();
-        let r = run.clone();
-        let stb = median3(n, tasks, BATCH, move |i| {
-            let s = s.clone();
-            let r = r.clone();
-            async move {
-                let reqs = (i..i + BATCH)
-                    .map(|j| {
-                        DedupKey::new(r.clone(), format!("p-{j}"))
-                            .map(|k| ClaimRequest::new(k, None, LEASE, RETAIN))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let claims = s.claim_many(&reqs).await?;
-                let done = claims.into_iter().map(|c| {
-                    let s = s.clone();
-                    async move {
-                        match c {
-                            Claim::Acquired(l) => {
-                                s.complete(l, None, RETAIN).await.map_err(BoxErr::from)
-                            }
-                            _ => Err(BoxErr::from("not acquired")),
-                        }
-                    }
-                });
-                for d in futures_util::future::join_all(done).await {
-                    d?;
-                }
-                Ok(())
-            }
-        })
-        .await?;
+        let stb = store_rate(&store, n, tasks, BATCH).await?;
+        let scb = store_rate(&scripts, n, tasks, BATCH).await?;
         let c = conn.clone();
         let r = run.clone();
         let rawb1 = median3(n, tasks, BATCH, move |i| {
@@ -256,7 +286,10 @@ async fn primitives(url: &str, n: usize) -> Result<(), BoxErr> {
             }
         })
         .await?;
-        println!("| {tasks} | {BATCH} | {stb:.0} | {rawb1:.0} | {rawb2:.0} | {:.2} |", stb / rawb2);
+        println!(
+            "| {tasks} | {BATCH} | {stb:.0} | {scb:.0} | {rawb1:.0} | {rawb2:.0} | {:.2} |",
+            stb / rawb2
+        );
     }
     Ok(())
 }
@@ -306,7 +339,15 @@ async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
     println!("workload: {} messages, {} unique", lines.len(), ids.len());
     println!("| tasks × batch | in flight | runs msgs/s | median msgs/s | exactly once |");
     println!("|---|---:|---|---:|---|");
-    for (inflight, batch) in [(1usize, 1usize), (16, 1), (64, 1), (1, 16), (1, 64), (4, 64)] {
+    let shapes = std::env::var("IDEM_BENCH_SHAPES").unwrap_or_else(|_| SHAPES.to_owned());
+    let shapes: Vec<(usize, usize)> = shapes
+        .split(',')
+        .map(|s| {
+            let (t, b) = s.split_once('x').ok_or("shape is TASKSxBATCH")?;
+            Ok::<_, BoxErr>((t.trim().parse()?, b.trim().parse()?))
+        })
+        .collect::<Result<_, _>>()?;
+    for (inflight, batch) in shapes {
         let mut rates = Vec::new();
         let mut all_ok = true;
         for _ in 0..repeats {

@@ -26,6 +26,24 @@ pub enum Error {
         /// The policy the server reported.
         policy: String,
     },
+    /// A check of one Redis Cluster master failed (its eviction policy, say).
+    #[error("Redis Cluster master {node}: {source}")]
+    ClusterNode {
+        /// The master's address (`host:port`).
+        node: String,
+        /// What failed there.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A store operation the setup needs failed (reading the server's clock).
+    #[error("Redis `{op}` failed during setup: {source}")]
+    Store {
+        /// The operation.
+        op: &'static str,
+        /// The store's error.
+        #[source]
+        source: idem_core::StoreError,
+    },
     /// The namespace is not usable inside a Redis key.
     #[error("Redis namespace {value:?} is invalid: {reason}")]
     InvalidNamespace {

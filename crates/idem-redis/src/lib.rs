@@ -115,7 +115,7 @@ pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
 pub use publish::{Refused, StreamPublisher};
 #[doc(hidden)]
 pub use store::ClockOffset;
-pub use store::{MAX_RESULT_BYTES, RedisStore, RedisStoreBuilder, ServerSettings};
+pub use store::{MAX_RESULT_BYTES, RedisConnection, RedisStore, RedisStoreBuilder, ServerSettings};
 pub use stream::{GROUP_FIELD, StreamConfig, StreamEntry, StreamSource};
 
 /// A Redis stream consumer made idempotent: the shared driver over a [`StreamSource`], in

@@ -43,6 +43,7 @@ const HANG_AT: usize = 3;
 #[derive(Clone, Debug)]
 struct Setup {
     inbox: bool,
+    /// One server's URL, or (on a cluster) the node URLs separated by commas.
     url: String,
     stream: String,
     /// The SQLite file (inbox mode: records and ledger).
@@ -52,6 +53,35 @@ struct Setup {
 }
 
 impl Setup {
+    fn cluster(&self) -> bool {
+        self.url.contains(',')
+    }
+
+    fn nodes(&self) -> Vec<&str> {
+        self.url.split(',').collect()
+    }
+
+    /// The stream's config, on the cluster or the one server.
+    fn stream_config(&self, name: &str) -> StreamConfig {
+        if self.cluster() {
+            let client = redis::cluster::ClusterClient::new(self.nodes()).expect("cluster client");
+            StreamConfig::cluster(client, &self.stream, GROUP, name)
+        } else {
+            let client = redis::Client::open(self.url.as_str()).expect("client");
+            StreamConfig::new(client, &self.stream, GROUP, name)
+        }
+    }
+
+    /// The store in the test's namespace (its connection also carries the ledger).
+    async fn store(&self) -> RedisStore {
+        let builder = if self.cluster() {
+            RedisStore::cluster_builder(self.nodes()).expect("urls")
+        } else {
+            RedisStore::builder(&self.url).expect("url")
+        };
+        builder.namespace(&self.namespace).expect("namespace").connect().await.expect("store")
+    }
+
     fn spec(&self) -> String {
         let mode = if self.inbox { "inbox" } else { "two-phase" };
         format!("{mode}|{}|{}|{}|{}", self.url, self.stream, self.db, self.namespace)
@@ -101,12 +131,10 @@ async fn consume(
     hook: Hook,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
-    let client = redis::Client::open(setup.url.as_str()).expect("client");
     // The hanging consumer never takes over entries: what the aborted one left is the
     // survivors' to find.
     let reclaim = if role == Role::Hang { Duration::from_secs(3600) } else { RECLAIM };
-    let config =
-        StreamConfig::new(client.clone(), &setup.stream, GROUP, name).reclaim_idle(reclaim);
+    let config = setup.stream_config(name).reclaim_idle(reclaim);
     let builder = |b: Builder<StreamConfig>| {
         b.batch(if role == Role::Hang { 1 } else { 64 })
             .idle_wait(Duration::from_millis(100))
@@ -147,13 +175,8 @@ async fn consume(
         };
         c.run(handler, shutdown).await.expect("run")
     } else {
-        let store = RedisStore::builder(&setup.url)
-            .expect("url")
-            .namespace(&setup.namespace)
-            .expect("namespace")
-            .connect()
-            .await
-            .expect("store");
+        let store = setup.store().await;
+        let ledger = store.connection().clone();
         let engine = Consumer::builder(store)
             .scope("crash")
             .lease(LEASE)
@@ -165,7 +188,6 @@ async fn consume(
             .build()
             .await
             .expect("consumer");
-        let ledger = client.get_multiplexed_async_connection().await.expect("ledger");
         let (ledger_key, took_over_key) = (setup.ledger_key(), setup.took_over_key());
         let handler = |ctx: Context, e: StreamEntry| {
             let key = e.message_id().unwrap_or_default().to_owned();
@@ -228,10 +250,16 @@ async fn child(setup: &Setup, role: &str, until: Option<&str>) -> Vec<String> {
     .await
 }
 
-async fn crash(inbox: bool) {
-    let Some(url) = common::url() else { return };
+async fn crash(inbox: bool, cluster: bool) {
+    let (url, (store, _offset, mut cleanup)) = if cluster {
+        let Some(urls) = common::cluster_urls() else { return };
+        (urls.join(","), common::cluster_store(&urls, "crash", true).await)
+    } else {
+        let Some(url) = common::url() else { return };
+        let store = common::store(&url, "crash").await;
+        (url, store)
+    };
     let stream = common::fresh_name(if inbox { "crash-inbox" } else { "crash-2p" });
-    let (store, _offset, mut cleanup) = common::store(&url, "crash").await;
     cleanup.patterns.push(format!("{stream}*"));
     let dir = tempfile::tempdir().expect("tempdir");
     let setup = Setup {
@@ -249,8 +277,7 @@ async fn crash(inbox: bool) {
         .expect("ledger");
 
     // 1,000 orders, 100 of them sent twice, and one id reused with other content last.
-    let client = redis::Client::open(url.as_str()).expect("client");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let mut conn = store.connection().clone();
     let mut pipe = redis::pipe();
     let body = |i: usize| format!(r#"{{"order":{i}}}"#);
     for i in (0..ORDERS).chain((0..ORDERS).step_by(ORDERS / DUPLICATES)) {
@@ -346,10 +373,21 @@ async fn crash(inbox: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_inbox_mode() {
-    crash(true).await;
+    crash(true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_two_phase_mode() {
-    crash(false).await;
+    crash(false, false).await;
+}
+
+/// The stream, the ledger and the records on the local 3-master Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_inbox_mode_on_cluster() {
+    crash(true, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_two_phase_mode_on_cluster() {
+    crash(false, true).await;
 }

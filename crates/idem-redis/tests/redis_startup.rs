@@ -8,7 +8,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore};
+use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Lease};
 use idem_redis::{Error, RedisStore, ServerSettings};
 
 /// A `redis-server` of our own, killed when dropped.
@@ -120,16 +120,20 @@ fn info_field(info: &str, name: &str) -> i64 {
         .unwrap_or(-1)
 }
 
-fn evalsha_calls(stats: &str) -> i64 {
+fn calls(stats: &str, cmd: &str) -> i64 {
     stats
         .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
         .and_then(|v| v.split(',').next()?.parse().ok())
         .unwrap_or(0)
 }
 
+fn evalsha_calls(stats: &str) -> i64 {
+    calls(stats, "evalsha")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_claims_share_one_connection_and_a_batch_is_one_script() {
+async fn concurrent_claims_share_one_connection_and_a_batch_is_one_round_trip() {
     let Some(server) = spawn(&["--appendonly", "no"]) else { return };
     let store = RedisStore::connect(&server.url).await.expect("connect");
     let req = |i: usize| {
@@ -158,14 +162,152 @@ async fn concurrent_claims_share_one_connection_and_a_batch_is_one_script() {
     // The store's connection, plus the one `spawn` pinged the server with.
     assert_eq!(info_field(&stats, "total_connections_received"), 2);
 
-    // A first batch loads the script (EVALSHA answers NOSCRIPT once on a fresh server).
-    let _ = store.claim_many(&[req(99)]).await.expect("claim_many");
-    let before: String =
-        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    let stats = |mut conn: idem_redis::RedisConnection| async move {
+        let s: String =
+            redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+        (evalsha_calls(&s), calls(&s, "set"))
+    };
+
+    // Fresh keys: one pipeline of `SET … NX GET`, no script at all.
+    assert!(store.fast_claim(), "Redis 7 takes the fast path");
+    let (e0, s0) = stats(conn.clone()).await;
     let reqs: Vec<ClaimRequest> = (100..400).map(req).collect();
     let claims = store.claim_many(&reqs).await.expect("claim_many");
+    let (e1, s1) = stats(conn.clone()).await;
     assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
+    assert_eq!((e1 - e0, s1 - s0), (0, 300), "300 fresh claims: 300 SETs, no script");
+
+    // Released keys need the script: the same pipeline, then one script for those it left.
+    // (A first such batch loads the script: EVALSHA answers NOSCRIPT once on a fresh server.)
+    let Claim::Acquired(l) = store.claim(&req(999)).await.expect("claim") else { panic!() };
+    store.release(l).await.expect("release");
+    let _ = store.claim_many(&[req(999)]).await.expect("claim_many");
+    for c in claims.into_iter().take(10) {
+        let Claim::Acquired(lease) = c else { unreachable!() };
+        store.release(lease).await.expect("release");
+    }
+    let (e0, _) = stats(conn.clone()).await;
+    let again = store.claim_many(&reqs[..20]).await.expect("claim_many");
+    let (e1, _) = stats(conn.clone()).await;
+    assert!(again[..10].iter().all(|c| matches!(c, Claim::Acquired(l) if l.attempt() == 2)));
+    assert!(again[10..].iter().all(|c| matches!(c, Claim::InProgress { .. })));
+    assert_eq!(e1 - e0, 1, "10 released keys, one script call");
+
+    // Without the fast path, the batch is one script (loaded above).
+    let scripts = RedisStore::builder(&server.url)
+        .expect("url")
+        .fast_claim(false)
+        .connect()
+        .await
+        .expect("connect");
+    assert!(!scripts.fast_claim());
+    let (e0, _) = stats(conn.clone()).await;
+    let reqs: Vec<ClaimRequest> = (400..700).map(req).collect();
+    let claims = scripts.claim_many(&reqs).await.expect("claim_many");
+    let (e1, _) = stats(conn.clone()).await;
+    assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
+    assert_eq!(e1 - e0, 1, "300 claims, one script call");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_completions_share_a_script() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = RedisStore::builder(&server.url)
+        .expect("url")
+        .coalesce_completions(true)
+        .connect()
+        .await
+        .expect("connect");
+    let mut conn = store.connection().clone();
+    let n = 200;
+    let mut leases = Vec::new();
+    for i in 0..n {
+        let req = ClaimRequest::new(
+            DedupKey::new("coalesce", format!("k-{i}")).expect("key"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        );
+        let Claim::Acquired(l) = store.claim(&req).await.expect("claim") else { panic!() };
+        leases.push((req, l));
+    }
+    // Load the script first, so the count below is of calls only.
+    let (req0, l0) = leases.pop().expect("lease");
+    let copy = Lease::new(l0.key().clone(), None, l0.token(), 1, l0.until(), None);
+    store.complete(l0, Some(b"r"), Duration::from_secs(60)).await.expect("complete");
+    let before: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+    let mut reqs = vec![req0];
+    let mut done = Vec::new();
+    for (req, l) in leases {
+        reqs.push(req);
+        let s = store.clone();
+        done.push(tokio::spawn(
+            async move { s.complete(l, Some(b"r"), Duration::from_secs(60)).await },
+        ));
+    }
+    for d in done {
+        d.await.expect("task").expect("complete");
+    }
     let after: String =
         redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
-    assert_eq!(evalsha_calls(&after) - evalsha_calls(&before), 1, "300 claims, one script call");
+    let scripts = evalsha_calls(&after) - evalsha_calls(&before);
+    assert!(scripts < (n - 1) / 2, "{} completions in {scripts} scripts", n - 1);
+    // Every answer is the record's own: completed with its result, and a repeat is fenced.
+    for req in &reqs {
+        let Claim::Completed(r) = store.claim(req).await.expect("claim") else { panic!() };
+        assert_eq!(r.result.as_deref(), Some(&b"r"[..]));
+    }
+    let again = store.complete(copy, None, Duration::from_secs(60)).await;
+    assert!(matches!(again, Err(idem_core::StoreError::LeaseLost { .. })), "{again:?}");
+}
+
+/// Completions whose callers are cancelled mid-flight strand nothing: the queue is handed on,
+/// and later completions are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_coalesced_completions_strand_nothing() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = RedisStore::builder(&server.url)
+        .expect("url")
+        .coalesce_completions(true)
+        .connect()
+        .await
+        .expect("connect");
+    let claim = |i: usize| {
+        let s = store.clone();
+        async move {
+            let req = ClaimRequest::new(
+                DedupKey::new("cancel", format!("k-{i}")).expect("key"),
+                None,
+                Duration::from_secs(30),
+                Duration::from_secs(60),
+            );
+            let Claim::Acquired(l) = s.claim(&req).await.expect("claim") else { panic!() };
+            (req, l)
+        }
+    };
+    for round in 0..20 {
+        let mut tasks = Vec::new();
+        for i in 0..16 {
+            let (_, l) = claim(round * 100 + i).await;
+            let s = store.clone();
+            tasks.push(tokio::spawn(
+                async move { s.complete(l, None, Duration::from_secs(60)).await },
+            ));
+        }
+        tokio::task::yield_now().await;
+        for t in &tasks[..8] {
+            t.abort();
+        }
+        for t in tasks.into_iter().skip(8) {
+            let answer = tokio::time::timeout(Duration::from_secs(5), t).await;
+            assert!(matches!(answer, Ok(Ok(Ok(())))), "round {round}: {answer:?}");
+        }
+    }
+    let (req, l) = claim(9_999).await;
+    tokio::time::timeout(Duration::from_secs(5), store.complete(l, None, Duration::from_secs(60)))
+        .await
+        .expect("a later completion is answered")
+        .expect("complete");
+    assert!(matches!(store.claim(&req).await.expect("claim"), Claim::Completed(_)));
 }

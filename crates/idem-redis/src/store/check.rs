@@ -2,6 +2,7 @@
 
 use redis::aio::ConnectionLike;
 
+use super::RedisConnection;
 use crate::Error;
 
 /// What the server says about eviction and persistence.
@@ -15,6 +16,8 @@ pub struct ServerSettings {
     pub rdb: Option<bool>,
     /// Whether the append-only file is on (`INFO persistence` `aof_enabled`).
     pub aof: bool,
+    /// `redis_version` (from `INFO server`), `unknown` when absent.
+    pub redis_version: String,
 }
 
 impl ServerSettings {
@@ -43,6 +46,11 @@ impl ServerSettings {
             .query_async(conn)
             .await
             .map_err(Error::redis("INFO persistence"))?;
+        let server: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(conn)
+            .await
+            .map_err(Error::redis("INFO server"))?;
         let save: Result<Vec<String>, _> =
             redis::cmd("CONFIG").arg("GET").arg("save").query_async(conn).await;
         Ok(Self {
@@ -51,7 +59,17 @@ impl ServerSettings {
                 .to_owned(),
             rdb: save.ok().map(|kv| kv.get(1).is_some_and(|v| !v.trim().is_empty())),
             aof: info_field(&persistence, "aof_enabled") == Some("1"),
+            redis_version: info_field(&server, "redis_version").unwrap_or("unknown").to_owned(),
         })
+    }
+
+    /// Whether the server takes `SET … NX GET` (Redis ≥ 7.0), which the fast claim needs.
+    pub fn supports_set_nx_get(&self) -> bool {
+        self.redis_version
+            .split('.')
+            .next()
+            .and_then(|major| major.parse::<u32>().ok())
+            .is_some_and(|major| major >= 7)
     }
 
     /// Whether the policy never evicts keys.
@@ -88,6 +106,58 @@ impl ServerSettings {
     }
 }
 
+/// Reads and enforces the settings of every master of the cluster behind `conn` (from
+/// `CLUSTER NODES`); returns them. An error names the master.
+pub(crate) async fn check_masters(
+    conn: &RedisConnection,
+    allow_eviction: bool,
+) -> Result<Vec<ServerSettings>, Error> {
+    let nodes: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut conn.clone())
+        .await
+        .map_err(Error::redis("CLUSTER NODES"))?;
+    let masters = masters(&nodes);
+    if masters.is_empty() {
+        return Err(Error::Redis {
+            op: "CLUSTER NODES",
+            source: redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "the cluster reports no reachable master",
+            )),
+        });
+    }
+    let mut out = Vec::with_capacity(masters.len());
+    for (host, port) in masters {
+        let node = format!("{host}:{port}");
+        let wrap = |e: Error| Error::ClusterNode { node: node.clone(), source: Box::new(e) };
+        let Some(mut on) = conn.node(&host, port) else { break };
+        let settings = ServerSettings::read(&mut on).await.map_err(wrap)?;
+        settings.enforce(allow_eviction).map_err(wrap)?;
+        out.push(settings);
+    }
+    Ok(out)
+}
+
+/// The `host`, `port` of each master in a `CLUSTER NODES` reply that is not marked failed.
+fn masters(nodes: &str) -> Vec<(String, u16)> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let addr = f.nth(1)?;
+            let flags = f.next()?;
+            let flags: Vec<&str> = flags.split(',').collect();
+            if !flags.contains(&"master") || flags.iter().any(|f| f.starts_with("fail")) {
+                return None;
+            }
+            let hostport = addr.split(['@', ',']).next()?;
+            let (host, port) = hostport.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect()
+}
+
 fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')).map(str::trim)
 }
@@ -97,7 +167,33 @@ mod tests {
     use super::*;
 
     fn settings(policy: &str, rdb: Option<bool>, aof: bool) -> ServerSettings {
-        ServerSettings { maxmemory_policy: policy.to_owned(), rdb, aof }
+        ServerSettings {
+            maxmemory_policy: policy.to_owned(),
+            rdb,
+            aof,
+            redis_version: "7.0.15".to_owned(),
+        }
+    }
+
+    #[test]
+    fn versions_and_cluster_masters() {
+        let mut s = settings("noeviction", None, true);
+        assert!(s.supports_set_nx_get());
+        s.redis_version = "6.2.14".into();
+        assert!(!s.supports_set_nx_get());
+        s.redis_version = "unknown".into();
+        assert!(!s.supports_set_nx_get());
+        let nodes = "\
+a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7001@17001 master - 0 1 2 connected 5461-10922
+c3 127.0.0.1:7002@17002,host.example master,fail - 0 1 3 connected
+d4 127.0.0.1:7003@17003 slave a1 0 1 1 connected
+e5 ::1:7004@17004 master - 0 1 4 connected 10923-16383
+";
+        assert_eq!(
+            masters(nodes),
+            vec![("127.0.0.1".into(), 7000), ("127.0.0.1".into(), 7001), ("::1".into(), 7004)]
+        );
     }
 
     #[test]

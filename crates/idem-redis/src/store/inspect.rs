@@ -9,23 +9,28 @@ use super::{MAX_RESULT_BYTES, RedisStore, backend, decode};
 const SCAN_COUNT: usize = 1000;
 
 impl RedisStore {
-    /// One `SCAN … MATCH idem:{ns}:*` step from `cursor`: the next cursor (0 at the end) and a
-    /// page of record keys. `SCAN` visits the whole database (other keys too) a page at a time
+    /// One `SCAN … MATCH idem:{ns}:*` step from `cursor` (on a cluster, on the namespace's
+    /// master): the next cursor (0 at the end) and a page of record keys. `SCAN` visits the whole database (other keys too) a page at a time
     /// without blocking the server; a key may be visited twice.
     async fn scan_step(
         &self,
         op: &'static str,
         cursor: u64,
     ) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
-        redis::cmd("SCAN")
-            .arg(cursor)
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
             .arg("MATCH")
             .arg(format!("{}*", self.ns.key_prefix()))
             .arg("COUNT")
-            .arg(SCAN_COUNT)
-            .query_async(&mut self.conn.clone())
+            .arg(SCAN_COUNT);
+        // On a cluster, the namespace's records all live on the master owning its slot.
+        let v = self
+            .conn
+            .on_slot_master(self.ns.key_prefix(), scan)
             .await
-            .map_err(|e| backend(op, e))
+            .map_err(|e| backend(op, e))?;
+        redis::from_redis_value(v)
+            .map_err(|e| StoreError::Corrupt { what: format!("SCAN reply: {e}") })
     }
 
     /// The records behind `keys`, decoded; keys deleted meanwhile are skipped.

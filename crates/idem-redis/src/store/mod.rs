@@ -1,43 +1,64 @@
-//! `RedisStore`: the dedup contract on Redis, one Lua script per operation.
+//! `RedisStore`: the dedup contract on Redis: a script-free fresh claim, and one Lua script
+//! for every other read-decide-write.
 
 mod check;
+mod clock;
+mod coalesce;
 mod codec;
+mod conn;
 mod decode;
+mod fast;
 mod inspect;
 mod scripts;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::time::duration_micros;
 use idem_core::{
     Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Lease, StoreError, Timestamp,
 };
-use redis::aio::ConnectionManager;
+use redis::cluster::ClusterClient;
 use redis::{Client, Script, Value};
 
 pub use check::ServerSettings;
+pub(crate) use conn::Deployment;
+pub use conn::RedisConnection;
 
 use crate::{Error, Namespace};
 
 /// Largest stored result or reason, in bytes.
 pub const MAX_RESULT_BYTES: usize = 1 << 20;
 
-/// A dedup store on Redis (standalone, or a cluster node through one hash-tagged namespace).
+/// A dedup store on Redis: a standalone server ([`RedisStore::builder`]) or a Redis Cluster
+/// ([`RedisStore::cluster_builder`]), where each namespace lives on the node owning its hash
+/// slot (see [`Namespace`]).
 ///
-/// - **Atomic per key.** Claim, complete, fail, release and extend are each one Lua script: the
-///   read-decide-write runs on the server with nothing in between. `claim_many` is one script
-///   over the whole batch: one round trip, applied as one step.
+/// - **A fresh key costs one plain command.** On Redis ≥ 7.0 a claim is first
+///   `SET key <in-progress record> NX GET PX <retention>`: Redis itself arbitrates between
+///   concurrent claimers, and when the key exists it returns the record without writing. The
+///   answers that write nothing (completed, conflict, a lease clearly live) are decided from that
+///   record; every other case (an expired lease, a released or failed record, a deadline within
+///   a few milliseconds) goes to the claim script. The fresh record is stamped from an estimate
+///   of the **server's** clock (its `TIME`, re-read every 5 s, plus the monotonic time since).
+/// - **Atomic per key.** Every other read-decide-write (a takeover, complete, fail, release,
+///   extend) is one Lua script that reads Redis' own `TIME`: nothing runs in between.
+///   `claim_many` is one pipeline of those `SET`s, then one script for the keys it left open.
 /// - **Fenced.** The record keeps its fencing token and attempt; the finishing scripts compare
 ///   the token and change nothing when it moved on.
-/// - **Whose clock.** Every script reads Redis' own `TIME`; consumer clocks are never compared.
+/// - **Completions** are one fenced script each (without `TIME` when the fast path's clock
+///   estimate is fresh), pipelined on the shared connection with everything else; see
+///   [`RedisStoreBuilder::coalesce_completions`] to group them into fewer scripts.
 /// - **Retention is the key's native TTL**: each write sets `PEXPIRE` to the record's expiry, so
 ///   Redis deletes records itself and [`DedupStore::purge`] has nothing to do (it returns 0).
-/// - **Pipelining.** The store holds one multiplexed [`ConnectionManager`] (reconnecting);
-///   clones share it, so concurrent claims from many tasks travel pipelined on one socket.
+/// - **Pipelining.** The store holds one multiplexed connection (reconnecting; on a cluster,
+///   one per node); clones share it, so concurrent claims travel pipelined on one socket.
+/// - **Replication is asynchronous** unless [`RedisStoreBuilder::wait_for_replicas`] is set:
+///   see its documentation for what a failover can lose.
 ///
-/// [`RedisStore::connect`] refuses a server whose `maxmemory-policy` can evict records and warns
-/// when persistence is off (see [`RedisStoreBuilder::allow_eviction`]).
+/// [`RedisStoreBuilder::connect`] refuses a server (on a cluster, any master) whose
+/// `maxmemory-policy` can evict records and warns when persistence is off (see
+/// [`RedisStoreBuilder::allow_eviction`]).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -55,10 +76,22 @@ pub const MAX_RESULT_BYTES: usize = 1 << 20;
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: RedisConnection,
     ns: Namespace,
     scripts: Arc<Scripts>,
     offset: Option<ClockOffset>,
+    /// `None` when claims always run the script (Redis < 7.0, or turned off).
+    clock: Option<Arc<clock::ServerClock>>,
+    replication: Option<Replication>,
+    coalesce: bool,
+    completes: Arc<coalesce::Queue>,
+}
+
+/// `WAIT` after each write: at least `replicas` acknowledgements within `timeout`.
+#[derive(Debug, Clone, Copy)]
+struct Replication {
+    replicas: u32,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -110,11 +143,14 @@ pub type ClockOffset = idem_core::time::ClockSkew;
 /// Configures a [`RedisStore`]: the namespace, the eviction override, the connection.
 #[must_use]
 pub struct RedisStoreBuilder {
-    client: Client,
+    target: Deployment,
     ns: Namespace,
     allow_eviction: bool,
     response_timeout: Duration,
     offset: Option<ClockOffset>,
+    fast_claim: bool,
+    replication: Option<Replication>,
+    coalesce: bool,
 }
 
 impl std::fmt::Debug for RedisStoreBuilder {
@@ -122,6 +158,9 @@ impl std::fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("namespace", &self.ns)
             .field("allow_eviction", &self.allow_eviction)
+            .field("cluster", &matches!(self.target, Deployment::Cluster(_)))
+            .field("fast_claim", &self.fast_claim)
+            .field("replication", &self.replication)
             .finish_non_exhaustive()
     }
 }
@@ -151,6 +190,50 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Claim a fresh key with one `SET … NX GET` instead of the claim script (default on; used
+    /// only when the server, or every cluster master, runs Redis ≥ 7.0). Turn it off to compare,
+    /// or where a proxy in front of Redis refuses `SET` with both `NX` and `GET`.
+    pub fn fast_claim(mut self, on: bool) -> Self {
+        self.fast_claim = on;
+        self
+    }
+
+    /// Coalesce concurrent `complete` calls (default off): while 4 completion scripts are in
+    /// flight, further completions queue and leave together in the next script. Redis then
+    /// runs fewer scripts, each with a fixed cost several times a `SET`'s, at the price of
+    /// shallower pipelining. Worth it when Redis' CPU is the bottleneck (many consumer
+    /// processes on one Redis); on one process and a Redis with CPU to spare, completions
+    /// pipelined on the shared connection are faster (`docs/BENCHMARKS.md`). `claim_many` /
+    /// `complete_many` (the batch path) are one round trip either way.
+    pub fn coalesce_completions(mut self, on: bool) -> Self {
+        self.coalesce = on;
+        self
+    }
+
+    /// After every write (claim, completion, failure, release, extension), wait until at least
+    /// `replicas` replicas acknowledged it, for at most `timeout` (Redis `WAIT`). Off by default.
+    ///
+    /// **What it buys.** Redis replicates asynchronously: a write acknowledged by a master that
+    /// dies before forwarding it is gone once a replica takes over. For a claim, the new master
+    /// has no record, so a redelivery runs the handler while the first run may still be going;
+    /// for a completion, the key reads as in progress and, once the lease ends, a redelivery
+    /// runs the handler again. With `wait_for_replicas(1, ..)` and one replica per master, an
+    /// operation returns only after the replica has it, so a failover that promotes that
+    /// replica keeps it.
+    ///
+    /// **What it does not.** `WAIT` is not a consensus write: if the acknowledging replica is
+    /// not the one promoted, or the master fails while the write has reached no replica (the
+    /// operation then returns an error, the message is not acknowledged, and the write may
+    /// still be lost), the guarantee does not hold. Replicas' own persistence is their
+    /// `appendonly` setting. A shortfall is a retryable error naming the counts.
+    ///
+    /// It costs one more round trip per write (completions coalesced under load share one):
+    /// see `docs/BENCHMARKS.md`. `replicas` 0 turns it off.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replication = (replicas > 0).then_some(Replication { replicas, timeout });
+        self
+    }
+
     /// Adds a test-controlled offset to the server's clock. For tests only: see [`ClockOffset`].
     #[doc(hidden)]
     pub fn clock_offset(mut self, offset: ClockOffset) -> Self {
@@ -158,24 +241,50 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects and checks the server's settings: refuses an evicting `maxmemory-policy`
-    /// (unless [`allow_eviction`](Self::allow_eviction)), logs a warning when neither RDB
-    /// snapshots nor the AOF are on (a restart then forgets every record).
+    /// Connects and checks the server's settings (on a cluster, every master's): refuses an
+    /// evicting `maxmemory-policy` (unless [`allow_eviction`](Self::allow_eviction)), logs a
+    /// warning when neither RDB snapshots nor the AOF are on (a restart then forgets every
+    /// record).
     ///
     /// # Errors
-    /// [`Error::Redis`] when the server cannot be reached; [`Error::EvictingPolicy`].
+    /// [`Error::Redis`] when the server cannot be reached; [`Error::EvictingPolicy`];
+    /// [`Error::ClusterNode`] naming the cluster master that failed a check.
     pub async fn connect(self) -> Result<RedisStore, Error> {
-        let cfg = redis::aio::ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.response_timeout))
-            .set_number_of_retries(3);
-        let mut conn = self
-            .client
-            .get_connection_manager_with_config(cfg)
-            .await
-            .map_err(Error::redis("connect"))?;
-        let settings = ServerSettings::read(&mut conn).await?;
-        settings.enforce(self.allow_eviction)?;
-        Ok(RedisStore { conn, ns: self.ns, scripts: Arc::new(Scripts::new()), offset: self.offset })
+        let (conn, all_support_fast) = match self.target {
+            Deployment::Single(client) => {
+                let cfg = redis::aio::ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_number_of_retries(3);
+                let mut conn = client
+                    .get_connection_manager_with_config(cfg)
+                    .await
+                    .map_err(Error::redis("connect"))?;
+                let settings = ServerSettings::read(&mut conn).await?;
+                settings.enforce(self.allow_eviction)?;
+                (RedisConnection::single(conn), settings.supports_set_nx_get())
+            }
+            Deployment::Cluster(client) => {
+                let conn = client.get_async_connection().await.map_err(Error::redis("connect"))?;
+                let conn = RedisConnection::cluster(conn);
+                let masters = check::check_masters(&conn, self.allow_eviction).await?;
+                (conn, masters.iter().all(ServerSettings::supports_set_nx_get))
+            }
+        };
+        let store = RedisStore {
+            conn,
+            ns: self.ns,
+            scripts: Arc::new(Scripts::new()),
+            offset: self.offset,
+            clock: (self.fast_claim && all_support_fast)
+                .then(|| Arc::new(clock::ServerClock::default())),
+            replication: self.replication,
+            coalesce: self.coalesce,
+            completes: Arc::new(coalesce::Queue::default()),
+        };
+        if store.clock.is_some() {
+            store.anchor_clock().await.map_err(|e| Error::Store { op: "TIME", source: e })?;
+        }
+        Ok(store)
     }
 }
 
@@ -190,12 +299,49 @@ impl RedisStore {
 
     /// A builder over an existing client.
     pub fn builder_for(client: Client) -> RedisStoreBuilder {
+        Self::builder_with(Deployment::Single(client))
+    }
+
+    /// A builder for a Redis Cluster reached through any of `nodes` (`redis://host:port/`; the
+    /// rest of the cluster is discovered). Records of a namespace live on the master owning its
+    /// hash slot; run several namespaces to spread consumers over the masters.
+    ///
+    /// ```no_run
+    /// use idem_redis::RedisStore;
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), idem_redis::Error> {
+    /// let store = RedisStore::cluster_builder(["redis://127.0.0.1:7000/", "redis://127.0.0.1:7001/"])?
+    ///     .namespace("orders")?
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Redis`] when a URL does not parse.
+    pub fn cluster_builder<I, T>(nodes: I) -> Result<RedisStoreBuilder, Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: redis::IntoConnectionInfo,
+    {
+        let client = ClusterClient::builder(nodes)
+            .response_timeout(Duration::from_secs(5))
+            .connection_timeout(Duration::from_secs(5))
+            .retries(6)
+            .build()
+            .map_err(Error::redis("open cluster"))?;
+        Ok(Self::builder_with(Deployment::Cluster(Box::new(client))))
+    }
+
+    fn builder_with(target: Deployment) -> RedisStoreBuilder {
         RedisStoreBuilder {
-            client,
+            target,
             ns: Namespace::default(),
             allow_eviction: false,
             response_timeout: Duration::from_secs(5),
             offset: None,
+            fast_claim: true,
+            replication: None,
+            coalesce: false,
         }
     }
 
@@ -213,8 +359,13 @@ impl RedisStore {
     }
 
     /// The shared multiplexed connection (clone it to run your own commands on it).
-    pub fn connection(&self) -> &ConnectionManager {
+    pub fn connection(&self) -> &RedisConnection {
         &self.conn
+    }
+
+    /// Whether fresh claims take the script-free `SET … NX GET` path.
+    pub fn fast_claim(&self) -> bool {
+        self.clock.is_some()
     }
 
     /// The Redis key of a dedup key's record.
@@ -227,18 +378,177 @@ impl RedisStore {
     /// # Errors
     /// Backend errors.
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
-        let v: i64 = self
-            .scripts
+        Ok(Timestamp::from_micros(self.server_time(self.offset_us()).await?))
+    }
+
+    /// `TIME` (µs) plus `offset`, from the node holding the namespace (the key only routes).
+    async fn server_time(&self, offset: i64) -> Result<i64, StoreError> {
+        self.scripts
             .now
-            .arg(self.offset_us())
+            .key(self.ns.key_prefix())
+            .arg(offset)
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(|e| backend("now", e))?;
-        Ok(Timestamp::from_micros(v))
+            .map_err(|e| backend("now", e))
+    }
+
+    /// Reads the server clock for the fast claim path (without the test offset: it is added
+    /// when the estimate is used, so moving it takes effect at once).
+    async fn anchor_clock(&self) -> Result<Option<clock::Estimate>, StoreError> {
+        let Some(clock) = &self.clock else { return Ok(None) };
+        let sent = Instant::now();
+        let server = self.server_time(0).await?;
+        clock.anchor(server, sent, Instant::now());
+        Ok(clock.estimate())
+    }
+
+    /// The server clock estimate (test offset included) for a fast claim, re-anchored when
+    /// old; `None` when claims go to the script.
+    async fn estimate(&self) -> Result<Option<clock::Estimate>, StoreError> {
+        let Some(clock) = &self.clock else { return Ok(None) };
+        let est = match clock.estimate() {
+            Some(e) => Some(e),
+            None => self.anchor_clock().await?,
+        };
+        Ok(est.map(|e| clock::Estimate { now_us: e.now_us + self.offset_us(), ..e }))
     }
 
     fn offset_us(&self) -> i64 {
         self.offset.as_ref().map_or(0, ClockOffset::micros)
+    }
+
+    /// With [`RedisStoreBuilder::wait_for_replicas`]: `WAIT` for the writes made so far on
+    /// this connection to reach the replicas.
+    async fn replicated(&self, op: &'static str) -> Result<(), StoreError> {
+        let Some(r) = self.replication else { return Ok(()) };
+        let ms = u64::try_from(r.timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let v = self
+            .conn
+            .on_slot_master(
+                self.ns.key_prefix(),
+                redis::cmd("WAIT").arg(r.replicas).arg(ms).clone(),
+            )
+            .await
+            .map_err(|e| backend(op, e))?;
+        let acked = decode::int_reply(&v, "WAIT reply")?;
+        if acked < i64::from(r.replicas) {
+            return Err(StoreError::backend(
+                op,
+                true,
+                format!(
+                    "Redis acknowledged the write on {acked} of the {} replicas asked for within \
+                     {:?} (WAIT): it may be lost if the master fails now",
+                    r.replicas, r.timeout
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One claim through the script.
+    async fn claim_script(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let v: Value = self
+            .scripts
+            .claim
+            .key(self.record_key(&req.key))
+            .arg(req.key.scope())
+            .arg(req.key.id())
+            .arg(req.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
+            .arg(duration_micros(req.lease_for))
+            .arg(duration_micros(req.retain_for))
+            .arg(self.offset_us())
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| backend("claim", e))?;
+        decode::claim(&v, req)
+    }
+
+    /// Claims through the batch script, in order.
+    async fn claim_many_script(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let mut inv = self.scripts.claim_many.prepare_invoke();
+        inv.arg(self.offset_us());
+        for r in reqs {
+            inv.key(self.record_key(&r.key))
+                .arg(r.key.scope())
+                .arg(r.key.id())
+                .arg(r.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
+                .arg(duration_micros(r.lease_for))
+                .arg(duration_micros(r.retain_for));
+        }
+        let v: Value =
+            inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;
+        decode::claims(&v, reqs)
+    }
+
+    /// The fast claim's `SET`, for a pipeline or alone.
+    fn fresh_set(&self, req: &ClaimRequest, fresh: &fast::Fresh) -> redis::Cmd {
+        let mut c = redis::cmd("SET");
+        c.arg(self.record_key(&req.key))
+            .arg(fresh.pack(req))
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(fresh.ttl_ms);
+        c
+    }
+
+    /// What a fast `SET … NX GET` reply decides: `Some` answer, or `None` for the script.
+    fn fast_answer(
+        req: &ClaimRequest,
+        fresh: &fast::Fresh,
+        est: clock::Estimate,
+        reply: &Value,
+    ) -> Result<Option<Claim>, StoreError> {
+        Ok(match decode::record(reply, req.key.hash())? {
+            None => Some(Claim::Acquired(fresh.lease(req))),
+            Some(rec) => fast::decide(rec, req, est),
+        })
+    }
+
+    /// Sends a batch of completions as one script (no coalescing), then `WAIT`s if asked.
+    pub(crate) async fn complete_now(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        let mut inv = self.scripts.complete_many.prepare_invoke();
+        // With the fast path's clock estimate the script skips `TIME` (one call fewer).
+        let now = self.clock.as_ref().and_then(|c| c.estimate());
+        inv.arg(self.offset_us())
+            .arg(now.map_or(String::new(), |e| (e.now_us + self.offset_us()).to_string()));
+        let mut sent = Vec::new();
+        for (i, c) in items.iter().enumerate() {
+            let result = c.result.as_deref();
+            if let Err(e) =
+                StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)
+            {
+                out.push(Some(Err(e)));
+                continue;
+            }
+            out.push(None);
+            sent.push(i);
+            inv.key(self.record_key(c.lease.key()))
+                .arg(c.lease.token())
+                .arg(if result.is_some() { "1" } else { "0" })
+                .arg(result.unwrap_or_default())
+                .arg(duration_micros(c.retain_for));
+        }
+        if !sent.is_empty() {
+            let done: Vec<i64> = inv
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| backend("complete", e))?;
+            if done.len() != sent.len() {
+                return Err(StoreError::Corrupt {
+                    what: format!("complete_many answered {} of {}", done.len(), sent.len()),
+                });
+            }
+            self.replicated("complete").await?;
+            for (i, ok) in sent.into_iter().zip(done) {
+                out[i] = Some(fenced(ok == 1, &items[i].lease));
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 
     async fn finish(
@@ -264,7 +574,8 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| backend(op, e))?;
-        fenced(ok == 1, lease)
+        fenced(ok == 1, lease)?;
+        self.replicated(op).await
     }
 }
 
@@ -281,55 +592,93 @@ pub(crate) fn backend(op: &'static str, e: redis::RedisError) -> StoreError {
 
 impl DedupStore for RedisStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let v: Value = self
-            .scripts
-            .claim
-            .key(self.record_key(&req.key))
-            .arg(req.key.scope())
-            .arg(req.key.id())
-            .arg(req.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
-            .arg(duration_micros(req.lease_for))
-            .arg(duration_micros(req.retain_for))
-            .arg(self.offset_us())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| backend("claim", e))?;
-        decode::claim(&v, req)
+        if let Some(est) = self.estimate().await? {
+            let fresh = fast::Fresh::new(req, est.now_us);
+            let reply: Value = self
+                .fresh_set(req, &fresh)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| backend("claim", e))?;
+            if let Some(answer) = Self::fast_answer(req, &fresh, est, &reply)? {
+                if matches!(answer, Claim::Acquired(_)) {
+                    self.replicated("claim").await?;
+                }
+                return Ok(answer);
+            }
+        }
+        let answer = self.claim_script(req).await?;
+        if matches!(answer, Claim::Acquired(_)) {
+            self.replicated("claim").await?;
+        }
+        Ok(answer)
     }
 
+    /// One pipeline of fast `SET`s (one round trip), then one script for the keys they left
+    /// open; without the fast path, one script for the batch. A key repeated in the batch sees
+    /// its earlier occurrence's claim either way.
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut inv = self.scripts.claim_many.prepare_invoke();
-        inv.arg(self.offset_us());
-        for r in reqs {
-            inv.key(self.record_key(&r.key))
-                .arg(r.key.scope())
-                .arg(r.key.id())
-                .arg(r.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
-                .arg(duration_micros(r.lease_for))
-                .arg(duration_micros(r.retain_for));
+        let mut answers: Vec<Option<Claim>> = Vec::with_capacity(reqs.len());
+        if let Some(est) = self.estimate().await? {
+            let fresh: Vec<fast::Fresh> =
+                reqs.iter().map(|r| fast::Fresh::new(r, est.now_us)).collect();
+            let mut pipe = redis::pipe();
+            for (r, f) in reqs.iter().zip(&fresh) {
+                pipe.add_command(self.fresh_set(r, f));
+            }
+            let replies: Vec<Value> = pipe
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| backend("claim_many", e))?;
+            if replies.len() != reqs.len() {
+                return Err(StoreError::Corrupt {
+                    what: format!("{} answers to {} claims", replies.len(), reqs.len()),
+                });
+            }
+            for ((r, f), v) in reqs.iter().zip(&fresh).zip(&replies) {
+                answers.push(Self::fast_answer(r, f, est, v)?);
+            }
+        } else {
+            answers.resize_with(reqs.len(), || None);
         }
-        let v: Value =
-            inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;
-        decode::claims(&v, reqs)
+        let open: Vec<&ClaimRequest> =
+            reqs.iter().zip(&answers).filter(|(_, a)| a.is_none()).map(|(r, _)| r).collect();
+        if !open.is_empty() {
+            let mut decided = self.claim_many_script(&open).await?.into_iter();
+            for a in answers.iter_mut().filter(|a| a.is_none()) {
+                *a = decided.next();
+            }
+        }
+        if answers.iter().any(|a| matches!(a, Some(Claim::Acquired(_)))) {
+            self.replicated("claim_many").await?;
+        }
+        answers
+            .into_iter()
+            .map(|a| {
+                a.ok_or_else(|| StoreError::Corrupt { what: "claim without an answer".into() })
+            })
+            .collect()
     }
 
+    /// One script (or, with [`RedisStoreBuilder::coalesce_completions`], coalesced with the
+    /// completions queued behind those in flight).
     async fn complete(
         &self,
         lease: Lease,
         result: Option<&[u8]>,
         retain_for: Duration,
     ) -> Result<(), StoreError> {
-        self.finish(
-            "complete",
-            &lease,
-            idem_core::RecordState::Completed.code(),
-            result,
-            retain_for,
-        )
-        .await
+        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
+        let item = Completion { lease, result: result.map(<[u8]>::to_vec), retain_for };
+        if self.coalesce {
+            return coalesce::complete(self, item).await;
+        }
+        let mut answers = self.complete_now(std::slice::from_ref(&item)).await?;
+        answers.pop().unwrap_or_else(|| {
+            Err(StoreError::Corrupt { what: "a completion without an answer".into() })
+        })
     }
 
     /// One script for the batch: one round trip, one atomic step.
@@ -337,41 +686,7 @@ impl DedupStore for RedisStore {
         &self,
         items: Vec<Completion>,
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
-        let mut inv = self.scripts.complete_many.prepare_invoke();
-        inv.arg(self.offset_us());
-        let mut sent = Vec::new();
-        for (i, c) in items.iter().enumerate() {
-            let result = c.result.as_deref();
-            if let Err(e) =
-                StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)
-            {
-                out.push(Some(Err(e)));
-                continue;
-            }
-            out.push(None);
-            sent.push(i);
-            inv.key(self.record_key(c.lease.key()))
-                .arg(c.lease.token())
-                .arg(if result.is_some() { "1" } else { "0" })
-                .arg(result.unwrap_or_default())
-                .arg(duration_micros(c.retain_for));
-        }
-        if !sent.is_empty() {
-            let done: Vec<i64> = inv
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| backend("complete_many", e))?;
-            if done.len() != sent.len() {
-                return Err(StoreError::Corrupt {
-                    what: format!("complete_many answered {} of {}", done.len(), sent.len()),
-                });
-            }
-            for (i, ok) in sent.into_iter().zip(done) {
-                out[i] = Some(fenced(ok == 1, &items[i].lease));
-            }
-        }
-        Ok(out.into_iter().flatten().collect())
+        self.complete_now(&items).await
     }
 
     async fn fail(
@@ -394,7 +709,8 @@ impl DedupStore for RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| backend("release", e))?;
-        fenced(ok == 1, &lease)
+        fenced(ok == 1, &lease)?;
+        self.replicated("release").await
     }
 
     async fn extend(&self, lease: &mut Lease, by: Duration) -> Result<(), StoreError> {
@@ -410,7 +726,7 @@ impl DedupStore for RedisStore {
             .map_err(|e| backend("extend", e))?;
         fenced(until >= 0, lease)?;
         lease.set_until(Timestamp::from_micros(until));
-        Ok(())
+        self.replicated("extend").await
     }
 
     /// Returns 0 at once: each record carries a native TTL at its expiry, so Redis deletes it

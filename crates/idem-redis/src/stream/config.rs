@@ -9,7 +9,8 @@ use redis::{Client, RedisError};
 
 use super::entry::Fields;
 use super::source::{Names, StreamSource};
-use crate::Error;
+use crate::store::Deployment;
+use crate::{Error, RedisConnection};
 
 /// A Redis stream's settings for the driver: the stream, the consumer group, this consumer's
 /// name, and what is specific to Redis. Batch size and idle wait (the `XREADGROUP` block time)
@@ -35,7 +36,7 @@ use crate::Error;
 #[derive(Debug)]
 #[must_use]
 pub struct StreamConfig {
-    client: Client,
+    client: Deployment,
     stream: String,
     group: String,
     consumer: String,
@@ -57,11 +58,42 @@ impl StreamConfig {
         group: impl Into<String>,
         consumer: impl Into<String>,
     ) -> Self {
+        Self::with(Deployment::Single(client), stream.into(), group.into(), consumer.into())
+    }
+
+    /// [`new`](Self::new) for a stream on a Redis Cluster: commands on the stream go to the
+    /// master owning its slot (following redirections and failovers), each blocking read on a
+    /// cluster connection of its own.
+    ///
+    /// ```
+    /// use idem_redis::StreamConfig;
+    ///
+    /// # fn f() -> Result<(), redis::RedisError> {
+    /// let nodes = ["redis://127.0.0.1:7000/", "redis://127.0.0.1:7001/"];
+    /// let config = StreamConfig::cluster(redis::cluster::ClusterClient::new(nodes)?,
+    ///                                    "{orders}", "billing", "billing-1");
+    /// # Ok(()) }
+    /// ```
+    pub fn cluster(
+        client: redis::cluster::ClusterClient,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> Self {
+        Self::with(
+            Deployment::Cluster(Box::new(client)),
+            stream.into(),
+            group.into(),
+            consumer.into(),
+        )
+    }
+
+    fn with(client: Deployment, stream: String, group: String, consumer: String) -> Self {
         Self {
             client,
-            stream: stream.into(),
-            group: group.into(),
-            consumer: consumer.into(),
+            stream,
+            group,
+            consumer,
             dead_letter: None,
             reclaim_idle: Duration::from_secs(30),
             max_deliveries: None,
@@ -194,16 +226,22 @@ impl SourceConfig for StreamConfig {
             }
             None => None,
         };
-        let mut conn = self
-            .client
-            .get_connection_manager_with_config(
-                redis::aio::ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(Duration::from_secs(5)))
-                    .set_connection_timeout(Some(Duration::from_secs(5)))
-                    .set_number_of_retries(3),
-            )
-            .await
-            .map_err(Error::redis("connect"))?;
+        let mut conn = match &self.client {
+            Deployment::Single(client) => RedisConnection::single(
+                client
+                    .get_connection_manager_with_config(
+                        redis::aio::ConnectionManagerConfig::new()
+                            .set_response_timeout(Some(Duration::from_secs(5)))
+                            .set_connection_timeout(Some(Duration::from_secs(5)))
+                            .set_number_of_retries(3),
+                    )
+                    .await
+                    .map_err(Error::redis("connect"))?,
+            ),
+            Deployment::Cluster(client) => RedisConnection::cluster(
+                client.get_async_connection().await.map_err(Error::redis("connect"))?,
+            ),
+        };
         if self.create_group {
             let made: Result<(), RedisError> = redis::cmd("XGROUP")
                 .arg("CREATE")

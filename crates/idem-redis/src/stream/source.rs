@@ -5,12 +5,12 @@ use std::time::{Duration, Instant};
 
 use idem_core::RetentionWindow;
 use idem_core::driver::{Action, DeadLetter, Source, headers};
-use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::streams::{StreamAutoClaimReply, StreamReadReply};
-use redis::{Client, RedisError, RedisResult};
+use redis::{RedisError, RedisResult};
 
 use super::entry::{Fields, StreamEntry};
-use crate::Error;
+use crate::store::Deployment;
+use crate::{Error, RedisConnection};
 
 /// The dead-letter copy's field naming the consumer group that gave up on the entry, beside
 /// the shared [`headers`](idem_core::driver::headers).
@@ -56,12 +56,12 @@ pub(super) struct Names {
 /// taken over). Blocking reads run on connections of their own, one per batch in flight;
 /// claims, acks and dead letters share another.
 pub struct StreamSource {
-    client: Client,
+    client: Deployment,
     /// For claims, acks and dead letters (reconnects by itself).
-    conn: ConnectionManager,
+    conn: RedisConnection,
     /// Idle connections for blocking reads: a read blocks its connection for the block time,
     /// so concurrent fetches each take their own.
-    readers: Mutex<Vec<MultiplexedConnection>>,
+    readers: Mutex<Vec<RedisConnection>>,
     names: Names,
     roles: Arc<Fields>,
     reclaim_idle: Duration,
@@ -88,8 +88,8 @@ impl std::fmt::Debug for StreamSource {
 
 impl StreamSource {
     pub(super) fn new(
-        client: Client,
-        conn: ConnectionManager,
+        client: Deployment,
+        conn: RedisConnection,
         names: Names,
         roles: Fields,
         reclaim_idle: Duration,
@@ -134,7 +134,7 @@ impl StreamSource {
         self.scan.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn readers(&self) -> MutexGuard<'_, Vec<MultiplexedConnection>> {
+    fn readers(&self) -> MutexGuard<'_, Vec<RedisConnection>> {
         self.readers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -204,16 +204,31 @@ impl StreamSource {
         let idle = self.readers().pop();
         let mut conn = match idle {
             Some(c) => c,
-            None => {
-                // The driver bounds each read; the connection itself waits as long as it blocks.
-                let config = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(READ_MARGIN))
-                    .set_response_timeout(None);
-                self.client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                    .map_err(Error::redis("connect"))?
-            }
+            // The driver bounds each read; the connection itself waits as long as it blocks.
+            None => match &self.client {
+                Deployment::Single(client) => {
+                    let config = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(READ_MARGIN))
+                        .set_response_timeout(None);
+                    RedisConnection::plain(
+                        client
+                            .get_multiplexed_async_connection_with_config(&config)
+                            .await
+                            .map_err(Error::redis("connect"))?,
+                    )
+                }
+                Deployment::Cluster(client) => {
+                    let config = redis::cluster::ClusterConfig::new()
+                        .set_connection_timeout(READ_MARGIN)
+                        .set_response_timeout(Duration::from_secs(24 * 3600));
+                    RedisConnection::cluster(
+                        client
+                            .get_async_connection_with_config(config)
+                            .await
+                            .map_err(Error::redis("connect"))?,
+                    )
+                }
+            },
         };
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP").arg(&self.names.group).arg(&self.names.consumer).arg("COUNT").arg(count);

@@ -1,0 +1,93 @@
+//! The server's clock, read without a round trip: an anchor from the server's `TIME` plus the
+//! monotonic time elapsed since, re-anchored every few seconds.
+//!
+//! Only the script-free fresh claim uses it, to stamp the record it writes with `SET … NX`
+//! (creation time, lease end, expiry, fencing token), and to decide, from a record that
+//! `SET … NX GET` returned, the answers that write nothing (completed, conflict, a lease
+//! still clearly live). Everything that changes an existing record still reads `TIME` inside
+//! its script. The anchor is the server's clock, never the consumer's wall clock: a consumer
+//! whose clock is wrong by minutes stamps the same times as one whose clock is right.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long an anchor is used before the next claim takes a fresh one.
+pub(crate) const REFRESH: Duration = Duration::from_secs(5);
+
+/// Margin, added to the anchor's own uncertainty, inside which a time comparison is left to a
+/// script: a lease or a retention that ends this close to now is decided by the server.
+pub(crate) const MARGIN_US: i64 = 2_000;
+
+#[derive(Debug, Clone, Copy)]
+struct Anchor {
+    /// Server time (µs), taken at the middle of the round trip that read it.
+    server_us: i64,
+    at: Instant,
+    /// Half the round trip that read it: how far off the anchor can be.
+    uncertainty_us: i64,
+}
+
+/// The estimate, shared by clones of a store.
+#[derive(Debug, Default)]
+pub(crate) struct ServerClock {
+    anchor: Mutex<Option<Anchor>>,
+}
+
+/// An estimate of the server's time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Estimate {
+    pub(crate) now_us: i64,
+    /// Compare with times at least this far from `now_us`; closer ones go to a script.
+    pub(crate) margin_us: i64,
+}
+
+impl ServerClock {
+    /// The estimate, or `None` when there is no anchor or it is older than [`REFRESH`].
+    pub(crate) fn estimate(&self) -> Option<Estimate> {
+        let a = (*self.anchor.lock().unwrap_or_else(std::sync::PoisonError::into_inner))?;
+        let age = a.at.elapsed();
+        if age > REFRESH {
+            return None;
+        }
+        let age_us = i64::try_from(age.as_micros()).ok()?;
+        Some(Estimate { now_us: a.server_us + age_us, margin_us: a.uncertainty_us + MARGIN_US })
+    }
+
+    /// Records a server time read between `sent` and `received`.
+    pub(crate) fn anchor(&self, server_us: i64, sent: Instant, received: Instant) {
+        let rtt = received.saturating_duration_since(sent);
+        let half = rtt / 2;
+        let a = Anchor {
+            server_us,
+            at: sent + half,
+            uncertainty_us: i64::try_from(half.as_micros()).unwrap_or(i64::MAX / 4),
+        };
+        let mut slot = self.anchor.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Keep the more precise of two fresh anchors.
+        let keep_old = slot.is_some_and(|old| {
+            old.at.elapsed() < REFRESH / 2 && old.uncertainty_us < a.uncertainty_us
+        });
+        if !keep_old {
+            *slot = Some(a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimates_from_the_anchor_and_expires_it() {
+        let c = ServerClock::default();
+        assert!(c.estimate().is_none());
+        let sent = Instant::now();
+        c.anchor(1_000_000, sent, sent + Duration::from_micros(400));
+        let e = c.estimate().expect("fresh anchor");
+        assert!(e.now_us >= 1_000_000 - 200, "{e:?}");
+        assert!(e.margin_us >= 200 + MARGIN_US, "{e:?}");
+        // A later, less precise anchor does not replace a fresh precise one.
+        c.anchor(5_000_000, sent, sent + Duration::from_millis(50));
+        assert!(c.estimate().expect("anchor").now_us < 2_000_000);
+    }
+}

@@ -5,7 +5,8 @@
 #   .ci/services.sh restart postgres|mariadb|rabbitmq
 #                           restart one shared server and wait until it answers again (the
 #                           server-restart tests run this mid-load)
-# Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT.
+# Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT,
+# REDIS_CLUSTER_PORT (the first of three: a Redis Cluster of 3 masters, no replicas).
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
 # missing one is built with `cargo install` once per machine (11-21 min cold, measured), then reused.
 set -euo pipefail
@@ -22,6 +23,7 @@ KAFKA_PORT=${KAFKA_PORT:-9092}; TANSU_VERSION=0.6.0
 # libsql: the Kafka restart test keeps a private broker's log in a SQLite file (the shared broker
 # stays in memory). A tansu built with other features is rebuilt once.
 TANSU_FEATURES=dynostore,libsql; TANSU_MARK=$HOME/.cache/idem-tansu-features
+REDIS_CLUSTER_PORT=${REDIS_CLUSTER_PORT:-7000}
 COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosmosdb-server, see up()
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
@@ -29,7 +31,9 @@ SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
 status() {
   local bad=0 name port
   for pair in "postgres:$PG_PORT" "mariadb:$MYSQL_PORT" "redis:$REDIS_PORT" "rabbitmq:$AMQP_PORT" \
-              "mosquitto:$MQTT_PORT" "nats:$NATS_PORT" "kafka:$KAFKA_PORT"; do
+              "mosquitto:$MQTT_PORT" "nats:$NATS_PORT" "kafka:$KAFKA_PORT" \
+              "redis-cluster:$REDIS_CLUSTER_PORT" "redis-cluster:$((REDIS_CLUSTER_PORT + 1))" \
+              "redis-cluster:$((REDIS_CLUSTER_PORT + 2))"; do
     name=${pair%%:*}; port=${pair##*:}
     if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
   done
@@ -77,6 +81,7 @@ up() {
   # Redis without persistence.
   port_open "$REDIS_PORT" || { redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
     --dir "$STATE" --logfile "$STATE/redis.log" --pidfile "$STATE/redis.pid"; wait_port "$REDIS_PORT" 15 redis; }
+  redis_cluster_up
   # RabbitMQ takes 10-20 s to boot.
   port_open "$AMQP_PORT" || { $SUDO rabbitmq-server -detached; wait_port "$AMQP_PORT" 120 rabbitmq; }
   # AMQP 1.0 (the Service Bus protocol) on the same port: RabbitMQ 3.10 bundles the plugin.
@@ -129,6 +134,40 @@ up() {
     wait_port "$COSMOS_PORT" 30 cosmosdb-server; }
   # --- end cosmosdb-server ----------------------------------------------------------------------
   log "all services ready"
+}
+
+# Redis Cluster: three masters without replicas on REDIS_CLUSTER_PORT..+2 (Debian's redis-server
+# with --cluster-enabled yes), no persistence, `noeviction`. The store's cluster tests and the
+# cluster benchmark use it; the failover test starts a private 3 + 3 cluster of its own.
+redis_cluster_up() {
+  local i p nodes=() dir
+  for i in 0 1 2; do
+    p=$((REDIS_CLUSTER_PORT + i)); nodes+=("127.0.0.1:$p"); dir=$STATE/redis-cluster/$p
+    port_open "$p" && continue
+    rm -rf "$dir"; mkdir -p "$dir"   # a fresh node: a stale nodes.conf would name old peers
+    redis-server --daemonize yes --bind 127.0.0.1 --port "$p" --cluster-enabled yes \
+      --cluster-config-file "$dir/nodes.conf" --cluster-node-timeout 2000 --save '' --appendonly no \
+      --maxmemory-policy noeviction --dir "$dir" --logfile "$dir/redis.log" --pidfile "$dir/redis.pid"
+    wait_port "$p" 15 "redis-cluster node"
+  done
+  if redis-cli -p "$REDIS_CLUSTER_PORT" cluster info 2>/dev/null | grep -q 'cluster_state:ok' \
+     && [[ $(redis-cli -p "$REDIS_CLUSTER_PORT" cluster info | tr -d '\r' | sed -n 's/^cluster_known_nodes://p') == 3 ]]; then
+    return 0
+  fi
+  # Not one healthy 3-node cluster: reset every node and create it.
+  for n in "${nodes[@]}"; do
+    redis-cli -p "${n##*:}" flushall >/dev/null 2>&1 || true
+    redis-cli -p "${n##*:}" cluster reset hard >/dev/null
+  done
+  redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$STATE/redis-cluster-create.log" 2>&1 \
+    || { tail -20 "$STATE/redis-cluster-create.log"; exit 1; }
+  for ((i = 0; i < 30; i++)); do
+    local ok=0
+    for n in "${nodes[@]}"; do redis-cli -p "${n##*:}" cluster info | grep -q 'cluster_state:ok' && ok=$((ok + 1)); done
+    ((ok == 3)) && { log "redis-cluster ready on ${nodes[*]} (${i}s)"; return 0; }
+    sleep 1
+  done
+  log "redis-cluster did not reach cluster_state:ok within 30s"; return 1
 }
 
 # Stops and starts one shared server the way an operator would, then waits for it to answer.

@@ -5,65 +5,50 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use common::{PrivateCluster, spawn};
 use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Lease};
 use idem_redis::{Error, RedisStore, ServerSettings};
 
-/// A `redis-server` of our own, killed when dropped.
-struct Server {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `redis-server` with `args` on a free port; `None` (skip) when the binary is missing
-/// outside CI.
-fn spawn(args: &[&str]) -> Option<Server> {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for _ in 0..5 {
-        let port = 20_000 + rand::random::<u16>() % 20_000;
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--dir", dir.path().to_str().expect("utf-8 path")])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let mut child = match child {
-            Ok(c) => c,
-            Err(e) if idem_testkit::service::in_ci() => panic!("redis-server not runnable: {e}"),
-            Err(_) => {
-                eprintln!("skipped: redis-server not installed");
-                return None;
-            }
-        };
-        let url = format!("redis://127.0.0.1:{port}/");
-        let client = redis::Client::open(url.as_str()).expect("url");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                break; // port taken: try another
-            }
-            if let Ok(mut c) = client.get_connection()
-                && redis::cmd("PING").query::<String>(&mut c).is_ok()
-            {
-                return Some(Server { child, url, _dir: dir });
-            }
-            std::thread::sleep(Duration::from_millis(20));
+/// On a cluster, every master is checked, and the error names the one that evicts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_cluster_master_is_refused_and_named() {
+    let Some(cluster) = PrivateCluster::spawn(3, 0, &[]) else { return };
+    let urls = cluster.urls();
+    let store = RedisStore::cluster_builder(urls.iter().map(String::as_str))
+        .expect("urls")
+        .connect()
+        .await
+        .expect("a noeviction cluster is accepted");
+    assert!(store.connection().is_cluster() && store.fast_claim());
+    let evicting = &cluster.nodes[1];
+    let client = redis::Client::open(evicting.url.as_str()).expect("url");
+    let mut c = client.get_connection().expect("connect");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-lru")
+        .query(&mut c)
+        .expect("config set");
+    match RedisStore::cluster_builder(urls.iter().map(String::as_str))
+        .expect("urls")
+        .connect()
+        .await
+    {
+        Err(e @ Error::ClusterNode { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("127.0.0.1:{}", evicting.port())), "{msg}");
+            assert!(msg.contains("volatile-lru"), "{msg}");
         }
-        let _ = child.kill();
-        let _ = child.wait();
+        other => panic!("expected the evicting master to be named, got {other:?}"),
     }
-    panic!("could not start a private redis-server");
+    RedisStore::cluster_builder(urls.iter().map(String::as_str))
+        .expect("urls")
+        .allow_eviction(true)
+        .connect()
+        .await
+        .expect("allowed");
 }
 
 #[tokio::test]

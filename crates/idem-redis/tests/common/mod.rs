@@ -1,6 +1,9 @@
 //! Shared setup for the Redis integration tests: the server URL, fresh namespaces, cleanup.
 #![allow(dead_code, unreachable_pub)]
 
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
 use idem_redis::{ClockOffset, RedisStore};
 
 /// The test server's URL, or `None` (skip, printed) when it does not answer outside CI.
@@ -121,4 +124,190 @@ pub async fn group_state(
         redis::cmd("XINFO").arg("GROUPS").arg(stream).query_async(conn).await.ok()?;
     let g = reply.groups.into_iter().find(|g| g.name == group)?;
     Some((g.pending, g.entries_read.unwrap_or(0)))
+}
+
+/// A `redis-server` of our own, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `redis-server` with `args` on a free port; `None` (skip) when the binary is missing
+/// outside CI.
+pub fn spawn(args: &[&str]) -> Option<Server> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for _ in 0..5 {
+        let port = 20_000 + rand::random::<u16>() % 20_000;
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--dir", dir.path().to_str().expect("utf-8 path")])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) if idem_testkit::service::in_ci() => panic!("redis-server not runnable: {e}"),
+            Err(_) => {
+                eprintln!("skipped: redis-server not installed");
+                return None;
+            }
+        };
+        let url = format!("redis://127.0.0.1:{port}/");
+        let client = redis::Client::open(url.as_str()).expect("url");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break; // port taken: try another
+            }
+            if let Ok(mut c) = client.get_connection()
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return Some(Server { child, url, _dir: dir });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("could not start a private redis-server");
+}
+
+impl Server {
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        idem_testkit::service::host_port(&self.url)
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse().ok())
+            .expect("port")
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `KILL`) to the server process.
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {}", self.child.id());
+    }
+}
+
+/// A private Redis Cluster of `masters` masters with `replicas` replicas each, on free ports
+/// (1 s node timeout, replicas that always try a failover); killed when dropped.
+pub struct PrivateCluster {
+    pub nodes: Vec<Server>,
+}
+
+impl PrivateCluster {
+    /// `None` (skip, printed) when `redis-server` is missing outside CI.
+    pub fn spawn(masters: usize, replicas: usize, extra: &[&str]) -> Option<Self> {
+        let mut args = vec![
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-replica-validity-factor",
+            "0",
+            "--appendonly",
+            "no",
+            "--maxmemory-policy",
+            "noeviction",
+        ];
+        args.extend_from_slice(extra);
+        let mut nodes = Vec::new();
+        for _ in 0..masters * (1 + replicas) {
+            nodes.push(spawn(&args)?);
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let cluster = Self { nodes };
+        cluster.wait_ok(&cluster.nodes.iter().collect::<Vec<_>>(), Duration::from_secs(30));
+        Some(cluster)
+    }
+
+    /// The node URLs.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.url.clone()).collect()
+    }
+
+    /// `CLUSTER NODES` as seen by `node`.
+    pub fn cluster_nodes(node: &Server) -> Option<String> {
+        let client = redis::Client::open(node.url.as_str()).ok()?;
+        let mut c = client.get_connection_with_timeout(Duration::from_secs(1)).ok()?;
+        redis::cmd("CLUSTER").arg("NODES").query(&mut c).ok()
+    }
+
+    /// Waits until every node of `nodes` says `cluster_state:ok` and knows no failed master.
+    pub fn wait_ok(&self, nodes: &[&Server], within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = nodes.iter().all(|n| {
+                let info: Option<String> = redis::Client::open(n.url.as_str())
+                    .ok()
+                    .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)).ok())
+                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query(&mut c).ok());
+                info.is_some_and(|i| i.contains("cluster_state:ok"))
+            });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the private cluster is not ok within {within:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The master serving `key`'s slot and its replicas (indexes into `nodes`), as `via` sees
+    /// the cluster.
+    pub fn shard_of(&self, key: &str, via: &Server) -> (usize, Vec<usize>) {
+        let client = redis::Client::open(via.url.as_str()).expect("url");
+        let mut c = client.get_connection().expect("connect");
+        let slot: u16 = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(&mut c).expect("slot");
+        let nodes = Self::cluster_nodes(via).expect("cluster nodes");
+        let index = |addr: &str| {
+            let port: u16 = addr
+                .split('@')
+                .next()
+                .and_then(|a| a.rsplit_once(':'))
+                .and_then(|(_, p)| p.parse().ok())
+                .expect("port");
+            self.nodes.iter().position(|n| n.port() == port).expect("a node of ours")
+        };
+        let mut master = None;
+        for line in nodes.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let serves = f[8..].iter().any(|r| {
+                let (a, b) = r.split_once('-').unwrap_or((r, r));
+                matches!((a.parse::<u16>(), b.parse::<u16>()), (Ok(a), Ok(b)) if a <= slot && slot <= b)
+            });
+            if serves {
+                master = Some((f[0].to_owned(), index(f[1])));
+            }
+        }
+        let (id, m) = master.expect("a master serves the slot");
+        let replicas = nodes
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .filter(|f| f.len() > 3 && f[3] == id && !f[2].contains("fail"))
+            .map(|f| index(f[1]))
+            .collect();
+        (m, replicas)
+    }
 }

@@ -61,21 +61,31 @@ async fn run() -> Result<(), BoxErr> {
             let n = args.get(1).map_or(Ok(100_000), |s| s.parse())?;
             primitives(&url, n).await
         }
-        // For profiling: only the store's claim + complete, `store TASKS PER_CALL N [scripts|coalesce]`.
+        // For profiling: only the store's claim + complete, `store TASKS PER_CALL N [scripts|coalesce|wait]`.
         Some("store") => {
             let tasks = args.get(1).map_or(Ok(16), |s| s.parse())?;
             let per_call = args.get(2).map_or(Ok(1), |s| s.parse())?;
             let n = args.get(3).map_or(Ok(200_000), |s| s.parse())?;
             let variant = args.get(4).map_or("", String::as_str);
-            let store = RedisStore::builder(&url)?
+            let mut b = RedisStore::builder(&url)?
                 .namespace(&run_id())?
                 .fast_claim(variant != "scripts")
-                .coalesce_completions(variant == "coalesce")
-                .connect()
-                .await?;
+                .coalesce_completions(variant == "coalesce");
+            if variant == "wait" {
+                b = b.wait_for_replicas(1, Duration::from_secs(1));
+            }
+            let store = b.connect().await?;
             let rate = store_rate(&store, n, tasks, per_call).await?;
             println!("store {tasks} tasks x {per_call}: {rate:.0} msgs/s");
             Ok(())
+        }
+        Some("cluster") => {
+            let n = args.get(1).map_or(Ok(60_000), |s| s.parse())?;
+            cluster(&url, n).await
+        }
+        Some("wait") => {
+            let n = args.get(1).map_or(Ok(60_000), |s| s.parse())?;
+            wait_cost(&url, n).await
         }
         Some("workload") => {
             let file = args.get(1).map_or("/tmp/peers/workload.jsonl", String::as_str);
@@ -290,6 +300,94 @@ async fn primitives(url: &str, n: usize) -> Result<(), BoxErr> {
             "| {tasks} | {BATCH} | {stb:.0} | {scb:.0} | {rawb1:.0} | {rawb2:.0} | {:.2} |",
             stb / rawb2
         );
+    }
+    Ok(())
+}
+
+/// The cluster's node URLs: `IDEM_REDIS_CLUSTER_URLS` (comma-separated) or ports 7000-7002.
+fn cluster_urls() -> Vec<String> {
+    std::env::var("IDEM_REDIS_CLUSTER_URLS")
+        .unwrap_or_else(|_| {
+            "redis://127.0.0.1:7000/,redis://127.0.0.1:7001/,redis://127.0.0.1:7002/".into()
+        })
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Claim + complete on the single server beside the cluster: one namespace (one master), and
+/// three namespaces on three masters with the tasks split between them.
+async fn cluster(url: &str, n: usize) -> Result<(), BoxErr> {
+    let urls = cluster_urls();
+    let on_cluster = |ns: String| {
+        let urls = urls.clone();
+        async move {
+            RedisStore::cluster_builder(urls.iter().map(String::as_str))?
+                .namespace(&ns)?
+                .connect()
+                .await
+        }
+    };
+    // Three namespaces whose slots are on three different masters.
+    let probe = on_cluster(run_id()).await?;
+    let mut spread: Vec<RedisStore> = Vec::new();
+    let mut masters = std::collections::HashSet::new();
+    for i in 0..200 {
+        let ns = format!("{}-{i}", run_id());
+        let v: redis::Value = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(format!("idem:{{{ns}}}:"))
+            .query_async(&mut probe.connection().clone())
+            .await?;
+        let slot: i64 = redis::from_redis_value(v)?;
+        let shard = slot * 3 / 16384; // `redis-cli --cluster create` splits slots evenly
+        if masters.insert(shard) {
+            spread.push(on_cluster(ns).await?);
+        }
+        if spread.len() == 3 {
+            break;
+        }
+    }
+    println!(
+        "| tasks | single server | cluster, 1 namespace | cluster, 3 namespaces on 3 masters | cluster / single (1 ns) | (3 ns) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    // Tasks in all: the 3-namespace column gives each namespace a third of them.
+    for tasks in [3usize, 48, 96] {
+        let n = if tasks == 3 { n / 4 } else { n };
+        let single = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
+        let one = on_cluster(run_id()).await?;
+        let s = store_rate(&single, n, tasks, 1).await?;
+        let c1 = store_rate(&one, n, tasks, 1).await?;
+        let started = Instant::now();
+        let per = tasks / 3;
+        let runs = spread.iter().map(|st| store_rate(st, n / 3, per, 1));
+        for r in futures_util::future::join_all(runs).await {
+            r?;
+        }
+        // Each store_rate is a median of 3 runs: 3 × n/3 × 3 messages in all.
+        let c3 = (3 * (n / 3) * 3) as f64 / started.elapsed().as_secs_f64();
+        println!("| {tasks} | {s:.0} | {c1:.0} | {c3:.0} | {:.2} | {:.2} |", c1 / s, c3 / s);
+    }
+    Ok(())
+}
+
+/// What `wait_for_replicas(1, …)` costs: claim + complete with and without it, on a server
+/// with a replica (start one with `redis-server --port 6380 --replicaof 127.0.0.1 6379`).
+async fn wait_cost(url: &str, n: usize) -> Result<(), BoxErr> {
+    println!("| tasks | asynchronous | wait_for_replicas(1) | ratio |");
+    println!("|---:|---:|---:|---:|");
+    for tasks in [1usize, 16, 64] {
+        let n = if tasks == 1 { n / 4 } else { n };
+        let plain = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
+        let waiting = RedisStore::builder(url)?
+            .namespace(&run_id())?
+            .wait_for_replicas(1, Duration::from_secs(1))
+            .connect()
+            .await?;
+        let a = store_rate(&plain, n, tasks, 1).await?;
+        let w = store_rate(&waiting, n, tasks, 1).await?;
+        println!("| {tasks} | {a:.0} | {w:.0} | {:.2} |", w / a);
     }
     Ok(())
 }

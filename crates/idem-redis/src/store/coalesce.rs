@@ -117,3 +117,69 @@ impl Drop for Leading {
         }
     }
 }
+
+/// Callers waiting for a `WAIT`, and whether one is in flight.
+#[derive(Default)]
+pub(crate) struct Waits {
+    state: Mutex<WaitState>,
+}
+
+#[derive(Default)]
+struct WaitState {
+    waiting: Vec<oneshot::Sender<Result<(), StoreError>>>,
+    in_flight: bool,
+}
+
+impl Waits {
+    fn lock(&self) -> MutexGuard<'_, WaitState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Waits for a `WAIT` sent after the caller's write, which has been answered. `WAIT` blocks the
+/// connection it runs on until the replicas answer, so one per write would serialise the
+/// multiplexed connection; instead callers that arrive while one is in flight share the next.
+/// The loop runs on a task of its own, so a cancelled caller strands no one.
+pub(crate) async fn replicated(store: &RedisStore, op: &'static str) -> Result<(), StoreError> {
+    let (tx, rx) = oneshot::channel();
+    let start = {
+        let mut st = store.waits.lock();
+        st.waiting.push(tx);
+        !std::mem::replace(&mut st.in_flight, true)
+    };
+    if start {
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                let batch = {
+                    let mut st = store.waits.lock();
+                    if st.waiting.is_empty() {
+                        st.in_flight = false;
+                        return;
+                    }
+                    std::mem::take(&mut st.waiting)
+                };
+                // Every write in `batch` was answered before this WAIT is sent.
+                let r = store.wait_once(op).await.map_err(|e| (e.is_retryable(), chain(&e)));
+                for tx in batch {
+                    let _ = tx.send(
+                        r.clone()
+                            .map_err(|(retryable, msg)| StoreError::backend(op, retryable, msg)),
+                    );
+                }
+            }
+        });
+    }
+    rx.await.unwrap_or_else(|_| Err(StoreError::backend(op, true, "the WAIT task ended")))
+}
+
+/// An error's message and its sources', for a copy per waiter.
+fn chain(e: &StoreError) -> String {
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        msg = format!("{msg}: {s}");
+        source = s.source();
+    }
+    msg
+}

@@ -85,6 +85,7 @@ pub struct RedisStore {
     replication: Option<Replication>,
     coalesce: bool,
     completes: Arc<coalesce::Queue>,
+    waits: Arc<coalesce::Waits>,
 }
 
 /// `WAIT` after each write: at least `replicas` acknowledgements within `timeout`.
@@ -280,6 +281,7 @@ impl RedisStoreBuilder {
             replication: self.replication,
             coalesce: self.coalesce,
             completes: Arc::new(coalesce::Queue::default()),
+            waits: Arc::new(coalesce::Waits::default()),
         };
         if store.clock.is_some() {
             store.anchor_clock().await.map_err(|e| Error::Store { op: "TIME", source: e })?;
@@ -417,9 +419,18 @@ impl RedisStore {
         self.offset.as_ref().map_or(0, ClockOffset::micros)
     }
 
-    /// With [`RedisStoreBuilder::wait_for_replicas`]: `WAIT` for the writes made so far on
-    /// this connection to reach the replicas.
+    /// With [`RedisStoreBuilder::wait_for_replicas`]: waits for a `WAIT` sent after this
+    /// caller's write (one `WAIT` covers every earlier write on the connection, so concurrent
+    /// callers share one: see [`coalesce::replicated`]).
     async fn replicated(&self, op: &'static str) -> Result<(), StoreError> {
+        if self.replication.is_none() {
+            return Ok(());
+        }
+        coalesce::replicated(self, op).await
+    }
+
+    /// One `WAIT` on the namespace's master: an error when fewer replicas acknowledged.
+    pub(crate) async fn wait_once(&self, op: &'static str) -> Result<(), StoreError> {
         let Some(r) = self.replication else { return Ok(()) };
         let ms = u64::try_from(r.timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let v = self

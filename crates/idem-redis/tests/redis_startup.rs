@@ -194,27 +194,37 @@ async fn concurrent_claims_share_one_connection_and_a_batch_is_one_round_trip() 
     assert_eq!(e1 - e0, 1, "300 claims, one script call");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn coalesced_completions_share_a_script() {
-    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
-    let store = RedisStore::builder(&server.url)
+/// A store that coalesces completions, on `server`.
+async fn coalescing(server: &common::Server) -> RedisStore {
+    RedisStore::builder(&server.url)
         .expect("url")
         .coalesce_completions(true)
         .connect()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+/// Claims the fresh key `k-<i>`.
+async fn claim_fresh(store: &RedisStore, i: usize) -> (ClaimRequest, Lease) {
+    let req = ClaimRequest::new(
+        DedupKey::new("coalesce", format!("k-{i}")).expect("key"),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    );
+    let Claim::Acquired(l) = store.claim(&req).await.expect("claim") else { panic!() };
+    (req, l)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_completions_share_a_script() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = coalescing(&server).await;
     let mut conn = store.connection().clone();
-    let n = 200;
+    let n: i64 = 200;
     let mut leases = Vec::new();
-    for i in 0..n {
-        let req = ClaimRequest::new(
-            DedupKey::new("coalesce", format!("k-{i}")).expect("key"),
-            None,
-            Duration::from_secs(30),
-            Duration::from_secs(60),
-        );
-        let Claim::Acquired(l) = store.claim(&req).await.expect("claim") else { panic!() };
-        leases.push((req, l));
+    for i in 0..200 {
+        leases.push(claim_fresh(&store, i).await);
     }
     // Load the script first, so the count below is of calls only.
     let (req0, l0) = leases.pop().expect("lease");
@@ -252,29 +262,11 @@ async fn coalesced_completions_share_a_script() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_coalesced_completions_strand_nothing() {
     let Some(server) = spawn(&["--appendonly", "no"]) else { return };
-    let store = RedisStore::builder(&server.url)
-        .expect("url")
-        .coalesce_completions(true)
-        .connect()
-        .await
-        .expect("connect");
-    let claim = |i: usize| {
-        let s = store.clone();
-        async move {
-            let req = ClaimRequest::new(
-                DedupKey::new("cancel", format!("k-{i}")).expect("key"),
-                None,
-                Duration::from_secs(30),
-                Duration::from_secs(60),
-            );
-            let Claim::Acquired(l) = s.claim(&req).await.expect("claim") else { panic!() };
-            (req, l)
-        }
-    };
+    let store = coalescing(&server).await;
     for round in 0..20 {
         let mut tasks = Vec::new();
         for i in 0..16 {
-            let (_, l) = claim(round * 100 + i).await;
+            let (_, l) = claim_fresh(&store, round * 100 + i).await;
             let s = store.clone();
             tasks.push(tokio::spawn(
                 async move { s.complete(l, None, Duration::from_secs(60)).await },
@@ -289,7 +281,7 @@ async fn cancelled_coalesced_completions_strand_nothing() {
             assert!(matches!(answer, Ok(Ok(Ok(())))), "round {round}: {answer:?}");
         }
     }
-    let (req, l) = claim(9_999).await;
+    let (req, l) = claim_fresh(&store, 9_999).await;
     tokio::time::timeout(Duration::from_secs(5), store.complete(l, None, Duration::from_secs(60)))
         .await
         .expect("a later completion is answered")

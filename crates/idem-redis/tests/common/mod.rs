@@ -70,22 +70,7 @@ pub async fn store(url: &str, tag: &str) -> (RedisStore, ClockOffset, Cleanup) {
 
 /// [`store`], choosing the script-free fresh claim (`fast`) or scripts only.
 pub async fn store_with(url: &str, tag: &str, fast: bool) -> (RedisStore, ClockOffset, Cleanup) {
-    let name = fresh_name(tag);
-    let offset = ClockOffset::new();
-    let store = RedisStore::builder(url)
-        .expect("url")
-        .namespace(&name)
-        .expect("namespace")
-        .fast_claim(fast)
-        .clock_offset(offset.clone())
-        .connect()
-        .await
-        .expect("connect to redis");
-    let cleanup = Cleanup {
-        url: url.to_owned(),
-        patterns: vec![format!("{}*", store.namespace().key_prefix())],
-    };
-    (store, offset, cleanup)
+    connect(RedisStore::builder(url).expect("url"), url.to_owned(), tag, fast).await
 }
 
 /// A store on the cluster (`urls`) in a fresh namespace with a test clock offset, and its
@@ -95,22 +80,28 @@ pub async fn cluster_store(
     tag: &str,
     fast: bool,
 ) -> (RedisStore, ClockOffset, Cleanup) {
-    let name = fresh_name(tag);
+    let builder = RedisStore::cluster_builder(urls.iter().map(String::as_str)).expect("urls");
+    let (store, offset, cleanup) = connect(builder, urls.join(","), tag, fast).await;
+    assert!(store.connection().is_cluster());
+    (store, offset, cleanup)
+}
+
+async fn connect(
+    builder: idem_redis::RedisStoreBuilder,
+    url: String,
+    tag: &str,
+    fast: bool,
+) -> (RedisStore, ClockOffset, Cleanup) {
     let offset = ClockOffset::new();
-    let store = RedisStore::cluster_builder(urls.iter().map(String::as_str))
-        .expect("urls")
-        .namespace(&name)
+    let store = builder
+        .namespace(&fresh_name(tag))
         .expect("namespace")
         .fast_claim(fast)
         .clock_offset(offset.clone())
         .connect()
         .await
-        .expect("connect to the redis cluster");
-    assert!(store.connection().is_cluster());
-    let cleanup = Cleanup {
-        url: urls.join(","),
-        patterns: vec![format!("{}*", store.namespace().key_prefix())],
-    };
+        .expect("connect to redis");
+    let cleanup = Cleanup { url, patterns: vec![format!("{}*", store.namespace().key_prefix())] };
     (store, offset, cleanup)
 }
 

@@ -31,7 +31,8 @@ pub(crate) enum BrokerUrl {
     Amqp(String),
     Nats(String),
     Redis(String),
-    /// `host:port[,host:port]` after `kafka://`.
+    /// `host:port[,host:port]` after `kafka://` (read only with the `kafka` feature).
+    #[cfg_attr(not(feature = "kafka"), allow(dead_code))]
     Kafka(String),
 }
 

@@ -31,6 +31,8 @@ struct Anchor {
 #[derive(Debug, Default)]
 pub(crate) struct ServerClock {
     anchor: Mutex<Option<Anchor>>,
+    /// When a caller last set out to re-anchor: the others keep the old anchor meanwhile.
+    refreshing: Mutex<Option<Instant>>,
 }
 
 /// An estimate of the server's time.
@@ -44,13 +46,30 @@ pub(crate) struct Estimate {
 impl ServerClock {
     /// The estimate, or `None` when there is no anchor or it is older than [`REFRESH`].
     pub(crate) fn estimate(&self) -> Option<Estimate> {
+        self.estimate_within(REFRESH)
+    }
+
+    /// The estimate from an anchor at most `max_age` old.
+    pub(crate) fn estimate_within(&self, max_age: Duration) -> Option<Estimate> {
         let a = (*self.anchor.lock().unwrap_or_else(std::sync::PoisonError::into_inner))?;
         let age = a.at.elapsed();
-        if age > REFRESH {
+        if age > max_age {
             return None;
         }
         let age_us = i64::try_from(age.as_micros()).ok()?;
         Some(Estimate { now_us: a.server_us + age_us, margin_us: a.uncertainty_us + MARGIN_US })
+    }
+
+    /// Whether this caller should read the server's time now: one caller per second does
+    /// while the anchor is stale; the others use the old one (up to twice [`REFRESH`] old), so
+    /// many concurrent claims do not all read `TIME` at once.
+    pub(crate) fn should_refresh(&self) -> bool {
+        let mut r = self.refreshing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if r.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return false;
+        }
+        *r = Some(Instant::now());
+        true
     }
 
     /// Records a server time read between `sent` and `received`.
@@ -89,5 +108,8 @@ mod tests {
         // A later, less precise anchor does not replace a fresh precise one.
         c.anchor(5_000_000, sent, sent + Duration::from_millis(50));
         assert!(c.estimate().expect("anchor").now_us < 2_000_000);
+        // One caller per second re-anchors.
+        assert!(c.should_refresh());
+        assert!(!c.should_refresh());
     }
 }

@@ -410,7 +410,11 @@ impl RedisStore {
         let Some(clock) = &self.clock else { return Ok(None) };
         let est = match clock.estimate() {
             Some(e) => Some(e),
-            None => self.anchor_clock().await?,
+            None if clock.should_refresh() => self.anchor_clock().await?,
+            None => match clock.estimate_within(2 * clock::REFRESH) {
+                Some(e) => Some(e),
+                None => self.anchor_clock().await?,
+            },
         };
         Ok(est.map(|e| clock::Estimate { now_us: e.now_us + self.offset_us(), ..e }))
     }

@@ -28,12 +28,25 @@ fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
 ) -> (oneshot::Sender<()>, JoinHandle<Report>) {
+    run_paced(c, ledger, Duration::ZERO)
+}
+
+/// [`run`] with a handler that takes `pace` per message (work that takes time, so a consumer
+/// is still busy when another joins its group).
+fn run_paced<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+    c: KafkaConsumer<S>,
+    ledger: Ledger,
+    pace: Duration,
+) -> (oneshot::Sender<()>, JoinHandle<Report>) {
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         c.run(
             |_ctx, d: Delivery| {
                 let (ledger, key) = (ledger.clone(), d.message_id().unwrap_or_default().to_owned());
                 async move {
+                    if !pace.is_zero() {
+                        tokio::time::sleep(pace).await;
+                    }
                     ledger.lock().unwrap().push(key);
                     Ok::<_, HandlerError<String>>(())
                 }
@@ -378,14 +391,17 @@ async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
     let ledger: Ledger = Arc::default();
-    // Small batches, so the first consumer is still at work when the second joins.
+    // Small batches and 10 ms of work per message (6 s for all 600 alone), so the first
+    // consumer is still at work when the second joins: without the pacing, a fast run had
+    // finished everything before the rebalance gave the second any partition.
     let coop = [("partition.assignment.strategy", "cooperative-sticky")];
-    let first = run(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone());
+    let pace = Duration::from_millis(10);
+    let first = run_paced(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone(), pace);
     common::eventually(LIMIT, "the first consumer under way", || async {
         (ledger.lock().unwrap().len() >= 20).then_some(())
     })
     .await;
-    let second = run(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone());
+    let second = run_paced(t.consumer(&brokers, &store, 4, &coop).await, ledger.clone(), pace);
     t.all_committed(&brokers).await;
     let reports = stop_all(vec![first, second]).await;
     each_once(&ledger, 600);

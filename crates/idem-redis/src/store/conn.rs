@@ -104,10 +104,16 @@ impl RedisConnection {
     }
 }
 
+impl NodeConn {
+    fn route(&self) -> SingleNodeRoutingInfo {
+        SingleNodeRoutingInfo::ByAddress { host: self.host.clone(), port: self.port }
+    }
+}
+
 impl ConnectionLike for NodeConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        let route = SingleNodeRoutingInfo::ByAddress { host: self.host.clone(), port: self.port };
-        Box::pin(self.conn.route_command(cmd.clone(), RoutingInfo::SingleNode(route)))
+        let route = RoutingInfo::SingleNode(self.route());
+        Box::pin(self.conn.route_command(cmd.clone(), route))
     }
 
     fn req_packed_commands<'a>(
@@ -116,7 +122,7 @@ impl ConnectionLike for NodeConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        let route = SingleNodeRoutingInfo::ByAddress { host: self.host.clone(), port: self.port };
+        let route = self.route();
         Box::pin(self.conn.route_pipeline(pipeline.clone(), offset, count, route))
     }
 

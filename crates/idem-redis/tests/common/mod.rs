@@ -42,23 +42,23 @@ impl Drop for Cleanup {
             let Ok(client) = redis::cluster::ClusterClient::new(self.url.split(',')) else {
                 return;
             };
-            let Ok(mut conn) = client.get_connection() else { return };
-            for p in &self.patterns {
-                let keys: Vec<String> =
-                    redis::cmd("KEYS").arg(p).query(&mut conn).unwrap_or_default();
-                for k in keys {
-                    let _: Result<i64, _> = redis::cmd("DEL").arg(k).query(&mut conn);
-                }
+            if let Ok(mut conn) = client.get_connection() {
+                sweep(&mut conn, &self.patterns);
             }
-            return;
+        } else if let Ok(mut conn) =
+            redis::Client::open(self.url.as_str()).and_then(|c| c.get_connection())
+        {
+            sweep(&mut conn, &self.patterns);
         }
-        let Ok(client) = redis::Client::open(self.url.as_str()) else { return };
-        let Ok(mut conn) = client.get_connection() else { return };
-        for p in &self.patterns {
-            let keys: Vec<String> = redis::cmd("KEYS").arg(p).query(&mut conn).unwrap_or_default();
-            for chunk in keys.chunks(500) {
-                let _: Result<i64, _> = redis::cmd("DEL").arg(chunk).query(&mut conn);
-            }
+    }
+}
+
+/// Deletes the keys matching each pattern, 500 per `DEL`.
+fn sweep(conn: &mut impl redis::ConnectionLike, patterns: &[String]) {
+    for p in patterns {
+        let keys: Vec<String> = redis::cmd("KEYS").arg(p).query(conn).unwrap_or_default();
+        for chunk in keys.chunks(500) {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(chunk).query(conn);
         }
     }
 }

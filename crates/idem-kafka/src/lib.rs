@@ -61,6 +61,13 @@
 //! but their offsets are no longer committed: the new owner starts at the committed offset,
 //! which is never past them, and the store makes the second copy a duplicate.
 //!
+//! A commit never moves the group's offset back as far as the member can see: before its first
+//! commit of a partition after an assignment, and before its closing commit, the source reads
+//! the group's committed offsets (one round trip) and leaves out a partition the group has
+//! already committed past. Kafka fences a stale member's commits; a broker that does not
+//! (tansu 0.6.0 gave one partition to two members after a restart) would otherwise let the
+//! member that fell behind hand the partition's messages back.
+//!
 //! Both protocols work: the eager default, and `partition.assignment.strategy =
 //! cooperative-sticky`, under which a join revokes only the partitions that move (the
 //! adapter leaves assign and incremental assign to librdkafka; tested on tansu).

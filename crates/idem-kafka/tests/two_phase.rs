@@ -474,3 +474,74 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
     assert_eq!(got.len(), ids.len(), "every message came back once: {got:?}");
     c.close().await.unwrap();
 }
+
+/// Commits `offset` of `topic`'s partition 0 for `group` from outside the group, as a member
+/// that consumed the partition meanwhile would. tansu accepts a commit without checking the
+/// member or its generation (after a restart it gave one partition to two members at once);
+/// Kafka would refuse it from a non-member of an active group.
+async fn commit_as_another_member(brokers: &str, group: &str, topic: &str, offset: i64) {
+    use idem_kafka::rdkafka::config::ClientConfig;
+    use idem_kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
+    use idem_kafka::rdkafka::{Offset, TopicPartitionList};
+    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Offset(offset)).unwrap();
+        c.commit(&tpl, CommitMode::Sync).unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// A member whose partition another member consumed meanwhile (two owners at once: a broker
+/// that does not fence stale members, as tansu after a restart) never moves the group's
+/// offset back: its first commit after the assignment reads the group's offset and leaves the
+/// partition out while the group is ahead; once it has caught up, it commits again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
+    use idem_core::driver::Source;
+    let Some(brokers) = common::brokers() else { return };
+    let sfx = common::suffix();
+    let (topic, dlq, group) =
+        (format!("idem-behind-{sfx}"), format!("idem-behind-{sfx}-dlq"), format!("g-{sfx}"));
+    let _topics = Topics::create(&brokers, &[(&topic, 1), (&dlq, 1)]).await;
+    let ids: Vec<String> = (0..12).map(|i| format!("b-{i}")).collect();
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let ends = common::produce(&common::producer(&brokers), &topic, &msgs(&id_refs), Some(0)).await;
+    assert_eq!(ends[&0], 12);
+    let config = Kafka::new(&common::config(&brokers, &group), &[topic.as_str()], dlq);
+    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("behind").build().unwrap();
+    let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+    let src = c.source();
+
+    let first = tokio::time::timeout(LIMIT, src.fetch(4, LIMIT)).await.unwrap().unwrap();
+    assert_eq!(first.first().map(Delivery::offset), Some(0));
+    assert!(first.len() < 12, "one fetch took the whole partition; the test proves nothing");
+    // Meanwhile another member consumed the whole partition and committed its end.
+    commit_as_another_member(&brokers, &group, &topic, 12).await;
+    let n = first.len();
+    src.settle(first.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+    assert_eq!(
+        common::committed(&brokers, &group, &topic, 1).await.get(&0),
+        Some(&12),
+        "the commit of offset {n} would have handed {} messages back",
+        12 - n
+    );
+    // Catching up to the group's offset, the member commits again (the same offset).
+    let mut got = n;
+    while got < 12 {
+        let batch = tokio::time::timeout(LIMIT, src.fetch(4, LIMIT)).await.unwrap().unwrap();
+        got += batch.len();
+        src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+        let committed = common::committed(&brokers, &group, &topic, 1).await;
+        assert_eq!(committed.get(&0), Some(&12), "after {got} of 12 settled");
+    }
+    c.close().await.unwrap();
+    assert_eq!(common::committed(&brokers, &group, &topic, 1).await.get(&0), Some(&12));
+}

@@ -180,10 +180,10 @@ impl JsonPointer {
 
 impl KeyExtractor for JsonPointer {
     fn extract(&self, msg: &dyn Envelope) -> Result<String, ExtractError> {
-        let what = format!("JSON pointer `{}`", self.0);
+        let what = || format!("JSON pointer `{}`", self.0);
         let v: Value = serde_json::from_slice(msg.payload())
-            .map_err(|source| ExtractError::NotJson { what: what.clone(), source })?;
-        scalar(&what, v.pointer(&self.0))
+            .map_err(|source| ExtractError::NotJson { what: what(), source })?;
+        scalar_with(what, v.pointer(&self.0))
     }
 }
 
@@ -303,12 +303,21 @@ fn non_empty(what: &str, v: Option<&str>) -> Result<String, ExtractError> {
 }
 
 fn scalar(what: &str, v: Option<&Value>) -> Result<String, ExtractError> {
+    scalar_with(|| what.to_owned(), v)
+}
+
+/// [`scalar`] with the field's description built only for an error (the hot path of a key
+/// extractor allocates nothing for it).
+fn scalar_with(what: impl FnOnce() -> String, v: Option<&Value>) -> Result<String, ExtractError> {
     match v {
-        None | Some(Value::Null) => Err(ExtractError::Missing { what: what.to_owned() }),
-        Some(Value::String(s)) => non_empty(what, Some(s)),
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(Value::String(_)) => {
+            Err(ExtractError::Invalid { what: what(), reason: "empty".into() })
+        }
         Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Ok(n.to_string()),
+        None | Some(Value::Null) => Err(ExtractError::Missing { what: what() }),
         Some(other) => Err(ExtractError::Invalid {
-            what: what.to_owned(),
+            what: what(),
             reason: format!("expected a string or an integer, found {}", json_type(other)),
         }),
     }

@@ -147,7 +147,11 @@ fn write_canonical(value: &Value, out: &mut String) {
         }
         Value::Object(map) => {
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            // serde_json's map is sorted by UTF-8 bytes, which is UTF-16 order for ASCII keys:
+            // sort only when a key is not ASCII.
+            if !map.keys().all(|k| k.is_ascii()) {
+                entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
+            }
             out.push('{');
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
@@ -185,8 +189,16 @@ fn write_number(n: &serde_json::Number, out: &mut String) {
 
 fn write_string(s: &str, out: &mut String) {
     // serde_json escapes exactly `"`, `\` and control characters, with the short forms
-    // (\n, \t, …) and lowercase \u00xx otherwise: the escaping JCS prescribes.
-    out.push_str(&Value::String(s.to_owned()).to_string());
+    // (\n, \t, …) and lowercase \u00xx otherwise: the escaping JCS prescribes. A string with
+    // none of them is written as it is, without a round through serde_json.
+    if s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push_str(&Value::String(s.to_owned()).to_string());
+    } else {
+        out.reserve(s.len() + 2);
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    }
 }
 
 #[cfg(test)]
@@ -235,6 +247,44 @@ mod tests {
         // U+E000 sorts after U+1F600 in UTF-8 but before it in UTF-16 (surrogates are 0xD8xx).
         let v = json!({"\u{1F600}": 1, "\u{E000}": 2});
         assert_eq!(canonical_json(&v), "{\"\u{1F600}\":1,\"\u{E000}\":2}");
+    }
+
+    #[test]
+    fn strings_are_escaped_as_serde_json_escapes_them() {
+        // The unescaped fast path must agree with serde_json for every kind of character.
+        for s in [
+            "",
+            "plain",
+            "q\"uote",
+            "back\\slash",
+            "nl\n",
+            "tab\t",
+            "\u{1}",
+            "\u{1f}",
+            "\u{7f}",
+            "/slash",
+            "é",
+            "\u{E000}",
+            "\u{1F600}",
+            "mixed \u{1F600} \"x\"",
+        ] {
+            let mut got = String::new();
+            write_string(s, &mut got);
+            assert_eq!(got, serde_json::to_string(s).unwrap(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn fingerprints_stay_what_stores_already_hold() {
+        // Records written by earlier versions must keep matching: pinned digests.
+        assert_eq!(
+            fp(r#"{"b":[1,2.0,"x\"y"],"a":{"\u00e9":null,"z":true}}"#).to_string(),
+            "f6ab2826ef2fc36802ce22e3f3efc42db81ae59395490020287521c4835bff62"
+        );
+        assert_eq!(
+            fp(r#"{"\ud83d\ude00":1,"\ue000":2,"k":"\u0001"}"#).to_string(),
+            "8b394f85d4d320f4d85b64f4404c44f111102f9250ac38a9f3f32f36f0db0d99"
+        );
     }
 
     #[test]

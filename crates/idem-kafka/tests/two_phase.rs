@@ -475,30 +475,6 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
     c.close().await.unwrap();
 }
 
-/// Commits `offset` of `topic`'s partition 0 for `group` from outside the group, as a member
-/// that consumed the partition meanwhile would. tansu accepts a commit without checking the
-/// member or its generation (after a restart it gave one partition to two members at once);
-/// Kafka would refuse it from a non-member of an active group.
-async fn commit_as_another_member(brokers: &str, group: &str, topic: &str, offset: i64) {
-    use idem_kafka::rdkafka::config::ClientConfig;
-    use idem_kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
-    use idem_kafka::rdkafka::{Offset, TopicPartitionList};
-    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .unwrap();
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Offset(offset)).unwrap();
-        c.commit(&tpl, CommitMode::Sync).unwrap();
-    })
-    .await
-    .unwrap();
-}
-
 /// A member whose partition another member consumed meanwhile (two owners at once: a broker
 /// that does not fence stale members, as tansu after a restart) never moves the group's
 /// offset back: its first commit after the assignment reads the group's offset and leaves the
@@ -524,7 +500,7 @@ async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
     assert_eq!(first.first().map(Delivery::offset), Some(0));
     assert!(first.len() < 12, "one fetch took the whole partition; the test proves nothing");
     // Meanwhile another member consumed the whole partition and committed its end.
-    commit_as_another_member(&brokers, &group, &topic, 12).await;
+    common::commit_from_outside(&brokers, &group, &topic, 12).await;
     let n = first.len();
     src.settle(first.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
     assert_eq!(

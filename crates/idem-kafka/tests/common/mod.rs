@@ -154,16 +154,36 @@ pub async fn produce(
     ends
 }
 
+/// A client of `group` that never joins it: for offset fetches and commits from outside.
+fn outsider(brokers: &str, group: &str) -> BaseConsumer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap()
+}
+
+/// Commits `offset` of `topic`'s partition 0 for `group` from outside the group, as another
+/// member would. tansu accepts a commit without checking the member or its generation; Kafka
+/// would refuse it from a non-member of an active group.
+pub async fn commit_from_outside(brokers: &str, group: &str, topic: &str, offset: i64) {
+    use idem_kafka::rdkafka::consumer::CommitMode;
+    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Offset(offset)).unwrap();
+        outsider(&brokers, &group).commit(&tpl, CommitMode::Sync).unwrap();
+    })
+    .await
+    .unwrap();
+}
+
 /// The group's committed offsets of `topic`'s partitions `0..n` (no group join: an offset fetch).
 pub async fn committed(brokers: &str, group: &str, topic: &str, n: i32) -> HashMap<i32, i64> {
     let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
-        let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .unwrap();
+        let c = outsider(&brokers, &group);
         let mut tpl = TopicPartitionList::new();
         for p in 0..n {
             tpl.add_partition(&topic, p);

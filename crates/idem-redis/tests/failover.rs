@@ -172,20 +172,20 @@ async fn failover_loses_acknowledged_claims_unless_the_store_waits_for_a_replica
         }));
     }
     let count = || completed.lock().expect("done").len();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while count() < 300 {
-        assert!(Instant::now() < deadline, "the waiting store does not make progress");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    idem_testkit::wait_for("the waiting store to make progress", Duration::from_secs(20), || {
+        let n = count();
+        async move { n >= 300 }
+    })
+    .await;
     let before_kill = count();
     let killed_at = Instant::now();
     cluster.nodes[m2].signal("KILL");
     // Run on until the store has acknowledged completions again after the failover.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count() < before_kill + 300 {
-        assert!(Instant::now() < deadline, "no completions after the failover");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    idem_testkit::wait_for("completions after the failover", Duration::from_secs(30), || {
+        let n = count();
+        async move { n >= before_kill + 300 }
+    })
+    .await;
     let recovered = killed_at.elapsed();
     stop.store(true, Ordering::Relaxed);
     let mut errors = 0;

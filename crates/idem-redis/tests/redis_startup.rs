@@ -51,6 +51,27 @@ async fn an_evicting_cluster_master_is_refused_and_named() {
         .expect("allowed");
 }
 
+/// A master without slots (a node just added, before a reshard) holds no keys and the cluster
+/// client keeps no connection to it: the startup checks leave it out instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_without_slots_does_not_stop_the_store() {
+    let Some(mut cluster) = PrivateCluster::spawn(3, 0, &[]) else { return };
+    let empty = cluster.add_empty_master(&[]);
+    let urls = cluster.urls();
+    let store = RedisStore::cluster_builder(urls.iter().map(String::as_str))
+        .expect("urls")
+        .namespace(&format!("slotless-{}", std::process::id()))
+        .expect("namespace")
+        .connect()
+        .await
+        .unwrap_or_else(|e| {
+            panic!("127.0.0.1:{} serves no slots, yet: {e}", cluster.nodes[empty].port())
+        });
+    let key = DedupKey::new("s", "k").expect("key");
+    let r = ClaimRequest::new(key, None, Duration::from_secs(30), Duration::from_secs(60));
+    assert!(matches!(store.claim(&r).await.expect("claim"), Claim::Acquired(_)));
+}
+
 #[tokio::test]
 async fn evicting_policy_is_refused_unless_allowed() {
     let Some(server) = spawn(&["--maxmemory-policy", "allkeys-lru", "--appendonly", "no"]) else {

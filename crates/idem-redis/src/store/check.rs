@@ -106,8 +106,12 @@ impl ServerSettings {
     }
 }
 
-/// Reads and enforces the settings of every master of the cluster behind `conn` (from
-/// `CLUSTER NODES`); returns them. An error names the master.
+/// Reads and enforces the settings of every master of the cluster behind `conn` that serves
+/// slots (from `CLUSTER NODES`); returns them. An error names the master.
+///
+/// A master without slots holds no keys, and the cluster client keeps no connection to it (it
+/// connects to the nodes `CLUSTER SLOTS` lists): a node just added before a reshard, or a
+/// replica that another node's gossip still shows as a master. Such nodes are not checked.
 pub(crate) async fn check_masters(
     conn: &RedisConnection,
     allow_eviction: bool,
@@ -139,7 +143,8 @@ pub(crate) async fn check_masters(
     Ok(out)
 }
 
-/// The `host`, `port` of each master in a `CLUSTER NODES` reply that is not marked failed.
+/// The `host`, `port` of each master in a `CLUSTER NODES` reply that serves at least one slot
+/// and is not marked failed.
 fn masters(nodes: &str) -> Vec<(String, u16)> {
     nodes
         .lines()
@@ -149,6 +154,11 @@ fn masters(nodes: &str) -> Vec<(String, u16)> {
             let flags = f.next()?;
             let flags: Vec<&str> = flags.split(',').collect();
             if !flags.contains(&"master") || flags.iter().any(|f| f.starts_with("fail")) {
+                return None;
+            }
+            // After the flags: master id, ping sent, pong received, epoch, link state, then the
+            // slots (`0-5460`, `5461`; `[…]` entries are migrations in progress).
+            if !f.skip(5).any(|slot| slot.starts_with(|c: char| c.is_ascii_digit())) {
                 return None;
             }
             let hostport = addr.split(['@', ',']).next()?;
@@ -189,6 +199,8 @@ b2 127.0.0.1:7001@17001 master - 0 1 2 connected 5461-10922
 c3 127.0.0.1:7002@17002,host.example master,fail - 0 1 3 connected
 d4 127.0.0.1:7003@17003 slave a1 0 1 1 connected
 e5 ::1:7004@17004 master - 0 1 4 connected 10923-16383
+f6 127.0.0.1:7005@17005 master - 0 1 0 connected
+g7 127.0.0.1:7006@17006 master - 0 1 5 connected [42->-a1]
 ";
         assert_eq!(
             masters(nodes),

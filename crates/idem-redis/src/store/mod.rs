@@ -255,7 +255,8 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Connects and checks the server's settings (on a cluster, every master's): refuses an
+    /// Connects and checks the server's settings (on a cluster, those of every master that serves
+    /// slots; a master added but not yet given slots holds no keys and is not checked): refuses an
     /// evicting `maxmemory-policy` (unless [`allow_eviction`](Self::allow_eviction)), logs a
     /// warning when neither RDB snapshots nor the AOF are on (a restart then forgets every
     /// record).

@@ -200,6 +200,34 @@ pub struct PrivateCluster {
 impl PrivateCluster {
     /// `None` (skip, printed) when `redis-server` is missing outside CI.
     pub fn spawn(masters: usize, replicas: usize, extra: &[&str]) -> Option<Self> {
+        let mut nodes = Vec::new();
+        for _ in 0..masters * (1 + replicas) {
+            nodes.push(Self::node(extra)?);
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let cluster = Self { nodes };
+        let all: Vec<&Server> = cluster.nodes.iter().collect();
+        cluster.wait_ok(&all, Duration::from_secs(30));
+        // `cluster_state:ok` only says the slots are covered: the replicas' roles reach the
+        // other nodes by gossip, later. Until then a node may still list a replica as a master
+        // without slots, so wait until every node sees every replica.
+        Self::wait_for(&all, Duration::from_secs(30), "every node to see its replicas", |nodes| {
+            nodes.lines().filter(|l| l.split_whitespace().nth(2).is_some_and(is_replica)).count()
+                == masters * replicas
+        });
+        Some(cluster)
+    }
+
+    /// A cluster node, not yet part of any cluster.
+    fn node(extra: &[&str]) -> Option<Server> {
         let mut args = vec![
             "--cluster-enabled",
             "yes",
@@ -213,22 +241,43 @@ impl PrivateCluster {
             "noeviction",
         ];
         args.extend_from_slice(extra);
-        let mut nodes = Vec::new();
-        for _ in 0..masters * (1 + replicas) {
-            nodes.push(spawn(&args)?);
+        spawn(&args)
+    }
+
+    /// Starts one more node and has it join the cluster as a master without slots (as
+    /// `redis-cli --cluster add-node` does before a reshard); returns its index in `nodes`.
+    pub fn add_empty_master(&mut self, extra: &[&str]) -> usize {
+        let node = Self::node(extra).expect("redis-server");
+        let client = redis::Client::open(self.nodes[0].url.as_str()).expect("url");
+        let mut c = client.get_connection().expect("connect");
+        let _: () = redis::cmd("CLUSTER")
+            .arg("MEET")
+            .arg("127.0.0.1")
+            .arg(node.port())
+            .query(&mut c)
+            .expect("cluster meet");
+        let addr = format!("127.0.0.1:{}@", node.port());
+        self.nodes.push(node);
+        let all: Vec<&Server> = self.nodes.iter().collect();
+        Self::wait_for(&all, Duration::from_secs(30), "every node to know the new one", |nodes| {
+            nodes.lines().any(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() > 7
+                    && f[1].starts_with(&addr)
+                    && f[2].contains("master")
+                    && f[7] == "connected"
+            })
+        });
+        self.nodes.len() - 1
+    }
+
+    /// Waits until `ok` holds for the `CLUSTER NODES` of every node of `nodes`.
+    fn wait_for(nodes: &[&Server], within: Duration, what: &str, ok: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + within;
+        while !nodes.iter().all(|n| Self::cluster_nodes(n).is_some_and(|c| ok(&c))) {
+            assert!(Instant::now() < deadline, "waited {within:?} for {what}");
+            std::thread::sleep(Duration::from_millis(50));
         }
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())).collect();
-        let out = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
-        let cluster = Self { nodes };
-        cluster.wait_ok(&cluster.nodes.iter().collect::<Vec<_>>(), Duration::from_secs(30));
-        Some(cluster)
     }
 
     /// The node URLs.
@@ -301,4 +350,10 @@ impl PrivateCluster {
             .collect();
         (m, replicas)
     }
+}
+
+/// Whether a `CLUSTER NODES` flags field marks a live replica.
+fn is_replica(flags: &str) -> bool {
+    let flags: Vec<&str> = flags.split(',').collect();
+    flags.contains(&"slave") && !flags.iter().any(|f| f.starts_with("fail") || *f == "handshake")
 }

@@ -219,9 +219,11 @@ impl PrivateCluster {
         // `cluster_state:ok` only says the slots are covered: the replicas' roles reach the
         // other nodes by gossip, later. Until then a node may still list a replica as a master
         // without slots, so wait until every node sees every replica.
-        Self::wait_for(&all, Duration::from_secs(30), "every node to see its replicas", |nodes| {
+        let replicas_seen = |nodes: String| {
             nodes.lines().filter(|l| l.split_whitespace().nth(2).is_some_and(is_replica)).count()
-                == masters * replicas
+        };
+        Self::wait_for(&all, Duration::from_secs(30), "every node to see its replicas", |n| {
+            Self::cluster_nodes(n).map(replicas_seen) == Some(masters * replicas)
         });
         Some(cluster)
     }
@@ -259,7 +261,7 @@ impl PrivateCluster {
         let addr = format!("127.0.0.1:{}@", node.port());
         self.nodes.push(node);
         let all: Vec<&Server> = self.nodes.iter().collect();
-        Self::wait_for(&all, Duration::from_secs(30), "every node to know the new one", |nodes| {
+        let knows_it = |nodes: String| {
             nodes.lines().any(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
                 f.len() > 7
@@ -267,17 +269,11 @@ impl PrivateCluster {
                     && f[2].contains("master")
                     && f[7] == "connected"
             })
+        };
+        Self::wait_for(&all, Duration::from_secs(30), "every node to know the new one", |n| {
+            Self::cluster_nodes(n).is_some_and(knows_it)
         });
         self.nodes.len() - 1
-    }
-
-    /// Waits until `ok` holds for the `CLUSTER NODES` of every node of `nodes`.
-    fn wait_for(nodes: &[&Server], within: Duration, what: &str, ok: impl Fn(&str) -> bool) {
-        let deadline = Instant::now() + within;
-        while !nodes.iter().all(|n| Self::cluster_nodes(n).is_some_and(|c| ok(&c))) {
-            assert!(Instant::now() < deadline, "waited {within:?} for {what}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
     }
 
     /// The node URLs.
@@ -287,26 +283,28 @@ impl PrivateCluster {
 
     /// `CLUSTER NODES` as seen by `node`.
     pub fn cluster_nodes(node: &Server) -> Option<String> {
-        let client = redis::Client::open(node.url.as_str()).ok()?;
-        let mut c = client.get_connection_with_timeout(Duration::from_secs(1)).ok()?;
-        redis::cmd("CLUSTER").arg("NODES").query(&mut c).ok()
+        Self::cluster_cmd(node, "NODES")
     }
 
-    /// Waits until every node of `nodes` says `cluster_state:ok` and knows no failed master.
+    /// `CLUSTER <sub>` (`NODES`, `INFO`) as `node` answers it; `None` when it does not.
+    fn cluster_cmd(node: &Server, sub: &str) -> Option<String> {
+        let client = redis::Client::open(node.url.as_str()).ok()?;
+        let mut c = client.get_connection_with_timeout(Duration::from_secs(1)).ok()?;
+        redis::cmd("CLUSTER").arg(sub).query(&mut c).ok()
+    }
+
+    /// Waits until every node of `nodes` says `cluster_state:ok`.
     pub fn wait_ok(&self, nodes: &[&Server], within: Duration) {
+        Self::wait_for(nodes, within, "the private cluster to be ok", |n| {
+            Self::cluster_cmd(n, "INFO").is_some_and(|i| i.contains("cluster_state:ok"))
+        });
+    }
+
+    /// Waits until `ok` holds for every node of `nodes`.
+    fn wait_for(nodes: &[&Server], within: Duration, what: &str, ok: impl Fn(&Server) -> bool) {
         let deadline = Instant::now() + within;
-        loop {
-            let ok = nodes.iter().all(|n| {
-                let info: Option<String> = redis::Client::open(n.url.as_str())
-                    .ok()
-                    .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)).ok())
-                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query(&mut c).ok());
-                info.is_some_and(|i| i.contains("cluster_state:ok"))
-            });
-            if ok {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the private cluster is not ok within {within:?}");
+        while !nodes.iter().all(|n| ok(n)) {
+            assert!(Instant::now() < deadline, "waited {within:?} for {what}");
             std::thread::sleep(Duration::from_millis(50));
         }
     }

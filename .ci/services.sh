@@ -55,7 +55,7 @@ COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosm
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
 MARIADB_PID=/run/mysqld/mysqld.pid   # Debian's pid-file: tells the shared mariadbd from mariadb-tls
-# shellcheck source=tls.sh
+# shellcheck source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/tls.sh"
 
 status() {

@@ -8,7 +8,8 @@ Standard library plus `cryptography` (Debian: python3-cryptography), nothing fro
                                  INFO, TLS upgrade, CONNECT, PING: exit 0 on PONG (and with
                                  --jetstream on a $JS.API.INFO answer without error)
   tls-tool.py kafka PORT --ca CA [--host H]
-                                 TLS, then a Kafka ApiVersions v0 request: exit 0 on error_code 0
+                                 TLS, then Kafka ApiVersions v0 (exit 0 on error_code 0) and
+                                 Metadata v0 (prints the advertised brokers)
   tls-tool.py amqp PORT --ca CA [--cert C --key K] [--host H] [--version 0-9-1|1.0] [--external]
                                  TLS, then the AMQP protocol header (exit 0 when the broker answers),
                                  with --external also a SASL EXTERNAL login with the certificate
@@ -258,7 +259,17 @@ def probe_kafka(args):
     correlation, error = struct.unpack(">ih", read_exact(sock, size)[:6])
     if correlation != 7 or error != 0:
         raise ConnectionError(f"ApiVersions: correlation {correlation}, error {error}")
-    print(f"kafka {args.host}:{args.port}: {transport(sock)}, ApiVersions ok ({size} bytes)")
+    # Metadata v0 (no topics): the brokers a client will connect to next.
+    body = struct.pack(">hhih", 3, 0, 8, len(client)) + client + struct.pack(">i", 0)
+    sock.sendall(struct.pack(">i", len(body)) + body)
+    data = read_exact(sock, struct.unpack(">i", read_exact(sock, 4))[0])
+    brokers, offset = [], 8
+    for _ in range(struct.unpack(">i", data[4:8])[0]):
+        length = struct.unpack(">h", data[offset + 4:offset + 6])[0]
+        host = data[offset + 6:offset + 6 + length].decode()
+        brokers.append(f"{host}:{struct.unpack('>i', data[offset + 6 + length:offset + 10 + length])[0]}")
+        offset += 10 + length
+    print(f"kafka {args.host}:{args.port}: {transport(sock)}, ApiVersions ok, brokers {' '.join(brokers)}")
 
 
 def amqp091_frame(sock):

@@ -210,6 +210,7 @@ EOF
       --exec /usr/sbin/mariadbd -- --defaults-file="$dir/my.cnf"
     wait_port "$MYSQL_TLS_PORT" 60 mariadb-tls
   fi
+  # shellcheck disable=SC2206   # $SUDO is empty or one word
   local sql=($SUDO mariadb --defaults-file="$dir/my.cnf" -uroot -N -B)
   [[ $("${sql[@]}" -e "select (select count(*) from mysql.global_priv where user = 'idem_client')
                             + (select count(*) from information_schema.schemata where schema_name = 'test')") == 2 ]] \
@@ -280,7 +281,7 @@ $(cat "$TLS_DIR/nats/operator.conf")" "verify: false"
 # localhost:KAFKA_TLS_PORT, and socat terminates TLS on KAFKA_TLS_PORT (127.0.0.1 and 127.0.0.2) in
 # front of it: Kafka clients see a TLS-only broker. No client certificate is asked for.
 kafka_tls_up() {
-  local tansu dir=$STATE/kafka-tls a args
+  local tansu dir=$STATE/kafka-tls a args started=0
   tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
   [[ -x $tansu ]] || { log "kafka-tls skipped: tansu is not installed"; return 0; }
   mkdir -p "$dir"
@@ -288,8 +289,9 @@ kafka_tls_up() {
     nohup setsid "$tansu" broker --listener-url "tcp://127.0.0.1:$KAFKA_TLS_BACKEND_PORT" \
       --advertised-listener-url "tcp://localhost:$KAFKA_TLS_PORT" --storage-engine memory://tansu/ \
       >"$dir/tansu.log" 2>&1 </dev/null &
-    echo $! >"$dir/tansu.pid"
-    wait_port "$KAFKA_TLS_BACKEND_PORT" 30 "kafka-tls backend (tansu)" >/dev/null
+    echo $! >"$dir/tansu.pid"; started=1
+    wait_port "$KAFKA_TLS_BACKEND_PORT" 30 "kafka-tls backend (tansu)" >/dev/null \
+      || { tail -5 "$dir/tansu.log"; exit 1; }
   fi
   for a in 127.0.0.1 127.0.0.2; do
     args="OPENSSL-LISTEN:$KAFKA_TLS_PORT,bind=$a,reuseaddr,fork,cert=$TLS_DIR/server.pem,key=$TLS_DIR/server.key,verify=0"
@@ -298,10 +300,11 @@ kafka_tls_up() {
       stop_pidfile "$dir/socat-$a.pid" "$KAFKA_TLS_PORT" || true
     fi
     nohup setsid socat -lf "$dir/socat-$a.log" "$args" "TCP:127.0.0.1:$KAFKA_TLS_BACKEND_PORT" </dev/null >/dev/null 2>&1 &
-    echo $! >"$dir/socat-$a.pid"
+    echo $! >"$dir/socat-$a.pid"; started=1
     tls_stamp_save "kafka-$a" "$args"
   done
-  wait_port "$KAFKA_TLS_PORT" 15 "kafka-tls (tansu behind socat)"
+  if ((started)); then wait_port "$KAFKA_TLS_PORT" 15 "kafka-tls (tansu behind socat)"
+  else log "kafka-tls answers on :$KAFKA_TLS_PORT"; fi
 }
 
 # --- RabbitMQ -------------------------------------------------------------------------------------
@@ -312,7 +315,6 @@ kafka_tls_up() {
 rabbitmq_up() {
   local conf=/etc/rabbitmq/rabbitmq.conf dir=/etc/rabbitmq/idem-tls changed=0 p missing=() started=0
   local begin='# BEGIN idem-tls, written by services.sh' end='# END idem-tls'
-  $SUDO install -d /etc/rabbitmq
   tls_copy rabbitmq "$dir" && changed=1
   { $SUDO sed "/^$begin\$/,/^$end\$/d" "$conf" 2>/dev/null || true
     cat <<EOF

@@ -9,6 +9,33 @@
 # REDIS_CLUSTER_PORT (the first of three: a Redis Cluster of 3 masters, no replicas).
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
 # missing one is built with `cargo install` once per machine (11-21 min cold, measured), then reused.
+#
+# TLS listeners (issue 23; .ci/tls.sh, proved by .ci/tls-selftest.sh). Each listener also binds
+# 127.0.0.2, which is NOT in the server certificate: connect there to test a wrong host name.
+#   env var (default)               what
+#   IDEM_TLS_DIR ($STATE/tls)       the throw-away PKI below; STATE is CI_STATE_DIR or /tmp/idem-ci
+#   PG_TLS_PORT (5433)              PostgreSQL, hostssl only, db `test`; postgres: trust;
+#                                   idem_client: client certificate only (CN idem-client)
+#   MYSQL_TLS_PORT (3307)           MariaDB, require_secure_transport, db `test`; root: empty
+#                                   password; idem_client: client certificate (REQUIRE SUBJECT/ISSUER)
+#   REDIS_TLS_PORT (6380)           Redis, TLS only, client certificate optional
+#   REDIS_MTLS_PORT (6381)          Redis, TLS only, client certificate required
+#   AMQPS_PORT (5671)               RabbitMQ (AMQP 0-9-1 and 1.0): guest/guest, or a client
+#                                   certificate with SASL EXTERNAL as user idem-client
+#   NATS_TLS_PORT (4223)            NATS + JetStream, TLS, nkey user (user.nk) only
+#   NATS_CREDS_PORT (4224)          NATS + JetStream, TLS, operator mode: user.creds only
+#   NATS_MTLS_PORT (4225)           NATS, TLS, client certificate required, no other auth
+#   KAFKA_TLS_PORT (9093)           tansu (in memory) behind socat's TLS, advertised as
+#                                   localhost:9093 (tansu 0.6.0 cannot serve TLS itself: tls.sh)
+# Files in IDEM_TLS_DIR (PEM; keys EC P-256 PKCS#8, mode 0600; remade when missing or expiring):
+#   ca.pem ca.key                 the CA that signs everything below but wrong-client
+#   server.pem server.key         CN localhost, SANs DNS:localhost, IP:127.0.0.1; every listener's
+#   client.pem client.key         CN idem-client, extendedKeyUsage clientAuth
+#   wrong-ca.pem wrong-ca.key     an unrelated CA ("wrong CA is refused")
+#   wrong-client.pem .key         CN idem-client signed by wrong-ca (refused by every listener)
+#   user.nk user.nk.pub           NATS nkey user: seed (SU...) and public key (U...)
+#   user.creds                    NATS user JWT + seed of the operator/account in nats/
+# The shared PostgreSQL on PG_PORT has ssl off, so sslmode=require against it fails.
 set -euo pipefail
 log() { echo "[services] $*"; }
 port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
@@ -27,6 +54,9 @@ REDIS_CLUSTER_PORT=${REDIS_CLUSTER_PORT:-7000}
 COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosmosdb-server, see up()
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
+MARIADB_PID=/run/mysqld/mysqld.pid   # Debian's pid-file: tells the shared mariadbd from mariadb-tls
+# shellcheck source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/tls.sh"
 
 status() {
   local bad=0 name port
@@ -38,6 +68,7 @@ status() {
     if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
   done
   if port_open "$COSMOS_PORT"; then log "cosmosdb-server answers on 127.0.0.1:$COSMOS_PORT"; else log "cosmosdb-server DOES NOT answer on 127.0.0.1:$COSMOS_PORT"; bad=1; fi
+  tls_status || bad=1
   return $bad
 }
 
@@ -50,6 +81,9 @@ install_missing() {
   command -v mosquitto       >/dev/null || pkgs+=(mosquitto)
   command -v nats-server     >/dev/null || pkgs+=(nats-server)
   command -v faketime        >/dev/null || pkgs+=(faketime)   # the clock-skew tests
+  command -v openssl         >/dev/null || pkgs+=(openssl)    # the TLS listeners (tls.sh)
+  command -v socat           >/dev/null || pkgs+=(socat)
+  /usr/bin/python3 -c 'import cryptography' 2>/dev/null || pkgs+=(python3-cryptography)
   if ((${#pkgs[@]})); then
     log "installing: ${pkgs[*]}"; export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
@@ -69,10 +103,15 @@ up() {
   fi
   psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atqc "select 1 from pg_database where datname='test'" | grep -q 1 \
     || psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -qc 'create database test'
+  # No TLS on the shared server (Debian turns it on with a snakeoil certificate): the TLS tests use
+  # PG_TLS_PORT, and sslmode=require here must fail. `ssl` reloads without a restart.
+  [[ $(psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atqc 'show ssl') == off ]] \
+    || psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -qc 'alter system set ssl = off' -c 'select pg_reload_conf()' >/dev/null
   # MariaDB: root with an empty password over TCP (sqlx cannot use unix_socket auth).
   if ! port_open "$MYSQL_PORT"; then
     $SUDO install -d -o mysql -g mysql /run/mysqld
-    $SUDO start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd -- --user=mysql
+    # --pidfile: with only --exec, a running mariadb-tls would count as "already running".
+    $SUDO start-stop-daemon --start --oknodo --background --pidfile "$MARIADB_PID" --exec /usr/sbin/mariadbd -- --user=mysql
     wait_port "$MYSQL_PORT" 60 mariadb
   fi
   mariadb -uroot -h127.0.0.1 -P"$MYSQL_PORT" -e 'select 1' >/dev/null 2>&1 \
@@ -82,12 +121,9 @@ up() {
   port_open "$REDIS_PORT" || { redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
     --dir "$STATE" --logfile "$STATE/redis.log" --pidfile "$STATE/redis.pid"; wait_port "$REDIS_PORT" 15 redis; }
   redis_cluster_up
-  # RabbitMQ takes 10-20 s to boot.
-  port_open "$AMQP_PORT" || { $SUDO rabbitmq-server -detached; wait_port "$AMQP_PORT" 120 rabbitmq; }
-  # AMQP 1.0 (the Service Bus protocol) on the same port: RabbitMQ 3.10 bundles the plugin.
-  # `--online` applies it to the running node; enabling an enabled plugin is a no-op.
-  $SUDO rabbitmq-plugins enable --online rabbitmq_amqp1_0 >"$STATE/amqp1_0.log" 2>&1 \
-    || { tail -5 "$STATE/amqp1_0.log"; exit 1; }
+  # RabbitMQ (takes 10-20 s to boot) with AMQP 1.0 and its TLS listener: rabbitmq_up in tls.sh.
+  tls_pki
+  rabbitmq_up
   # Mosquitto dies silently without /run/mosquitto.
   port_open "$MQTT_PORT" || { $SUDO install -d -o mosquitto -g mosquitto /run/mosquitto
     $SUDO mosquitto -d -c /etc/mosquitto/mosquitto.conf; wait_port "$MQTT_PORT" 15 mosquitto; }
@@ -133,6 +169,8 @@ up() {
       >"$STATE/cosmosdb-server.log" 2>&1 </dev/null &
     wait_port "$COSMOS_PORT" 30 cosmosdb-server; }
   # --- end cosmosdb-server ----------------------------------------------------------------------
+  tls_nats_keys
+  tls_up
   log "all services ready"
 }
 
@@ -180,15 +218,15 @@ restart() {
       wait_port "$PG_PORT" 30 postgres ;;
     mariadb)
       # `shutdown` returns before the process is gone; a start before then is refused.
-      local pid i; pid=$(pgrep -xo mariadbd || true)
+      local pid i; pid=$($SUDO cat "$MARIADB_PID" 2>/dev/null || true)
       mariadb-admin -uroot -h127.0.0.1 -P"$MYSQL_PORT" shutdown
       for ((i = 0; i < 300; i++)); do [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
       $SUDO install -d -o mysql -g mysql /run/mysqld
-      $SUDO start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd -- --user=mysql
+      $SUDO start-stop-daemon --start --oknodo --background --pidfile "$MARIADB_PID" --exec /usr/sbin/mariadbd -- --user=mysql
       wait_port "$MYSQL_PORT" 60 mariadb ;;
     rabbitmq)
       $SUDO rabbitmqctl -q stop_app && $SUDO rabbitmqctl -q start_app
-      wait_port "$AMQP_PORT" 60 rabbitmq ;;
+      wait_port "$AMQP_PORT" 60 rabbitmq; wait_port "$AMQPS_PORT" 30 rabbitmq-tls ;;
     *) echo "usage: $0 restart postgres|mariadb|rabbitmq" >&2; exit 64 ;;
   esac
   log "$1 restarted in $((SECONDS - t0))s"

@@ -7,6 +7,7 @@ use idem_core::driver::{Opening, SourceConfig};
 use crate::connect::Endpoint;
 use crate::error::Error;
 use crate::source::{Amqp10Source, Dialect};
+use crate::tls::Tls;
 
 /// Where dead letters go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,12 +49,14 @@ pub struct Amqp10Config {
     pub(crate) verb_timeout: Duration,
     pub(crate) redelivery_window: Option<Duration>,
     pub(crate) dialect: Dialect,
+    pub(crate) tls: Tls,
 }
 
 impl Amqp10Config {
     /// A consumer of `address` on the broker at `url` (`amqp://user:pass@host:port`; SASL
-    /// PLAIN when the URL has a user, ANONYMOUS otherwise; `amqps://` for TLS). Dead letters
-    /// are rejected ([`DeadLetters::Reject`]) until told otherwise.
+    /// PLAIN when the URL has a user, ANONYMOUS otherwise; `amqps://` for TLS, verified per
+    /// [`tls`](Self::tls)). Dead letters are rejected ([`DeadLetters::Reject`]) until told
+    /// otherwise.
     pub fn new(url: impl Into<String>, address: impl Into<String>) -> Self {
         Self {
             endpoint: Endpoint::Url(url.into()),
@@ -65,7 +68,15 @@ impl Amqp10Config {
             verb_timeout: Duration::from_secs(10),
             redelivery_window: None,
             dialect: Dialect::Generic,
+            tls: Tls::default(),
         }
+    }
+
+    /// How `amqps://` verifies the broker and which client certificate it presents (default:
+    /// the OS trust store, no client certificate). Ignored for `amqp://`.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Where dead letters go (default [`DeadLetters::Reject`]).

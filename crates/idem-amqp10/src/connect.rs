@@ -9,10 +9,11 @@ use fe2o3_amqp::session::SessionHandle;
 use fe2o3_amqp::{Connection, Session};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
-use tokio_rustls::rustls::{ClientConfig, RootCertStore, pki_types::ServerName};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 use crate::error::Error;
 use crate::servicebus::Credential;
+use crate::tls::Tls;
 
 /// Where and how to connect.
 #[derive(Clone)]
@@ -102,10 +103,13 @@ fn target(endpoint: &Endpoint) -> Result<Target, Error> {
 /// Connects, opens the AMQP connection and begins one session, each step bounded.
 pub(crate) async fn open(
     endpoint: &Endpoint,
+    tls_settings: &Tls,
     container_id: &str,
     bound: Duration,
 ) -> Result<Opened, Error> {
     let t = target(endpoint)?;
+    // Built before connecting, so a bad CA or key is a configuration error, not a retry.
+    let tls_config = if t.tls { Some(tls_settings.client_config()?) } else { None };
     let addr = format!("{}:{}", t.host, t.port);
     let tcp = tokio::time::timeout(bound, TcpStream::connect(&addr))
         .await
@@ -118,10 +122,10 @@ pub(crate) async fn open(
         .scheme("amqp")
         .sasl_profile(t.sasl);
     let opening = async {
-        if t.tls {
-            let stream = tls(&t.name, tcp)
+        if let Some(config) = tls_config {
+            let stream = tls(config, &t.name, tcp)
                 .await
-                .map_err(|source| Error::Connect { addr: addr.clone(), source })?;
+                .map_err(|source| Error::Tls { addr: addr.clone(), source })?;
             builder.open_with_stream(stream).await
         } else {
             builder.open_with_stream(tcp).await
@@ -138,18 +142,12 @@ pub(crate) async fn open(
     Ok(Opened { connection, session, addr })
 }
 
-/// A TLS stream to `host` with the webpki roots, on rustls' `ring` provider.
+/// A verified TLS stream to `host` (certificate chain and name), per `config`.
 async fn tls(
+    config: Arc<tokio_rustls::rustls::ClientConfig>,
     host: &str,
     tcp: TcpStream,
 ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-    let roots = RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
-    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(std::io::Error::other)?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
     let name = ServerName::try_from(host.to_owned()).map_err(std::io::Error::other)?;
-    TlsConnector::from(Arc::new(config)).connect(name, tcp).await
+    TlsConnector::from(config).connect(name, tcp).await
 }

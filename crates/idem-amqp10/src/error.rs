@@ -42,6 +42,17 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The TLS handshake failed: the server's certificate is not signed by a trusted CA or
+    /// does not name the host, the server does not speak TLS on that port, or it refused the
+    /// client certificate.
+    #[error("TLS handshake with {addr} failed")]
+    Tls {
+        /// `host:port`.
+        addr: String,
+        /// The TLS error (rustls' reason is in its message).
+        #[source]
+        source: std::io::Error,
+    },
     /// The AMQP connection could not be opened (refused, SASL failed).
     #[error("cannot open the AMQP 1.0 connection to {addr}")]
     Open {

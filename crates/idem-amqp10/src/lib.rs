@@ -69,6 +69,7 @@ mod link;
 mod message;
 pub mod servicebus;
 mod source;
+mod tls;
 
 pub use config::{Amqp10Config, DeadLetters};
 pub use error::Error;
@@ -77,6 +78,7 @@ pub use servicebus::{
     AccessToken, BoxError, ServiceBus, ServiceBusConfig, SessionFilter, TokenKind, TokenSource,
 };
 pub use source::Amqp10Source;
+pub use tls::Tls;
 
 /// An AMQP 1.0 or Service Bus consumer made idempotent: the shared driver over an
 /// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).

@@ -91,7 +91,7 @@ impl Amqp10Source {
     pub(crate) async fn open(config: Amqp10Config, opening: Opening<'_>) -> Result<Self, Error> {
         let bound = config.verb_timeout;
         let container = container_id(opening.scope);
-        let mut opened = connect::open(&config.endpoint, &container, bound).await?;
+        let mut opened = connect::open(&config.endpoint, &config.tls, &container, bound).await?;
         let refresher = match (&config.endpoint, &config.dialect) {
             (Endpoint::ServiceBus { namespace, credential, .. }, Dialect::ServiceBus(sb)) => {
                 servicebus::authorize(

@@ -112,6 +112,7 @@ mod error;
 pub mod event_hubs;
 mod publish;
 mod retention;
+mod security;
 mod source;
 mod tracker;
 

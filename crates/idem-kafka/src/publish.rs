@@ -81,7 +81,8 @@ impl KafkaPublisher {
 
     /// A producer with `config` (SASL, TLS, `linger.ms`, `message.timeout.ms`…): `acks=all`,
     /// and `enable.idempotence=true` unless `config` sets it to `false` (for a broker that
-    /// grants no producer ids).
+    /// grants no producer ids). `SSL` / `SASL_SSL` and SCRAM need the crate feature `tls`
+    /// (librdkafka with OpenSSL); a build without it refuses them, naming the feature.
     ///
     /// ```no_run
     /// use idem_kafka::{KafkaPublisher, rdkafka::ClientConfig};
@@ -92,14 +93,15 @@ impl KafkaPublisher {
     ///     .set("bootstrap.servers", "broker.example:9093")
     ///     .set("security.protocol", "SASL_SSL")
     ///     .set("sasl.mechanism", "PLAIN");
-    /// let publisher = KafkaPublisher::with_config(&config)?;
+    /// let publisher = KafkaPublisher::with_config(&config)?; // needs the feature `tls`
     /// # Ok(()) }
     /// ```
     ///
     /// # Errors
     /// [`Error::MissingSetting`] without `bootstrap.servers`; [`Error::Setting`] when `acks`
     /// is anything but `all` (or `-1`): a message must be on every in-sync replica before the
-    /// relay forgets it; [`Error::Kafka`] when librdkafka refuses the configuration.
+    /// relay forgets it, or when TLS or SCRAM is asked of a build without the feature `tls`;
+    /// [`Error::Kafka`] when librdkafka refuses the configuration.
     pub fn with_config(config: &ClientConfig) -> Result<Self, Error> {
         if config.get("bootstrap.servers").is_none_or(str::is_empty) {
             return Err(Error::MissingSetting {
@@ -141,6 +143,7 @@ impl KafkaPublisher {
 }
 
 fn create(config: &ClientConfig) -> Result<FutureProducer, Error> {
+    crate::security::check(config)?;
     config.create().map_err(|e| Error::kafka("create producer", e))
 }
 

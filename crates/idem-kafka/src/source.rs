@@ -209,6 +209,7 @@ impl std::fmt::Debug for KafkaSource {
 }
 
 fn check_config(config: &ClientConfig) -> Result<(), Error> {
+    crate::security::check(config)?;
     if config.get("group.id").is_none_or(str::is_empty) {
         return Err(Error::MissingSetting {
             key: "group.id",

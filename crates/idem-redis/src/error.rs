@@ -15,6 +15,16 @@ pub enum Error {
         #[source]
         source: redis::RedisError,
     },
+    /// The URL asks for TLS (`rediss://`, `valkeys://`) but this build has no TLS: it is
+    /// refused rather than connected in plaintext.
+    #[error(
+        "{scheme}:// asks for TLS, which this build lacks: enable the feature `rustls` of \
+         idem-redis (`rustls` of the idem facade)"
+    )]
+    TlsUnavailable {
+        /// The URL's scheme.
+        scheme: String,
+    },
     /// The server may evict keys under memory pressure, which would silently forget dedup
     /// records and let duplicates through.
     #[error(

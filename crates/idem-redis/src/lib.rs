@@ -144,6 +144,7 @@ mod namespace;
 mod publish;
 mod store;
 mod stream;
+mod tls;
 
 pub use error::Error;
 pub use namespace::{MAX_NAMESPACE_BYTES, Namespace};
@@ -152,6 +153,8 @@ pub use publish::{Refused, StreamPublisher};
 pub use store::ClockOffset;
 pub use store::{MAX_RESULT_BYTES, RedisConnection, RedisStore, RedisStoreBuilder, ServerSettings};
 pub use stream::{GROUP_FIELD, StreamConfig, StreamEntry, StreamSource};
+#[cfg(feature = "rustls")]
+pub use tls::install_crypto_provider;
 
 /// A Redis stream consumer made idempotent: the shared driver over a [`StreamSource`], in
 /// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).

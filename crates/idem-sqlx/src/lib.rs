@@ -22,6 +22,8 @@ mod cells;
 pub mod inbox;
 pub mod outbox;
 mod row;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod tls;
 
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -46,6 +48,8 @@ pub use outbox::Enqueue;
 pub use row::{InboxError, InboxOutcome, Mark};
 /// The client these stores are built on, re-exported so callers use the same version.
 pub use sqlx;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use tls::TlsUnavailable;
 
 /// Default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";

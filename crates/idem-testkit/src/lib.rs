@@ -11,7 +11,7 @@
 //! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
 //!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
-//!   silently without them under `CI=true`.
+//!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
 pub mod cases;
 pub mod faults;
@@ -24,6 +24,7 @@ pub mod publisher;
 pub mod service;
 #[cfg(feature = "source")]
 pub mod source;
+pub mod tls;
 mod wait;
 pub mod workload;
 

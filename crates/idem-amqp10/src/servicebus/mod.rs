@@ -29,6 +29,7 @@ use crate::connect::Endpoint;
 use crate::error::Error;
 use crate::message::Amqp10Message;
 use crate::source::{Amqp10Source, Dialect};
+use crate::tls::Tls;
 
 /// The source filter that asks for a session.
 pub(crate) const SESSION_FILTER: &str = "com.microsoft:session-filter";
@@ -56,6 +57,7 @@ pub struct ServiceBus {
     tls: bool,
     credential: Credential,
     entity_path: Option<String>,
+    tls_settings: Tls,
 }
 
 impl std::fmt::Debug for ServiceBus {
@@ -84,6 +86,7 @@ impl ServiceBus {
             tls: true,
             credential: parsed.credential,
             entity_path: parsed.entity_path,
+            tls_settings: Tls::default(),
         })
     }
 
@@ -100,6 +103,7 @@ impl ServiceBus {
             tls: true,
             credential: Credential::Source(std::sync::Arc::new(source)),
             entity_path: None,
+            tls_settings: Tls::default(),
         }
     }
 
@@ -111,6 +115,14 @@ impl ServiceBus {
         self.host = host.into();
         self.port = port;
         self.tls = tls;
+        self
+    }
+
+    /// How TLS verifies the namespace and which client certificate it presents (default: the
+    /// OS trust store, which holds the roots Azure's certificates chain to).
+    #[must_use]
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls_settings = tls;
         self
     }
 
@@ -213,6 +225,7 @@ impl ServiceBusConfig {
             tls: sb.tls,
             credential: sb.credential.clone(),
         };
+        base.tls = sb.tls_settings.clone();
         let settings = ServiceBusSettings {
             entity,
             lock_duration: Duration::from_secs(60),

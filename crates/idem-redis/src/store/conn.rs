@@ -9,7 +9,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 /// Which deployment a store or a stream lives on.
 #[derive(Clone)]
 pub(crate) enum Deployment {
-    Single(redis::Client),
+    Single(Box<redis::Client>),
     Cluster(Box<redis::cluster::ClusterClient>),
 }
 

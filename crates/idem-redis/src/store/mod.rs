@@ -265,6 +265,7 @@ impl RedisStoreBuilder {
     /// [`Error::Redis`] when the server cannot be reached; [`Error::EvictingPolicy`];
     /// [`Error::ClusterNode`] naming the cluster master that failed a check.
     pub async fn connect(self) -> Result<RedisStore, Error> {
+        crate::tls::ensure_crypto_provider();
         let (conn, all_support_fast) = match self.target {
             Deployment::Single(client) => {
                 let cfg = redis::aio::ConnectionManagerConfig::new()
@@ -305,17 +306,40 @@ impl RedisStoreBuilder {
 }
 
 impl RedisStore {
-    /// A builder for the server at `url` (`redis://host:port/db`).
+    /// A builder for the server at `url`: `redis://[user:password@]host:port/db`, or
+    /// `rediss://…` for TLS (the crate feature `rustls`), verified against the OS trust store.
+    /// For your own CA or a client certificate, build the client with
+    /// [`Client::build_with_tls`] and use [`builder_for`](Self::builder_for).
     ///
     /// # Errors
-    /// [`Error::Redis`] when the URL does not parse.
+    /// [`Error::Redis`] when the URL does not parse; [`Error::TlsUnavailable`] for `rediss://`
+    /// in a build without TLS.
     pub fn builder(url: &str) -> Result<RedisStoreBuilder, Error> {
-        Ok(Self::builder_for(Client::open(url).map_err(Error::redis("open"))?))
+        Ok(Self::builder_for(crate::tls::client(url)?))
     }
 
-    /// A builder over an existing client.
+    /// A builder over an existing client: one made with [`Client::build_with_tls`] carries a
+    /// custom CA and a client certificate.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "rustls")]
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use idem_redis::RedisStore;
+    /// use redis::{Client, ClientTlsConfig, TlsCertificates};
+    ///
+    /// let certs = TlsCertificates {
+    ///     client_tls: Some(ClientTlsConfig {
+    ///         client_cert: std::fs::read("client.pem")?,
+    ///         client_key: std::fs::read("client.key")?,
+    ///     }),
+    ///     root_cert: Some(std::fs::read("ca.pem")?),
+    /// };
+    /// let client = Client::build_with_tls("rediss://cache.internal:6380/", certs)?;
+    /// let store = RedisStore::builder_for(client).namespace("billing")?.connect().await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
     pub fn builder_for(client: Client) -> RedisStoreBuilder {
-        Self::builder_with(Deployment::Single(client))
+        Self::builder_with(Deployment::Single(Box::new(client)))
     }
 
     /// A builder for a Redis Cluster reached through any of `nodes` (`redis://host:port/`; the
@@ -346,6 +370,13 @@ impl RedisStore {
             .build()
             .map_err(Error::redis("open cluster"))?;
         Ok(Self::builder_with(Deployment::Cluster(Box::new(client))))
+    }
+
+    /// [`cluster_builder`](Self::cluster_builder) over an existing cluster client: one built
+    /// with [`ClusterClientBuilder::certs`](redis::cluster::ClusterClientBuilder::certs) carries
+    /// a custom CA and a client certificate for `rediss://` nodes.
+    pub fn cluster_builder_for(client: ClusterClient) -> RedisStoreBuilder {
+        Self::builder_with(Deployment::Cluster(Box::new(client)))
     }
 
     fn builder_with(target: Deployment) -> RedisStoreBuilder {

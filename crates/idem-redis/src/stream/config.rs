@@ -58,7 +58,12 @@ impl StreamConfig {
         group: impl Into<String>,
         consumer: impl Into<String>,
     ) -> Self {
-        Self::with(Deployment::Single(client), stream.into(), group.into(), consumer.into())
+        Self::with(
+            Deployment::Single(Box::new(client)),
+            stream.into(),
+            group.into(),
+            consumer.into(),
+        )
     }
 
     /// [`new`](Self::new) for a stream on a Redis Cluster: commands on the stream go to the
@@ -204,6 +209,7 @@ impl SourceConfig for StreamConfig {
     /// Checks the settings and the redelivery window against the retention, connects, and
     /// creates the group if asked (or checks that it exists).
     async fn open(self, opening: Opening<'_>) -> Result<StreamSource, Error> {
+        crate::tls::ensure_crypto_provider();
         self.validate()?;
         let window = match self.max_deliveries {
             Some(n) => {

@@ -83,12 +83,18 @@ impl MySqlStore {
     /// Connects a pool of 16 connections, creates the table if missing and runs the startup
     /// checks ([`MySqlStore::check`]), logging each warning.
     ///
+    /// TLS (feature `rustls`) is set in the URL:
+    /// `mysql://app@db.example:3306/app?ssl-mode=VERIFY_IDENTITY&ssl-ca=/etc/ca.pem`, with
+    /// `ssl-cert=…&ssl-key=…` for a client certificate. Without the feature, `REQUIRED` and
+    /// stricter are refused, never downgraded.
+    ///
     /// # Errors
-    /// [`StoreError::Backend`] when the server cannot be reached or the DDL fails.
+    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, the
+    /// URL asks for TLS this build lacks, or the DDL fails.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = MySqlPoolOptions::new()
             .max_connections(16)
-            .connect(url)
+            .connect_with(crate::tls::mysql_options(url)?)
             .await
             .map_err(|e| backend("connect", e))?;
         let store = Self::new(pool);

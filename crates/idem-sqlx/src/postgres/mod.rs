@@ -82,12 +82,20 @@ impl PostgresStore {
     /// ([`PostgresStore::migrate`]) and runs the startup checks ([`PostgresStore::check`]),
     /// logging each warning.
     ///
+    /// TLS (feature `rustls`) is set in the URL, as libpq does:
+    /// `postgres://app@db.example:5432/app?sslmode=verify-full&sslrootcert=/etc/ca.pem`, with
+    /// `sslcert=…&sslkey=…` for a client certificate. `verify-full` checks the chain and the host
+    /// name; `require` only encrypts (libpq's meaning). Without the feature, `require` and
+    /// stricter are refused, never downgraded.
+    ///
     /// # Errors
-    /// [`StoreError::Backend`] when the server cannot be reached or the DDL fails.
+    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, the
+    /// URL asks for TLS this build lacks ([`TlsUnavailable`](crate::TlsUnavailable) as the
+    /// source), or the DDL fails.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            .connect(url)
+            .connect_with(crate::tls::pg_options(url)?)
             .await
             .map_err(|e| backend("connect", e))?;
         let store = Self::new(pool);

@@ -1,8 +1,8 @@
 //! A payment endpoint made idempotent with the `Idempotency-Key` header.
 //!
 //! ```sh
-//! cargo run -p idem --features axum --example axum_idempotency_key            # scripted client, then exit
-//! cargo run -p idem --features axum --example axum_idempotency_key -- --serve 127.0.0.1:3000
+//! cargo run -p idem-consumer --features axum --example axum_idempotency_key            # scripted client, then exit
+//! cargo run -p idem-consumer --features axum --example axum_idempotency_key -- --serve 127.0.0.1:3000
 //! curl -i -X POST localhost:3000/payments -H 'authorization: Bearer cust_1' \
 //!      -H 'idempotency-key: order-42' -H 'content-type: application/json' -d '{"cents":1200}'
 //! ```

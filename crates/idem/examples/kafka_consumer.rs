@@ -1,6 +1,6 @@
 //! An order service consuming `OrderPlaced` from Kafka, idempotently.
 //!
-//! `cargo run -p idem --features kafka,postgres --example kafka_consumer`
+//! `cargo run -p idem-consumer --features kafka,postgres --example kafka_consumer`
 //! (brokers from `IDEM_TEST_KAFKA_BROKERS`, default `127.0.0.1:9092`; `.ci/services.sh up`
 //! starts tansu there; PostgreSQL from `IDEM_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`, in a schema of its own dropped at the end).

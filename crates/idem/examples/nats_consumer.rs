@@ -1,6 +1,6 @@
 //! An order service consuming `OrderPlaced` from NATS JetStream, idempotently.
 //!
-//! `cargo run -p idem --features nats,postgres --example nats_consumer`
+//! `cargo run -p idem-consumer --features nats,postgres --example nats_consumer`
 //! (NATS from `IDEM_TEST_NATS_URL`, default `127.0.0.1:4222`; PostgreSQL from
 //! `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of its
 //! own dropped at the end).

@@ -2,7 +2,7 @@
 //! run; and commit-to-confirmed latency with `LISTEN/NOTIFY` and with polling.
 //!
 //! ```sh
-//! cargo run --release -p idem --features amqp,nats,postgres --example outbox_bench -- [messages] [rounds]
+//! cargo run --release -p idem-consumer --features amqp,nats,postgres --example outbox_bench -- [messages] [rounds]
 //! ```
 //!
 //! Throughput, per broker (RabbitMQ, NATS JetStream), alternating `rounds` times:

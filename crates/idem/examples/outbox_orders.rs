@@ -9,7 +9,7 @@
 //!    message under an id derived from the order's key (so a re-publish is a duplicate).
 //! 4. The mailer (two-phase over the same store, its own scope) "sends" one e-mail per order.
 //!
-//! `cargo run -p idem --features amqp,postgres --example outbox_orders` (local RabbitMQ and
+//! `cargo run -p idem-consumer --features amqp,postgres --example outbox_orders` (local RabbitMQ and
 //! PostgreSQL; `IDEM_AMQP_URL`, `IDEM_POSTGRES_URL` override). Exits non-zero unless 3 orders
 //! are stored, 3 messages published and 3 e-mails sent.
 

@@ -3,7 +3,7 @@
 //! order id with different content is reported, not dropped.
 //!
 //! ```text
-//! cargo run -p idem --features postgres --example postgres_inbox
+//! cargo run -p idem-consumer --features postgres --example postgres_inbox
 //! ```
 //! Uses `IDEM_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and its own
 //! schema `idem_example`, dropped at the end.

@@ -1,6 +1,6 @@
 //! An order service consuming `OrderPlaced` from RabbitMQ, idempotently, printing what it does.
 //!
-//! `cargo run -p idem --features amqp,postgres --example rabbitmq_consumer`
+//! `cargo run -p idem-consumer --features amqp,postgres --example rabbitmq_consumer`
 //! (broker from `IDEM_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`; PostgreSQL
 //! from `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`, in a schema of
 //! its own dropped at the end).

@@ -7,7 +7,7 @@
 //! dead-letter stream with its reason, and every entry ends acknowledged.
 //!
 //! ```text
-//! cargo run -p idem --features redis,postgres --example redis_streams_consumer
+//! cargo run -p idem-consumer --features redis,postgres --example redis_streams_consumer
 //! ```
 //! Reads `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379/`) and `IDEM_POSTGRES_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`); deletes what it wrote (a schema of its own).

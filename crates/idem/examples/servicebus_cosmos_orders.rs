@@ -3,7 +3,7 @@
 //! order written to Cosmos DB in one transactional batch with its dedup marker, in the order's
 //! partition (`/orderId`).
 //!
-//! `cargo run -p idem --features amqp10,cosmos,amqp --example servicebus_cosmos_orders`
+//! `cargo run -p idem-consumer --features amqp10,cosmos,amqp --example servicebus_cosmos_orders`
 //!
 //! By default it runs on local stand-ins: RabbitMQ's AMQP 1.0 plugin for Service Bus
 //! (`IDEM_AMQP10_URL`, default `amqp://guest:guest@127.0.0.1:5672`, on a queue of its own that

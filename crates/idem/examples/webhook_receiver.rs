@@ -1,7 +1,7 @@
 //! A webhook receiver that applies each event once, however often the sender redelivers it.
 //!
 //! ```sh
-//! cargo run -p idem --features axum --example webhook_receiver
+//! cargo run -p idem-consumer --features axum --example webhook_receiver
 //! ```
 //!
 //! Webhook senders retry a delivery until they see a `2xx`, so a receiver gets the same event

@@ -114,10 +114,12 @@ impl<'c> AmqpConfig<'c> {
 impl SourceConfig for AmqpConfig<'_> {
     type Source = AmqpSource;
 
-    /// Checks the settings and the retention window, opens a consuming channel (with the
-    /// prefetch) and a publishing channel (with publisher confirms), checks the work queue
-    /// exists, declares the delay queue and dead-letter exchange, and starts consuming.
+    /// Checks the settings, the [topology](Topology#dead-letters-that-would-come-back) and the
+    /// retention window, opens a consuming channel (with the prefetch) and a publishing channel
+    /// (with publisher confirms), checks the work queue exists, declares the delay queue and
+    /// dead-letter exchange, and starts consuming.
     async fn open(self, opening: Opening<'_>) -> Result<AmqpSource, Error> {
+        self.topology.check()?;
         if let Some(w) = self.window {
             w.to_retention_window().check(opening.retention)?;
         }

@@ -15,6 +15,21 @@ pub enum Error {
     /// A setting is unusable (the message names it and the limit).
     #[error("invalid RabbitMQ settings: {0}")]
     Config(String),
+    /// Dead letters would be routed back into the work queue and processed again as new
+    /// messages (see [`Topology`](crate::Topology) for what is checked).
+    #[error(
+        "dead letters published to exchange `{exchange}` with routing key `{queue}` would come \
+         back to the work queue `{queue}` ({how}); give the dead-letter exchange and queue \
+         names of their own"
+    )]
+    DeadLetterLoop {
+        /// The dead-letter exchange (empty: the default exchange).
+        exchange: String,
+        /// The work queue (also the dead letters' routing key).
+        queue: String,
+        /// How they would come back.
+        how: String,
+    },
     /// Declaring or checking a queue or exchange failed.
     #[error("declaring the {what} failed")]
     Topology {

@@ -24,6 +24,7 @@
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let conn = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;
 //! let consumer = AmqpConsumer::builder(AmqpConfig::new(&conn, "orders"))
 //!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase

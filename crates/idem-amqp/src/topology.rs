@@ -23,6 +23,22 @@ pub const DELAYS_HEADER: &str = "idem-delays";
 ///   [`idem_core::driver::headers`] (reason, outcome, scope, `idem-source` = the work queue),
 ///   under publisher confirms, before the original is acked.
 ///
+/// # Dead letters that would come back
+/// Opening refuses ([`Error::DeadLetterLoop`]) a topology whose dead letters would be routed
+/// back into the work queue by what idem itself declares or what every broker has:
+/// - the dead-letter exchange is the default exchange (`""` or `amq.default`), which routes the
+///   routing key `<queue>` to the work queue itself;
+/// - the dead-letter queue is the work queue, which idem would then bind to the dead-letter
+///   exchange;
+/// - the dead-letter queue is the delay queue, whose expired messages idem routes back into the
+///   work queue (and a dead letter, which has no expiry, would stay at its head and hold up
+///   every delay behind it).
+///
+/// Bindings made by others are not seen: AMQP 0-9-1 offers no way to list them (only the
+/// management HTTP API does). So an exchange of yours given with `with_dead_letter(x, None)`
+/// that routes `<queue>` back to the work queue, directly or through an exchange-to-exchange
+/// binding, is not caught; give it a routing path of its own.
+///
 /// ```
 /// use idem_amqp::Topology;
 ///
@@ -89,6 +105,42 @@ impl Topology {
         self
     }
 
+    /// Refuses names that send dead letters (or delayed copies) back into the work queue
+    /// through what idem declares or every broker has (see
+    /// [the list](Topology#dead-letters-that-would-come-back)).
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        let queue = self.queue.as_str();
+        let config = |what: &str| Err(Error::Config(format!("{what} is empty")));
+        if queue.is_empty() {
+            return config("the work queue's name");
+        }
+        if self.delay_queue.is_empty() {
+            return config("the delay queue's name");
+        }
+        if self.delay_queue == queue {
+            return Err(Error::Config(format!(
+                "the delay queue `{queue}` is the work queue: delayed copies would be redelivered \
+                 at once instead of after their delay; name another queue"
+            )));
+        }
+        let exchange = self.dead_letter_exchange.as_str();
+        let how = if exchange.is_empty() || exchange == "amq.default" {
+            format!("the default exchange routes routing key `{queue}` to queue `{queue}`")
+        } else if self.dead_letter_queue.as_deref() == Some(queue) {
+            format!("idem would bind the work queue to it with routing key `{queue}`")
+        } else if self.dead_letter_queue.as_deref() == Some(self.delay_queue.as_str()) {
+            format!(
+                "its queue is the delay queue `{}`, whose expired messages go back to the work \
+                 queue (and a dead letter, which never expires, would hold up every delay \
+                 behind it)",
+                self.delay_queue
+            )
+        } else {
+            return Ok(());
+        };
+        Err(Error::DeadLetterLoop { exchange: exchange.to_owned(), queue: queue.to_owned(), how })
+    }
+
     /// Checks the work queue exists and declares the companions (idempotent).
     pub(crate) async fn declare(&self, ch: &Channel) -> Result<(), Error> {
         let step = |what: &'static str| move |source| Error::Topology { what, source };
@@ -135,5 +187,39 @@ impl Topology {
             .map_err(step("dead-letter binding"))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loop_of(t: &Topology) -> String {
+        match t.check() {
+            Err(e @ Error::DeadLetterLoop { .. }) => e.to_string(),
+            other => panic!("expected a loop, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn dead_letters_routed_back_by_what_idem_declares_are_refused() {
+        let t = Topology::for_queue("orders");
+        assert!(t.check().is_ok());
+        let e = loop_of(&t.clone().with_dead_letter("", None));
+        assert!(e.contains("exchange ``") && e.contains("default exchange routes"), "{e}");
+        assert!(loop_of(&t.clone().with_dead_letter("amq.default", None)).contains("default"));
+        let e = loop_of(&t.clone().with_dead_letter("orders.dlx", Some("orders".into())));
+        assert!(e.contains("`orders.dlx`") && e.contains("bind the work queue"), "{e}");
+        let e =
+            loop_of(&t.clone().with_dead_letter("orders.dlx", Some("orders.idem.delay".into())));
+        assert!(e.contains("delay queue `orders.idem.delay`"), "{e}");
+        // An exchange of the user's is taken at its word: its bindings cannot be seen.
+        assert!(t.clone().with_dead_letter("ops.dlx", None).check().is_ok());
+    }
+
+    #[test]
+    fn a_delay_queue_that_is_the_work_queue_is_refused() {
+        let t = Topology::for_queue("orders").with_delay_queue("orders");
+        assert!(matches!(t.check(), Err(Error::Config(m)) if m.contains("delay queue `orders`")));
     }
 }

@@ -16,11 +16,21 @@ pub enum DeadLetters {
     /// A copy is sent to this address (e.g. RabbitMQ's `/queue/orders.dlq`) with the `idem-*`
     /// application properties, and the original is accepted only once the broker has accepted
     /// the copy. Works on every broker; the copy keeps the original `message-id`.
+    ///
+    /// Opening refuses an address whose copies would come back to the source
+    /// ([`Error::DeadLetterLoop`]): the source address itself, another name of the same
+    /// RabbitMQ queue (`/queue/orders` for the source `/amq/queue/orders`, or the default
+    /// exchange with `orders` as routing key), or, for a source bound to an exchange
+    /// (`/topic/orders.#`), the same exchange with a routing key the binding takes
+    /// (`/topic/orders.dlq`). Routes the addresses do not show (bindings of other exchanges,
+    /// exchange types) are not followed.
     Address(String),
     /// The original is settled `rejected` with the reason as the error description; the broker
     /// moves it to its own dead-letter destination in the same step (RabbitMQ: the queue's
     /// dead-letter exchange, set by policy or queue argument — **without one, RabbitMQ drops a
-    /// rejected message**; Service Bus always uses its dead-letter sub-queue).
+    /// rejected message**; Service Bus always uses its dead-letter sub-queue, which a receiver
+    /// of the entity never receives from, so it cannot loop). Where the broker's dead-letter
+    /// exchange routes is not checked.
     Reject,
 }
 
@@ -126,13 +136,17 @@ impl Amqp10Config {
         if self.address.is_empty() {
             return Err(Error::config("address", "is empty"));
         }
-        if let DeadLetters::Address(a) = &self.dead_letters
-            && (a.is_empty() || *a == self.address)
-        {
-            return Err(Error::config(
-                "dead_letters",
-                "must be a non-empty address other than the source",
-            ));
+        if let DeadLetters::Address(a) = &self.dead_letters {
+            if a.is_empty() {
+                return Err(Error::config("dead_letters", "the address is empty"));
+            }
+            if let Some(how) = crate::address::loop_between(&self.address, a) {
+                return Err(Error::DeadLetterLoop {
+                    address: self.address.clone(),
+                    dead_letters: a.clone(),
+                    how,
+                });
+            }
         }
         if self.prefetch == 0 {
             return Err(Error::config("prefetch", "must be at least 1"));

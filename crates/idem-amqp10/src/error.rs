@@ -20,6 +20,20 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// Dead letters sent to the dead-letter address would come back to this consumer's source
+    /// and be processed again as new messages.
+    #[error(
+        "dead letters sent to `{dead_letters}` would come back to the source `{address}` \
+         ({how}); dead-letter to an address the source does not receive from"
+    )]
+    DeadLetterLoop {
+        /// The source address.
+        address: String,
+        /// The dead-letter address.
+        dead_letters: String,
+        /// How they would come back.
+        how: String,
+    },
     /// The dedup retention is shorter than the window in which the broker may redeliver.
     #[error(
         "retention {retention:?} is shorter than the redelivery window {window:?} ({why}); \

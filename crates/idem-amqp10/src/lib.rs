@@ -27,6 +27,7 @@
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let config = Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672", "/amq/queue/orders")
 //!     .dead_letters(DeadLetters::Address("/queue/orders.dlq".into()));
 //! let consumer = Amqp10Consumer::builder(config)
@@ -62,6 +63,7 @@
 //!   Unsettled messages are redelivered by the broker (Service Bus: when their lock
 //!   expires) and the store turns them into duplicates.
 
+mod address;
 mod config;
 mod connect;
 mod error;

@@ -267,6 +267,10 @@ impl<S: DedupStore + 'static> DedupStore for Batched<S> {
     async fn purge(&self, limit: usize) -> Result<u64, StoreError> {
         self.inner.purge(limit).await
     }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        self.inner.check().await
+    }
 }
 
 impl<S: InspectStore + 'static> InspectStore for Batched<S> {

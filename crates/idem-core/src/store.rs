@@ -34,6 +34,20 @@ pub enum StoreError {
         /// What did not decode.
         what: String,
     },
+    /// The store's table is missing, or lacks columns it needs: it was not created (or not by
+    /// this version's migration). Found by [`DedupStore::check`] before a consumer starts.
+    #[error(
+        "table {table} {problem}: run {migrate} once (or apply the DDL it runs) before starting \
+         a consumer"
+    )]
+    NotMigrated {
+        /// The table, as the database names it (`"idem"."idem_records"`).
+        table: String,
+        /// What is wrong (`does not exist`, `lacks the columns …`).
+        problem: String,
+        /// The call that creates it (`PostgresStore::migrate()`).
+        migrate: &'static str,
+    },
     /// The backend failed (connection, I/O, SQL error).
     #[error("store operation `{op}` failed")]
     Backend {
@@ -67,6 +81,9 @@ impl StoreError {
                 Self::TooLarge { field, len: *len, limit: *limit }
             }
             Self::Corrupt { what } => Self::Corrupt { what: what.clone() },
+            Self::NotMigrated { table, problem, migrate } => {
+                Self::NotMigrated { table: table.clone(), problem: problem.clone(), migrate }
+            }
             other => Self::backend(op, other.is_retryable(), format!("batched {op}: {other:#}")),
         }
     }
@@ -223,6 +240,22 @@ pub trait DedupStore: Send + Sync {
     /// # Cancel safety
     /// Cancel safe.
     fn purge(&self, limit: usize) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Checks that the store can work as configured, before a consumer starts (the driver's
+    /// `build` calls it): an error when it cannot — its table is missing
+    /// ([`StoreError::NotMigrated`], naming the migration to run), the server cannot be
+    /// reached — and, when it can, the problems that weaken a guarantee without stopping it
+    /// (durability settings, a key column of the wrong type), which the store also logs.
+    /// Default: nothing to check.
+    ///
+    /// # Errors
+    /// [`StoreError::NotMigrated`] and backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    fn check(&self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
+        async { Ok(Vec::new()) }
+    }
 }
 
 /// One completion of a [`DedupStore::complete_many`] batch.

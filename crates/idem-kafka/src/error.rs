@@ -32,6 +32,29 @@ pub enum Error {
     /// No topic to consume, or an empty topic name.
     #[error("topics: {0}")]
     Topics(&'static str),
+    /// The consumer would read its own dead letters: the dead-letter topic is subscribed, by
+    /// name or by a pattern that matches it.
+    #[error(
+        "the dead-letter topic `{dead_letter}` is consumed too (the subscription's \
+         `{subscription}` takes it): every dead letter would come back to this consumer as a \
+         new message and be processed; dead-letter to a topic the subscription does not take"
+    )]
+    DeadLetterLoop {
+        /// The dead-letter topic.
+        dead_letter: String,
+        /// The topic name or pattern of the subscription that takes it.
+        subscription: String,
+    },
+    /// A subscription pattern (`^…`) could not be read, so whether it takes the dead-letter
+    /// topic is unknown.
+    #[error("cannot read the topic pattern `{pattern}` to check it against the dead-letter topic")]
+    Pattern {
+        /// The pattern.
+        pattern: String,
+        /// The parser's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The consumed topics keep messages longer than the dedup records are kept, by the
     /// retention stated with [`Kafka::topic_retention`](crate::Kafka::topic_retention).
     #[error(

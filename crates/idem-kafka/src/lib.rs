@@ -26,6 +26,7 @@
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let mut config = ClientConfig::new();
 //! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "order-writer");
 //! let consumer = KafkaConsumer::builder(Kafka::new(&config, &["orders"], "orders.dlq"))
@@ -114,6 +115,7 @@ mod publish;
 mod retention;
 mod security;
 mod source;
+mod subscription;
 mod tracker;
 
 pub use delivery::{Delivery, MSG_ID_HEADER};

@@ -109,7 +109,7 @@ impl State {
 ///
 /// let mut config = ClientConfig::new();
 /// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "billing");
-/// let kafka = Kafka::new(&config, &["orders"], "orders.dlq").retry_delay(Duration::from_secs(5));
+/// let kafka = Kafka::new(&config, &["orders"], "dlq.orders").retry_delay(Duration::from_secs(5));
 /// ```
 #[derive(Debug)]
 #[must_use]
@@ -125,10 +125,14 @@ pub struct Kafka {
 }
 
 impl Kafka {
-    /// Consumes `topics` with `config` (needs `bootstrap.servers` and `group.id`; idem sets
-    /// `enable.auto.commit` and `enable.auto.offset.store` to `false`, and `auto.offset.reset`
-    /// to `earliest` unless given) and dead-letters to `dead_letter_topic` (produced with
-    /// `acks=all` on the same brokers, with every security setting of `config`).
+    /// Consumes `topics` (names, or patterns starting with `^`) with `config` (needs
+    /// `bootstrap.servers` and `group.id`; idem sets `enable.auto.commit` and
+    /// `enable.auto.offset.store` to `false`, and `auto.offset.reset` to `earliest` unless
+    /// given) and dead-letters to `dead_letter_topic` (produced with `acks=all` on the same
+    /// brokers, with every security setting of `config`). The dead-letter topic must be one the
+    /// subscription does not take, by name or by pattern (`^orders.*` takes `orders.dlq`; use
+    /// `dlq.orders`): opening fails with [`Error::DeadLetterLoop`] otherwise, since each dead
+    /// letter would come back as a new message and be processed.
     pub fn new(
         config: &ClientConfig,
         topics: &[&str],
@@ -534,9 +538,7 @@ impl SourceConfig for Kafka {
         if self.topics.iter().any(String::is_empty) || self.dead_letter.is_empty() {
             return Err(Error::Topics("a topic name is empty"));
         }
-        if self.topics.contains(&self.dead_letter) {
-            return Err(Error::Topics("the dead-letter topic must not be a consumed topic"));
-        }
+        crate::subscription::check(&self.topics, &self.dead_letter)?;
         let mut cc = self.config.clone();
         cc.set("enable.auto.commit", "false").set("enable.auto.offset.store", "false");
         if cc.get("auto.offset.reset").is_none() {

@@ -376,7 +376,7 @@ async fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
     assert!(e.contains("`group.id` is required"), "{e}");
     let cfg = common::config("127.0.0.1:1", "g");
     let e = refused(Kafka::new(&cfg, &["t"], "t")).await;
-    assert!(e.contains("dead-letter topic must not be a consumed topic"), "{e}");
+    assert!(e.contains("the dead-letter topic `t` is consumed too"), "{e}");
 }
 
 /// The incremental (cooperative-sticky) protocol: a second consumer joins mid-run, so the first

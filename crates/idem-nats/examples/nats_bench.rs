@@ -39,6 +39,8 @@ async fn main() -> Result<()> {
     js.create_stream(stream::Config {
         name: name.clone(),
         subjects: vec![format!("bench.{sfx}.in"), dlq.clone()],
+        // A bounded age: the consumer refuses a stream that keeps messages for ever.
+        max_age: Duration::from_secs(3600),
         ..Default::default()
     })
     .await?;

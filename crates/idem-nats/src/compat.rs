@@ -28,8 +28,10 @@ pub(crate) fn check_server(version: &str) -> Result<(), Error> {
 
 /// JetStream's redelivery window for a pull consumer: `max_deliver` deliveries, each at most
 /// the longest of `ack_wait`, the longest `backoff` step and the longest `Nak` delay the adapter
-/// sends, after the message waited up to the stream's `max_age` (0, unlimited, adds nothing: the
-/// record is created at the first delivery, but a producer's late duplicate is then unbounded).
+/// sends, after the message waited up to the stream's `max_age`. A `max_age` of 0 (unlimited)
+/// adds nothing here, but a producer's late duplicate may then wait in the stream for ever:
+/// the consumer refuses such a stream unless told how long to assume
+/// ([`JetStream::assume_max_age`](crate::JetStream::assume_max_age)).
 ///
 /// ```
 /// use std::time::Duration;

@@ -48,6 +48,44 @@ pub enum Error {
         /// The consumer's ack wait.
         ack_wait: Duration,
     },
+    /// The stream has no `max_age`, so a copy of a message may wait in it for ever before its
+    /// first delivery, and no dedup retention covers the redelivery window.
+    #[error(
+        "stream `{stream}` has no max_age: a copy of a message (a producer's late retry) may wait \
+         in it longer than any dedup retention, and would then run again; set the stream's \
+         max_age, or state the longest a message may wait with JetStream::assume_max_age(..)"
+    )]
+    UnboundedMaxAge {
+        /// The consumed stream.
+        stream: String,
+    },
+    /// The dead-letter subject cannot be published to as it is.
+    #[error("the dead-letter subject `{subject}` {problem}")]
+    DeadLetterSubject {
+        /// The subject.
+        subject: String,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
+    /// The consumer would receive its own dead letters: the consumed stream captures the
+    /// dead-letter subject and the consumer's filter does not exclude it. Each dead letter would
+    /// come back as a new message (a new `Nats-Msg-Id`) and be processed.
+    #[error(
+        "dead letters published to `{subject}` would come back to consumer `{consumer}` of \
+         stream `{stream}` ({how}), to be processed as new messages; dead-letter to a subject \
+         outside the stream (such as `dlq.<name>`, captured by a stream of its own), or give \
+         the consumer a filter subject that excludes it"
+    )]
+    DeadLetterLoop {
+        /// The dead-letter subject.
+        subject: String,
+        /// The consumed stream.
+        stream: String,
+        /// The consumer.
+        consumer: String,
+        /// How the subject reaches the consumer.
+        how: String,
+    },
     /// No stream captures the dead-letter subject: dead-lettered messages would be lost.
     #[error("no JetStream stream captures the dead-letter subject `{subject}`")]
     NoDeadLetterStream {

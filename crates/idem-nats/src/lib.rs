@@ -33,7 +33,9 @@
 //! let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
 //! let pull = js.get_stream("ORDERS").await?.get_consumer("order-writer").await?;
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
-//! let consumer = JetStreamConsumer::builder(JetStream::new(js, pull, "orders.dlq"))
+//! store.migrate().await?; // once: creates the schema and table (the consumer checks them)
+//! // The stream captures `orders.>`: dead letters go outside it, to a stream of their own.
+//! let consumer = JetStreamConsumer::builder(JetStream::new(js, pull, "dlq.orders"))
 //!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
 //!     .scope("order-writer")
 //!     .build()
@@ -58,7 +60,15 @@
 //! duplicate may wait in the stream up to `max_age`. Records must outlive
 //! `max_deliver × max(ack_wait, backoff, nak delays) + max_age + dead-letter allowance`; the
 //! source checks it with [`RetentionWindow`](idem_core::RetentionWindow) when it opens, and
-//! refuses a consumer without `max_deliver`.
+//! refuses a consumer without `max_deliver` and a stream without `max_age` (unless
+//! [`JetStream::assume_max_age`] states the longest a message may wait there).
+//!
+//! # Dead letters
+//! Dead letters go to a subject that a stream captures and that this consumer does not read:
+//! with the common layout of a stream on `orders.>`, `orders.dlq` would be captured by the
+//! consumed stream and fetched again as a new message (the source refuses it when it opens,
+//! [`Error::DeadLetterLoop`]); `dlq.orders`, on a stream of its own, is not. See
+//! [`JetStream`] for what the check covers.
 //!
 //! # Producer duplicates and JetStream's own window
 //! JetStream drops a publish whose `Nats-Msg-Id` it saw within the stream's
@@ -97,6 +107,7 @@ mod delivery;
 mod error;
 mod publish;
 mod source;
+mod subject;
 
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use async_nats;

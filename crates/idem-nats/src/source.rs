@@ -19,18 +19,33 @@ use crate::{Delivery, Error};
 ///
 /// Defaults: retry transient failures after 1 s, send `Progress` on the engine's lease
 /// heartbeat (none without one), no extra gathering after the first message, no dead-letter
-/// allowance in the retention check.
+/// allowance in the retention check, no assumed `max_age` (a stream without one is refused).
 ///
 /// ```
 /// # async fn f(js: async_nats::jetstream::Context, pull: async_nats::jetstream::consumer::PullConsumer) {
 /// use std::time::Duration;
 /// use idem_nats::JetStream;
 ///
-/// let config = JetStream::new(js, pull, "orders.dlq")
+/// // Consuming a stream on `orders.>`: the dead letters go to a subject outside it.
+/// let config = JetStream::new(js, pull, "dlq.orders")
 ///     .retry_delay(Duration::from_secs(5))
 ///     .batch_wait(Duration::from_millis(2));
 /// # }
 /// ```
+///
+/// # The dead-letter subject
+/// It must be captured by a stream (so a dead letter is stored, not dropped) and must not come
+/// back to this consumer: opening fails with [`Error::DeadLetterLoop`] when the consumed stream
+/// captures it — one of its subjects matches it (`orders.>` matches `orders.dlq`), or it sources
+/// or mirrors the stream that captures it — and the consumer's filter subject matches it too
+/// (or the consumer has none). Each dead letter would otherwise be fetched again as a new
+/// message under a new `Nats-Msg-Id` and processed: a conflict dead-lettered this way ends up
+/// applied. A subject the consumed stream captures but the consumer's filter excludes (stream
+/// `orders.>`, filter `orders.placed`, dead letters to `orders.dlq`) is accepted: this consumer
+/// never receives it, though another consumer of the stream without a filter would. Not seen by
+/// the check: a consumer with several filter subjects (NATS 2.10 `filter_subjects`, which this
+/// build does not read) counts as unfiltered, so it is refused when its stream captures the
+/// subject; subject transforms and cross-account or cross-domain sources are not followed.
 #[derive(Debug)]
 #[must_use]
 pub struct JetStream {
@@ -41,11 +56,14 @@ pub struct JetStream {
     batch_wait: Duration,
     progress: Option<Duration>,
     dead_letter_allowance: Duration,
+    assumed_max_age: Option<Duration>,
 }
 
 impl JetStream {
     /// Consumes `consumer` (a pull consumer with explicit acks and a `max_deliver`) and
-    /// dead-letters to `dead_letter_subject` (a stream must capture it; checked at startup).
+    /// dead-letters to `dead_letter_subject`: a plain subject that a stream other than the
+    /// consumed one captures, or that the consumer's filter excludes (checked at startup; see
+    /// [the dead-letter subject](JetStream#the-dead-letter-subject)).
     pub fn new(
         js: Context,
         consumer: PullConsumer,
@@ -59,6 +77,7 @@ impl JetStream {
             batch_wait: Duration::ZERO,
             progress: None,
             dead_letter_allowance: Duration::ZERO,
+            assumed_max_age: None,
         }
     }
 
@@ -88,6 +107,17 @@ impl JetStream {
     /// redelivery window the retention must cover.
     pub fn dead_letter_allowance(mut self, d: Duration) -> Self {
         self.dead_letter_allowance = d;
+        self
+    }
+
+    /// States the longest a message may wait in the consumed stream before its first delivery,
+    /// for a stream without `max_age` (0: it keeps messages until a limit or an ack removes
+    /// them). The redelivery window then counts `d` in place of `max_age`; opening refuses such
+    /// a stream without it ([`Error::UnboundedMaxAge`]), since a copy of a message (a
+    /// producer's late retry) could then wait there longer than any dedup retention. On a
+    /// stream with a `max_age`, the longer of the two is counted.
+    pub fn assume_max_age(mut self, d: Duration) -> Self {
+        self.assumed_max_age = Some(d);
         self
     }
 }
@@ -241,11 +271,11 @@ impl SourceConfig for JetStream {
     /// Reads the consumer's and stream's configuration and checks everything that would make
     /// the adapter lose or repeat messages: explicit acks, a bounded redelivery window covered by
     /// the retention, a progress beat shorter than `ack_wait`, a stream for the dead-letter
-    /// subject.
+    /// subject other than the one this consumer reads from.
     async fn open(self, opening: Opening<'_>) -> Result<JetStreamSource, Error> {
         crate::compat::check_server(&self.js.client().server_info().version)?;
-        if self.dead_letter.is_empty() {
-            return Err(Error::Config("the dead-letter subject is empty"));
+        if let Some(problem) = crate::subject::publish_problem(&self.dead_letter) {
+            return Err(Error::DeadLetterSubject { subject: self.dead_letter, problem });
         }
         let info = self.consumer.cached_info().clone();
         let cfg = &info.config;
@@ -264,7 +294,13 @@ impl SourceConfig for JetStream {
         }
         let stream =
             self.js.get_stream(&info.stream_name).await.map_err(|e| Error::js("stream info", e))?;
-        let max_age = stream.cached_info().config.max_age;
+        let stream_cfg = &stream.cached_info().config;
+        let max_age = match (stream_cfg.max_age, self.assumed_max_age) {
+            (age, None) if age.is_zero() => {
+                return Err(Error::UnboundedMaxAge { stream: info.stream_name.clone() });
+            }
+            (age, assumed) => age.max(assumed.unwrap_or_default()),
+        };
         // The longest Nak the adapter sends: the retry delay, or another consumer's lease.
         let longest_nak = opening.lease.unwrap_or_default().max(self.retry_delay);
         let window = crate::compat::redelivery_window(cfg, max_age, longest_nak)
@@ -276,9 +312,23 @@ impl SourceConfig for JetStream {
         {
             return Err(Error::Heartbeat { heartbeat: p, ack_wait: cfg.ack_wait });
         }
-        self.js.stream_by_subject(self.dead_letter.clone()).await.map_err(|e| {
-            Error::NoDeadLetterStream { subject: self.dead_letter.clone(), source: e.into() }
-        })?;
+        let dead_letter_stream =
+            self.js.stream_by_subject(self.dead_letter.clone()).await.map_err(|e| {
+                Error::NoDeadLetterStream { subject: self.dead_letter.clone(), source: e.into() }
+            })?;
+        if let Some(how) = crate::subject::loop_through(
+            stream_cfg,
+            &dead_letter_stream,
+            &cfg.filter_subject,
+            &self.dead_letter,
+        ) {
+            return Err(Error::DeadLetterLoop {
+                subject: self.dead_letter,
+                stream: info.stream_name.clone(),
+                consumer: name,
+                how,
+            });
+        }
         Ok(JetStreamSource {
             js: self.js,
             consumer: self.consumer,

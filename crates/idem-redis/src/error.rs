@@ -84,6 +84,19 @@ pub enum Error {
     /// `max_deliveries × reclaim_idle`).
     #[error(transparent)]
     Retention(#[from] idem_core::retention::RetentionTooShort),
+    /// The dead-letter stream is the consumed stream: every dead letter would be read back by
+    /// the group as a new entry and processed.
+    #[error(
+        "the dead-letter stream `{dead_letter}` is the consumed stream `{stream}`: every dead \
+         letter would be read back by the group as a new entry and processed; dead-letter to \
+         another key (the default is `<stream>:dead-letter`)"
+    )]
+    DeadLetterLoop {
+        /// The dead-letter stream's key.
+        dead_letter: String,
+        /// The consumed stream's key.
+        stream: String,
+    },
     /// A setting of the streams adapter is missing or invalid.
     #[error("stream consumer setting `{field}` {problem}")]
     Config {

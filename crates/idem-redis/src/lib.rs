@@ -45,6 +45,7 @@
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let client = redis::Client::open("redis://127.0.0.1/")?;
 //! let config = StreamConfig::new(client, "orders", "order-writer", "w-1")
 //!     .reclaim_idle(Duration::from_secs(60))

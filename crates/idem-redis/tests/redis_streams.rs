@@ -219,7 +219,6 @@ async fn settings_are_checked_and_errors_name_the_field() {
         (cfg("s", "", "c"), "`group` is empty"),
         (cfg("s", "g", ""), "`consumer` is empty"),
         (cfg("s", "g", "c").dead_letter_stream(""), "`dead_letter_stream` is empty"),
-        (cfg("s", "g", "c").dead_letter_stream("s"), "`dead_letter_stream` is the stream itself"),
         (cfg("s", "g", "c").reclaim_idle(Duration::ZERO), "`reclaim_idle` must be at least 1 ms"),
         (cfg("s", "g", "c").max_deliveries(0), "`max_deliveries` must be at least 1"),
         (cfg("s", "g", "c").payload_field(""), "`payload_field` is empty"),
@@ -230,6 +229,8 @@ async fn settings_are_checked_and_errors_name_the_field() {
         assert!(matches!(err, Error::Config { .. }), "{err:?}");
         assert!(err.to_string().contains(expected), "{err} (wanted {expected})");
     }
+    let err = open(cfg("s", "g", "c").dead_letter_stream("s"), day).await.expect_err("a loop");
+    assert!(matches!(err, Error::DeadLetterLoop { .. }), "{err:?}");
     // 10 deliveries, each up to 3 h + 45 min apart, cannot be covered by one day of records.
     let long = cfg("s", "g", "c").reclaim_idle(Duration::from_secs(3 * 3600)).max_deliveries(10);
     let err = open(long, day).await.expect_err("retention");

@@ -724,6 +724,12 @@ macro_rules! tx_inbox {
                 None
             }
 
+            fn check(
+                consumer: &Consumer<Self>,
+            ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
+                <$inbox>::check(consumer.store())
+            }
+
             fn decide<'a, M, H, Fut, T, E>(
                 consumer: &'a Consumer<Self>,
                 batch: &'a [M],

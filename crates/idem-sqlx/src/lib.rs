@@ -19,6 +19,8 @@
 
 #[cfg(test)]
 mod cells;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod check;
 pub mod inbox;
 pub mod outbox;
 mod row;

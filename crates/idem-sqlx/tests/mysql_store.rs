@@ -148,8 +148,11 @@ async fn startup_check_warns_on_a_text_key_column() {
     let w = db.store.check().await.unwrap();
     assert!(!w.iter().any(|w| w.contains("key_hash")), "{w:?}");
     let texty = format!("{}_orders", db.table);
+    // Every column the store needs, but the key as text.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE `{texty}` (key_hash VARCHAR(64) PRIMARY KEY)"
+        "CREATE TABLE `{texty}` LIKE `{table}`; \
+         ALTER TABLE `{texty}` MODIFY key_hash VARCHAR(64) NOT NULL",
+        table = db.table
     )))
     .execute(db.store.pool())
     .await

@@ -104,9 +104,11 @@ async fn startup_check_warns_on_async_commit_and_text_keys() {
     let lax = PostgresStore::new(pool).with_schema(&db.schema).unwrap();
     let w = lax.check().await.unwrap();
     assert!(w.iter().any(|w| w.contains("synchronous_commit is off")), "{w:?}");
+    // Every column the store needs, but the key as text.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE \"{}\".textkeys (key_hash TEXT PRIMARY KEY)",
-        db.schema
+        "CREATE TABLE \"{s}\".textkeys (LIKE \"{s}\".idem_records); \
+         ALTER TABLE \"{s}\".textkeys ALTER COLUMN key_hash TYPE TEXT",
+        s = db.schema
     )))
     .execute(db.store.pool())
     .await

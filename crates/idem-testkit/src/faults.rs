@@ -139,6 +139,10 @@ impl<S: DedupStore> DedupStore for FaultyStore<S> {
     async fn purge(&self, limit: usize) -> Result<u64, StoreError> {
         self.inner.purge(limit).await
     }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        self.inner.check().await
+    }
 }
 
 impl<S: idem_core::InspectStore> idem_core::InspectStore for FaultyStore<S> {

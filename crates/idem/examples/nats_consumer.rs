@@ -31,11 +31,14 @@ async fn main() -> Result<()> {
 
     let sfx = std::process::id();
     let (stream, dlq_stream) = (format!("ORDERS_{sfx}"), format!("ORDERS_{sfx}_DLQ"));
-    let (subject, dlq) = (format!("orders.{sfx}.placed"), format!("orders.{sfx}.dlq"));
+    // The usual layout: the stream takes every subject under `orders.<sfx>.`. The dead letters
+    // go outside it, to `dlq.orders.<sfx>` on a stream of their own: under `orders.<sfx>.` the
+    // consumer would fetch each dead letter back as a new order (opening refuses that).
+    let (subject, dlq) = (format!("orders.{sfx}.placed"), format!("dlq.orders.{sfx}"));
     let window = Duration::from_millis(100);
     js.create_stream(jetstream::stream::Config {
         name: stream.clone(),
-        subjects: vec![subject.clone()],
+        subjects: vec![format!("orders.{sfx}.>")],
         duplicate_window: window,
         max_age: Duration::from_secs(3600),
         ..Default::default()

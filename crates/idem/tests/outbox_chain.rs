@@ -445,6 +445,9 @@ mod nats {
                         // JetStream's own dedup window would hide the relay's re-publishes;
                         // keep it short so that idem's dedup is what the test exercises.
                         duplicate_window: Duration::from_millis(100),
+                        // A bounded age: the consumer refuses a stream that keeps messages
+                        // for ever.
+                        max_age: Duration::from_secs(3600),
                         ..Default::default()
                     })
                     .await

@@ -791,6 +791,8 @@ async fn nats_restart_under_load() {
             name: stream(&subject),
             subjects: vec![subject.clone(), format!("{subject}.dlq")],
             duplicate_window: Duration::from_millis(100),
+            // A bounded age: the consumer refuses a stream that keeps messages for ever.
+            max_age: Duration::from_secs(3600),
             ..Default::default()
         })
         .await

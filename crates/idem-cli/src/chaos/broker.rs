@@ -158,6 +158,9 @@ impl Admin {
                         // consumer sees it; the shortest it allows, so most duplicates reach
                         // idem (reused ids are published later than this).
                         duplicate_window: NATS_DUPLICATE_WINDOW,
+                        // A bounded age: the consumer refuses a stream that keeps messages
+                        // for ever (the retention must cover it).
+                        max_age: Duration::from_secs(3600),
                         ..Default::default()
                     })
                     .await

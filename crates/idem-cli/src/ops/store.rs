@@ -210,8 +210,8 @@ impl StoreArgs {
 
 fn missing_table(table: &str, at: &str) -> String {
     format!(
-        "no table {table} in {at}: it is created by the store's migrate(), which a consumer runs \
-         when it starts; check --table (and --schema for PostgreSQL)"
+        "no table {table} in {at}: it is created by the store's migrate() (a consumer refuses \
+         to start without it); check --table (and --schema for PostgreSQL)"
     )
 }
 

@@ -8,8 +8,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{Consumer, Context, HandlerError, Outcome};
-use crate::DedupStore;
 use crate::extract::Envelope;
+use crate::{DedupStore, StoreError};
 
 /// How a [`Consumer`] turns a fetched batch into outcomes. Two kinds exist:
 ///
@@ -41,6 +41,22 @@ pub trait Backend: Send + Sync + Sized {
     /// leases, as an inbox whose marks live inside a transaction).
     fn lease(consumer: &Consumer<Self>) -> Option<Duration>;
 
+    /// Checks, before the first batch, that what `decide` writes to exists and works as
+    /// configured (a store's [`check`](DedupStore::check): its table, its settings); the
+    /// warnings it returns are logged by the store. Default: nothing to check.
+    ///
+    /// # Errors
+    /// The store's error ([`StoreError::NotMigrated`] for a missing table).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
+    fn check(
+        consumer: &Consumer<Self>,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
+        let _ = consumer;
+        async { Ok(Vec::new()) }
+    }
+
     /// Decides `batch`; see the contract above.
     ///
     /// # Cancel safety
@@ -69,6 +85,12 @@ impl<S: DedupStore> Backend for S {
 
     fn lease(consumer: &Consumer<Self>) -> Option<Duration> {
         Some(consumer.lease())
+    }
+
+    fn check(
+        consumer: &Consumer<Self>,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send {
+        consumer.store().check()
     }
 
     fn decide<'a, M, H, Fut, T, E>(

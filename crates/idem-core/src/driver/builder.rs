@@ -199,13 +199,15 @@ impl<C: SourceConfig, B> Builder<C, B> {
 }
 
 impl<C: SourceConfig, B: Backend> Builder<C, B> {
-    /// Builds the engine, then opens the source, which checks the broker's redelivery window
-    /// against the engine's retention.
+    /// Builds the engine, runs the store's checks ([`DedupStore::check`]: its table exists
+    /// with the columns it needs), then opens the source, which checks the broker's redelivery
+    /// window against the engine's retention (and the rest of the broker's configuration).
     ///
     /// # Errors
     /// [`Error::Builder`] without a store, inbox or engine, or with a scope given twice;
-    /// [`Error::Config`] for a missing or invalid scope; [`Error::Open`] when the source
-    /// cannot open or refuses the configuration.
+    /// [`Error::Config`] for a missing or invalid scope; [`Error::Store`] when the store is
+    /// not ready (a table not created: the message names the `migrate()` to run);
+    /// [`Error::Open`] when the source cannot open or refuses the configuration.
     pub async fn build(self) -> Result<Driver<C::Source, B>, Error<<C::Source as Source>::Error>> {
         let consumer = match self.mode {
             Mode::Unset => {
@@ -227,6 +229,7 @@ impl<C: SourceConfig, B: Backend> Builder<C, B> {
                 b.build()?
             }
         };
+        B::check(&consumer).await.map_err(Error::Store)?;
         let opening = Opening {
             scope: consumer.scope(),
             retention: B::retention(&consumer),

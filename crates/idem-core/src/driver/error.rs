@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::StoreError;
 use crate::consumer::ConfigError;
 
 /// Why a consumer could not be built or had to stop. Per-message failures are never errors:
@@ -18,6 +19,12 @@ pub enum Error<E: std::error::Error + 'static> {
     /// The builder was given neither a store, an inbox nor an engine, or two scopes.
     #[error("consumer builder: {0}")]
     Builder(&'static str),
+    /// The store cannot work as configured: its table is missing (the message names the
+    /// migration to run), or it cannot be reached. Checked by the builder before the source is
+    /// opened. The message carries the store error's, and its causes; it is not repeated as a
+    /// `source()`.
+    #[error("the store is not ready: {}", chain(.0))]
+    Store(StoreError),
     /// Opening the broker source failed (connection, broker configuration checks).
     #[error("opening the broker source failed")]
     Open(#[source] E),
@@ -50,4 +57,16 @@ impl<E: std::error::Error + 'static> From<ConfigError> for Error<E> {
     fn from(e: ConfigError) -> Self {
         Self::Config(e)
     }
+}
+
+/// An error and its causes, joined by `: `.
+pub(super) fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    out
 }

@@ -52,7 +52,7 @@ pub use report::Report;
 pub use source::{Action, DeadLetter, Opening, Settlement, Source, SourceConfig};
 
 use crate::Consumer;
-use crate::consumer::{Backend, Disposition, HandlerError, Outcome};
+use crate::consumer::{Backend, Cause, Disposition, HandlerError, Outcome};
 use crate::telemetry::{BATCH_SIZE, DEAD_LETTERS_TOTAL, FETCH_FAILURES_TOTAL, SOURCE_LAG_MESSAGES};
 use builder::Settings;
 
@@ -341,6 +341,7 @@ impl<S: Source, B: Backend> Driver<S, B> {
                 futures_util::future::Either::Right(((), decide)) => decide.await,
             }
         };
+        self.note_store_failures(&outcomes, &mut report);
         let mut actions = Vec::with_capacity(batch.len());
         let mut dead = Vec::new();
         for (i, (m, o)) in batch.iter().zip(&outcomes).enumerate() {
@@ -425,6 +426,24 @@ impl<S: Source, B: Backend> Driver<S, B> {
         self.bounded("the batch's verbs", self.source.settle(items)).await?.map_err(Error::Settle)
     }
 
+    /// Keeps the batch's first store failure in its report, and logs a warning when every
+    /// message of the batch failed on the store: a store that cannot work (a table dropped, a
+    /// schema never migrated) fails everything, and the retries alone would say nothing.
+    fn note_store_failures<T, E: Display>(&self, outcomes: &[Outcome<T, E>], report: &mut Report) {
+        let mut failed = outcomes.iter().filter_map(|o| match o {
+            Outcome::Failed(f) if matches!(f.cause, Cause::Store(_)) => Some(&f.cause),
+            _ => None,
+        });
+        let Some(first) = failed.next() else { return };
+        let first = first.to_string();
+        let n = 1 + failed.count();
+        if n == outcomes.len() {
+            tracing::warn!(target: "idem", scope = self.consumer.scope(), failed = n,
+                error = %first, "every message of the batch failed on the store; retrying them");
+        }
+        report.first_store_error = Some(first);
+    }
+
     fn dead_letter_of<T, E>(&self, o: &Outcome<T, E>, reason: String) -> DeadLetter {
         DeadLetter::new(o.kind(), reason, self.consumer.scope())
     }
@@ -453,7 +472,7 @@ pub struct Decided<M> {
 impl<M> Decided<M> {
     /// The counts so far (outcomes, and the verbs about to be sent).
     pub fn report(&self) -> Report {
-        self.report
+        self.report.clone()
     }
 
     /// Each message with the verb it will get.

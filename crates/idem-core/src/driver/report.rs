@@ -6,7 +6,8 @@ use super::Action;
 use crate::consumer::OutcomeKind;
 
 /// What happened to the messages of a batch, or, summed, of a whole run: the same counts for
-/// every broker.
+/// every broker, and the first store error met, so that a consumer whose every message fails
+/// on its store (a table never created) says why even where no log is collected.
 ///
 /// ```
 /// use idem_core::driver::Report;
@@ -15,8 +16,12 @@ use crate::consumer::OutcomeKind;
 /// let r = Report::default();
 /// assert_eq!(r.outcome(OutcomeKind::Duplicate), 0);
 /// assert_eq!(r.to_string(), "fetched 0: processed 0, duplicates 0, conflicts 0, in progress elsewhere 0, failed 0 (transient 0, permanent 0); acked 0, retried 0, dead-lettered 0, released 0");
+///
+/// let mut failing = Report::default();
+/// failing.first_store_error = Some("relation \"idem\".\"idem_records\" does not exist".into());
+/// assert!(failing.to_string().ends_with("; first store error: relation \"idem\".\"idem_records\" does not exist"));
 /// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Report {
     /// Batches decided (fetches that brought something).
@@ -49,6 +54,9 @@ pub struct Report {
     pub settle_failures: u64,
     /// Fetches that failed and were retried.
     pub fetch_failures: u64,
+    /// The first failure of a delivery on the store (its message and causes), if any: shown by
+    /// the report's `Display`.
+    pub first_store_error: Option<String>,
 }
 
 impl Report {
@@ -110,6 +118,9 @@ impl AddAssign for Report {
         self.dead_letter_failures += o.dead_letter_failures;
         self.settle_failures += o.settle_failures;
         self.fetch_failures += o.fetch_failures;
+        if self.first_store_error.is_none() {
+            self.first_store_error = o.first_store_error;
+        }
     }
 }
 
@@ -139,6 +150,9 @@ impl std::fmt::Display for Report {
                 " ({} dead-letter, {} settle and {} fetch failures)",
                 self.dead_letter_failures, self.settle_failures, self.fetch_failures
             )?;
+        }
+        if let Some(e) = &self.first_store_error {
+            write!(f, "; first store error: {e}")?;
         }
         Ok(())
     }

@@ -16,6 +16,7 @@
 //! let connection = std::env::var("EVENTHUBS_CONNECTION")?; // Endpoint=sb://…;SharedAccessKey…
 //! let hubs = EventHubs::new(&connection, "order-writer")?.retention(DAY); // the hub keeps 1 day
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let consumer = KafkaConsumer::builder(hubs.kafka(&["orders"], "orders-dlq"))
 //!     .inbox(store.inbox(DAY * 2)) // must cover the hub's retention, or opening fails
 //!     .scope("order-writer")

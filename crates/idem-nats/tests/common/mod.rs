@@ -10,6 +10,9 @@ use async_nats::jetstream::{self, Context, stream};
 /// The main stream's duplicate window (the server's minimum).
 pub const DUP_WINDOW: Duration = Duration::from_millis(100);
 
+/// The main stream's `max_age`.
+pub const MAX_AGE: Duration = Duration::from_secs(3600);
+
 /// The server URL, or `None` (skip) when it is down outside CI.
 pub fn nats_url() -> Option<String> {
     idem_testkit::service::require("NATS", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
@@ -31,9 +34,9 @@ pub fn suffix() -> String {
 }
 
 impl Env {
-    /// Streams `T_<sfx>` on `t.<sfx>.>` and `T_<sfx>_DLQ` on `dlq.<sfx>`. The main stream's
-    /// duplicate window is the server's minimum, 100 ms, so a producer's retry with the same
-    /// `Nats-Msg-Id` sent after it ([`Env::retry`]) is stored and delivered: JetStream's send-side
+    /// Streams `T_<sfx>` on `t.<sfx>.>` (messages kept for [`MAX_AGE`]) and `T_<sfx>_DLQ` on
+    /// `dlq.<sfx>`. The main stream's duplicate window is the server's minimum, 100 ms, so a
+    /// producer's retry with the same `Nats-Msg-Id` sent after it ([`Env::retry`]) is stored and delivered: JetStream's send-side
     /// dedup does not cover a retry that comes late, and idem must.
     pub async fn new(url: &str) -> Self {
         Self::with_duplicate_window(url, DUP_WINDOW).await
@@ -50,6 +53,8 @@ impl Env {
             name: name.clone(),
             subjects: vec![format!("{subject}.>")],
             duplicate_window: window,
+            // A bounded age, which the consumer's retention check needs.
+            max_age: MAX_AGE,
             ..Default::default()
         })
         .await

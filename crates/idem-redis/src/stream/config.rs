@@ -110,8 +110,9 @@ impl StreamConfig {
     }
 
     /// Where conflicts, permanent failures and entries past
-    /// [`max_deliveries`](Self::max_deliveries) go (default `<stream>:dead-letter`; not the
-    /// stream itself).
+    /// [`max_deliveries`](Self::max_deliveries) go (default `<stream>:dead-letter`). Not the
+    /// consumed stream itself: the group would read each dead letter back as a new entry, so
+    /// opening refuses it ([`Error::DeadLetterLoop`]).
     pub fn dead_letter_stream(mut self, key: impl Into<String>) -> Self {
         self.dead_letter = Some(key.into());
         self
@@ -182,7 +183,10 @@ impl StreamConfig {
         match self.dead_letter.as_deref() {
             Some("") => return bad("dead_letter_stream", "is empty"),
             Some(d) if d == self.stream => {
-                return bad("dead_letter_stream", "is the stream itself");
+                return Err(Error::DeadLetterLoop {
+                    dead_letter: d.to_owned(),
+                    stream: self.stream.clone(),
+                });
             }
             _ => {}
         }

@@ -29,6 +29,7 @@ use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MySqlStore::connect("mysql://root@127.0.0.1:3306/test").await?;
+/// store.migrate().await?; // once: creates the table (a consumer's build checks it)
 /// let inbox = store.inbox(Duration::from_secs(7 * 86_400));
 /// let key = DedupKey::new("order-writer", "o-1")?;
 /// let mut tx = store.pool().begin().await?;
@@ -57,6 +58,15 @@ impl MySqlInbox {
     /// How long markers are kept.
     pub fn retention(&self) -> Duration {
         self.retain_for
+    }
+
+    /// The store's startup check ([`MySqlStore::check`]), which a consumer's `build` runs: the
+    /// markers' table must exist with its columns.
+    ///
+    /// # Errors
+    /// [`StoreError::NotMigrated`](idem_core::StoreError::NotMigrated); backend errors.
+    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        self.store.check().await
     }
 
     /// Marks distinct keys with one upsert on the caller's connection (inside their

@@ -48,6 +48,7 @@ const MAX_ROWS: usize = 1000;
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MySqlStore::connect("mysql://root@127.0.0.1:3306/test").await?;
+/// store.migrate().await?; // once: creates the table (a consumer's build checks it)
 /// let req = ClaimRequest::new(DedupKey::new("orders", "o-1")?, None,
 ///                             Duration::from_secs(30), Duration::from_secs(86_400));
 /// if let Claim::Acquired(lease) = store.claim(&req).await? {
@@ -80,8 +81,11 @@ fn nonce() -> i64 {
 }
 
 impl MySqlStore {
-    /// Connects a pool of 16 connections, creates the table if missing and runs the startup
-    /// checks ([`MySqlStore::check`]), logging each warning.
+    /// Connects a pool of 16 connections to `url`. Creates nothing: choose the table
+    /// ([`with_table_name`](Self::with_table_name)), then create it once with
+    /// [`migrate`](Self::migrate) (or your own migrations, from
+    /// [`schema_sql`](Self::schema_sql)). A consumer's `build` runs [`check`](Self::check),
+    /// which fails naming `migrate()` when the table is missing.
     ///
     /// TLS (feature `rustls`) is set in the URL:
     /// `mysql://app@db.example:3306/app?ssl-mode=VERIFY_IDENTITY&ssl-ca=/etc/ca.pem`, with
@@ -89,18 +93,15 @@ impl MySqlStore {
     /// stricter are refused, never downgraded.
     ///
     /// # Errors
-    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, the
-    /// URL asks for TLS this build lacks, or the DDL fails.
+    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, or
+    /// the URL asks for TLS this build lacks.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = MySqlPoolOptions::new()
             .max_connections(16)
             .connect_with(crate::tls::mysql_options(url)?)
             .await
             .map_err(|e| backend("connect", e))?;
-        let store = Self::new(pool);
-        store.migrate().await?;
-        store.check().await?;
-        Ok(store)
+        Ok(Self::new(pool))
     }
 
     /// Wraps an existing pool with the default table name.
@@ -152,13 +153,32 @@ impl MySqlStore {
         self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
     }
 
-    /// Startup checks (R14): returns, and logs, a warning when `innodb_flush_log_at_trx_commit`
-    /// is not 1 (a committed marker may vanish in a crash) or when the key column is not
-    /// `binary(32)` (a text column would let collations merge keys).
+    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`]). Fails when the
+    /// table does not exist in the connection's database or lacks a column
+    /// ([`StoreError::NotMigrated`], naming the table and `MySqlStore::migrate()`). Returns, and
+    /// logs, a warning when `innodb_flush_log_at_trx_commit` is not 1 (a committed marker may
+    /// vanish in a crash) or when the key column is not `binary(32)` (a text column would let
+    /// collations merge keys).
     ///
     /// # Errors
-    /// Backend errors.
+    /// [`StoreError::NotMigrated`]; backend errors.
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        let columns: Vec<(String, String)> = sqlx::query_as(
+            "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR) \
+             FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind(self.table.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| backend("check", e))?;
+        let names: Vec<String> = columns.iter().map(|(n, _)| n.clone()).collect();
+        let table = format!("`{}`", self.table);
+        if let Some(e) =
+            crate::check::unmigrated(table, &names, &["owner"], "MySqlStore::migrate()")
+        {
+            return Err(e);
+        }
         let mut warnings = Vec::new();
         let flush: Option<(String, String)> =
             sqlx::query_as("SHOW VARIABLES LIKE 'innodb_flush_log_at_trx_commit'")
@@ -173,26 +193,14 @@ impl MySqlStore {
                  committed may vanish in a crash, and its message would then run twice"
             ));
         }
-        let ty: Option<String> = sqlx::query_scalar(
-            "SELECT CAST(column_type AS CHAR) FROM information_schema.columns \
-             WHERE table_schema = DATABASE() AND table_name = ? AND column_name = 'key_hash'",
-        )
-        .bind(self.table.as_str())
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(|e| backend("check", e))?;
-        match ty.as_deref() {
-            Some("binary(32)") => {}
-            Some(other) => warnings.push(format!(
+        let key_type = columns.iter().find(|(n, _)| n.eq_ignore_ascii_case("key_hash"));
+        if let Some((_, other)) = key_type.filter(|(_, t)| t != "binary(32)") {
+            warnings.push(format!(
                 "{}.key_hash is `{other}`, not `binary(32)`: keys are 32-byte hashes and must be \
                  compared as bytes (a text column lets collations merge keys); recreate the \
                  table from MySqlStore::schema_sql()",
                 self.table
-            )),
-            None => warnings.push(format!(
-                "table {} has no key_hash column; run MySqlStore::migrate()",
-                self.table
-            )),
+            ));
         }
         for w in &warnings {
             tracing::warn!(target: "idem::mysql", "{w}");
@@ -612,6 +620,10 @@ impl DedupStore for MySqlStore {
         let done =
             self.sql.purge.query(&b).execute(&self.pool).await.map_err(|e| backend("purge", e))?;
         Ok(done.rows_affected())
+    }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        MySqlStore::check(self).await
     }
 }
 

@@ -34,6 +34,7 @@ use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+/// store.migrate().await?; // once: creates the table (a consumer's build checks it)
 /// let inbox = store.inbox(Duration::from_secs(7 * 86_400));
 /// let key = DedupKey::new("order-writer", "o-1")?;
 /// let mut tx = store.pool().begin().await?;
@@ -62,6 +63,15 @@ impl PostgresInbox {
     /// How long markers are kept.
     pub fn retention(&self) -> Duration {
         self.retain_for
+    }
+
+    /// The store's startup check ([`PostgresStore::check`]), which a consumer's `build` runs: the
+    /// markers' table must exist with its columns.
+    ///
+    /// # Errors
+    /// [`StoreError::NotMigrated`](idem_core::StoreError::NotMigrated); backend errors.
+    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        self.store.check().await
     }
 
     /// Marks distinct keys with one statement on the caller's connection (inside their

@@ -52,6 +52,7 @@ pub const MAX_TABLE_NAME: usize = 52;
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+/// store.migrate().await?; // once: creates the table (a consumer's build checks it)
 /// let req = ClaimRequest::new(DedupKey::new("orders", "o-1")?, None,
 ///                             Duration::from_secs(30), Duration::from_secs(86_400));
 /// if let Claim::Acquired(lease) = store.claim(&req).await? {
@@ -78,9 +79,11 @@ impl std::fmt::Debug for PostgresStore {
 }
 
 impl PostgresStore {
-    /// Connects a pool of 16 connections to `url`, creates the schema and table if missing
-    /// ([`PostgresStore::migrate`]) and runs the startup checks ([`PostgresStore::check`]),
-    /// logging each warning.
+    /// Connects a pool of 16 connections to `url`. Creates nothing: choose the schema and
+    /// table ([`with_schema`](Self::with_schema), [`with_table_name`](Self::with_table_name)),
+    /// then create them once with [`migrate`](Self::migrate) (or your own migrations, from
+    /// [`schema_sql`](Self::schema_sql)). A consumer's `build` runs [`check`](Self::check),
+    /// which fails naming `migrate()` when the table is missing.
     ///
     /// TLS (feature `rustls`) is set in the URL, as libpq does:
     /// `postgres://app@db.example:5432/app?sslmode=verify-full&sslrootcert=/etc/ca.pem`, with
@@ -89,19 +92,16 @@ impl PostgresStore {
     /// stricter are refused, never downgraded.
     ///
     /// # Errors
-    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, the
-    /// URL asks for TLS this build lacks ([`TlsUnavailable`](crate::TlsUnavailable) as the
-    /// source), or the DDL fails.
+    /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, or
+    /// the URL asks for TLS this build lacks ([`TlsUnavailable`](crate::TlsUnavailable) as the
+    /// source).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
             .max_connections(16)
             .connect_with(crate::tls::pg_options(url)?)
             .await
             .map_err(|e| backend("connect", e))?;
-        let store = Self::new(pool);
-        store.migrate().await?;
-        store.check().await?;
-        Ok(store)
+        Ok(Self::new(pool))
     }
 
     /// Wraps an existing pool, with the default schema and table. Call
@@ -173,13 +173,30 @@ impl PostgresStore {
         self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
     }
 
-    /// Startup checks (R14). Returns, and logs with `tracing::warn!`, each problem found:
+    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`]). Fails when the
+    /// table does not exist in the schema or lacks a column ([`StoreError::NotMigrated`],
+    /// naming the table and `PostgresStore::migrate()`). Returns, and logs with
+    /// `tracing::warn!`, each problem that lets the store work but weakens a guarantee:
     /// `synchronous_commit` off (a committed marker may vanish in a crash, and the message then
     /// runs twice), or a key column that is not `bytea` (hashes compared as text may collate).
     ///
     /// # Errors
-    /// Backend errors.
+    /// [`StoreError::NotMigrated`]; backend errors.
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        let columns: Vec<(String, String)> = sqlx::query_as(
+            "SELECT column_name::text, data_type::text FROM information_schema.columns \
+             WHERE table_schema = $1 AND table_name = $2",
+        )
+        .bind(self.schema.as_str())
+        .bind(self.table.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| backend("check", e))?;
+        let names: Vec<String> = columns.iter().map(|(n, _)| n.clone()).collect();
+        let table = format!("\"{}\".\"{}\"", self.schema, self.table);
+        if let Some(e) = crate::check::unmigrated(table, &names, &[], "PostgresStore::migrate()") {
+            return Err(e);
+        }
         let mut warnings = Vec::new();
         let sync: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
             .fetch_one(&self.pool)
@@ -193,22 +210,13 @@ impl PostgresStore {
                     .to_owned(),
             );
         }
-        let key_type: Option<String> =
-            sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.key_type)))
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(|e| backend("check", e))?;
-        match key_type.as_deref() {
-            Some("bytea") => {}
-            Some(other) => warnings.push(format!(
+        let key_type = columns.iter().find(|(n, _)| n == "key_hash").map(|(_, t)| t.as_str());
+        if let Some(other) = key_type.filter(|t| *t != "bytea") {
+            warnings.push(format!(
                 "{}.{}.key_hash is `{other}`, not `bytea`: keys are 32-byte hashes and must be \
                  compared as bytes; recreate the table from PostgresStore::schema_sql()",
                 self.schema, self.table
-            )),
-            None => warnings.push(format!(
-                "table {}.{} has no key_hash column; run PostgresStore::migrate()",
-                self.schema, self.table
-            )),
+            ));
         }
         for w in &warnings {
             tracing::warn!(target: "idem::postgres", "{w}");
@@ -615,6 +623,10 @@ impl DedupStore for PostgresStore {
             .await
             .map_err(|e| backend("purge", e))?;
         Ok(done.rows_affected())
+    }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        PostgresStore::check(self).await
     }
 }
 

@@ -39,7 +39,6 @@ pub(super) struct Sql {
     pub set_result: Arc<str>,
     pub advance: Arc<str>,
     pub version_of: Arc<str>,
-    pub key_type: Arc<str>,
 }
 
 impl Sql {
@@ -206,10 +205,6 @@ impl Sql {
                 now = now(5)
             )),
             version_of: s(format!("SELECT version FROM {v} WHERE entity_hash = $1")),
-            key_type: s(format!(
-                "SELECT data_type FROM information_schema.columns \
-                 WHERE table_schema = '{schema}' AND table_name = '{table}' AND column_name = 'key_hash'"
-            )),
         }
     }
 }

@@ -62,6 +62,15 @@ impl SqliteInbox {
         self.retain_for
     }
 
+    /// The store's startup check ([`SqliteStore::check`]), which a consumer's `build` runs: the
+    /// markers' table must exist with its columns.
+    ///
+    /// # Errors
+    /// [`StoreError::NotMigrated`](idem_core::StoreError::NotMigrated); backend errors.
+    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        self.store.check().await
+    }
+
     /// Marks distinct keys on the caller's connection with one multi-row upsert, rows in
     /// key-hash order, then one read of the keys it did not win; answers in input order, each as
     /// [`mark`](Self::mark) would.

@@ -68,7 +68,10 @@ impl std::fmt::Debug for SqliteStore {
 
 impl SqliteStore {
     /// Opens (creating if needed) a database file with durable defaults — WAL journal,
-    /// `synchronous = FULL`, a 5 s busy timeout — and creates the table if missing.
+    /// `synchronous = FULL`, a 5 s busy timeout — and creates the default table if missing:
+    /// the file is the embedded store's own. For another table name, wrap the pool with
+    /// [`new`](Self::new) and [`with_table_name`](Self::with_table_name), then
+    /// [`migrate`](Self::migrate).
     ///
     /// The pool has one connection: SQLite has one writer at a time, and queueing in the pool
     /// is fairer and faster than many connections sleeping in SQLite's busy handler. So do not
@@ -139,6 +142,26 @@ impl SqliteStore {
                 .map_err(|e| backend("migrate", e))?;
         }
         Ok(())
+    }
+
+    /// Startup check, run by a consumer's `build` ([`DedupStore::check`]): fails when the
+    /// table does not exist or lacks a column ([`StoreError::NotMigrated`], naming the table
+    /// and `SqliteStore::migrate()`). Returns no warnings: the durability settings are the
+    /// connection's own.
+    ///
+    /// # Errors
+    /// [`StoreError::NotMigrated`]; backend errors.
+    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+        let names: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info(?1)")
+            .bind(self.table.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("check", e))?;
+        let table = format!("\"{}\"", self.table);
+        match crate::check::unmigrated(table, &names, &[], "SqliteStore::migrate()") {
+            Some(e) => Err(e),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The DDL [`SqliteStore::migrate`] runs, for users who own their migrations.
@@ -428,6 +451,10 @@ impl DedupStore for SqliteStore {
             .await
             .map_err(|e| backend("purge", e))?;
         Ok(done.rows_affected())
+    }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        SqliteStore::check(self).await
     }
 }
 

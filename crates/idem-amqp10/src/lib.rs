@@ -21,9 +21,9 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters};
-//! use idem_core::consumer::HandlerError;
-//! use idem_sqlx::PostgresStore;
+//! use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters};
+//! use idem::consumer::HandlerError;
+//! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

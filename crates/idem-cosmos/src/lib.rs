@@ -40,6 +40,8 @@ mod marker;
 mod store;
 mod throttle;
 
+/// The Cosmos DB SDK this crate is built on, re-exported so callers use the same version.
+pub use azure_data_cosmos;
 pub use error::Error;
 pub use inbox::{BatchDocs, CosmosInbox};
 pub use marker::{CosmosMarker, DEFAULT_FINGERPRINT_FIELD, MarkerOutcome};

@@ -20,9 +20,9 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_core::consumer::HandlerError;
-//! use idem_kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
-//! use idem_sqlx::PostgresStore;
+//! use idem::consumer::HandlerError;
+//! use idem::kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
+//! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

@@ -24,10 +24,10 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use async_nats::jetstream;
-//! use idem_core::consumer::HandlerError;
-//! use idem_nats::{JetStream, JetStreamConsumer};
-//! use idem_sqlx::PostgresStore;
+//! use idem::nats::async_nats::{self, jetstream};
+//! use idem::consumer::HandlerError;
+//! use idem::nats::{JetStream, JetStreamConsumer};
+//! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);

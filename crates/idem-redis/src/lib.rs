@@ -38,10 +38,10 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_core::consumer::HandlerError;
-//! use idem_core::extract::Envelope;
-//! use idem_redis::{StreamConfig, StreamConsumer};
-//! use idem_sqlx::PostgresStore;
+//! use idem::consumer::HandlerError;
+//! use idem::extract::Envelope;
+//! use idem::redis::{StreamConfig, StreamConsumer, redis};
+//! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

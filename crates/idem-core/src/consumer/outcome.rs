@@ -267,3 +267,28 @@ pub enum HandlerError<E> {
     /// Retrying will not help (a validation error).
     Permanent(E),
 }
+
+impl<E> HandlerError<E> {
+    /// A transient failure from any error that converts into the handler's error type: with
+    /// `E = Box<dyn Error + Send + Sync>`, `.map_err(HandlerError::transient)?` takes a database
+    /// error and an outbox error alike.
+    ///
+    /// ```
+    /// use idem_core::consumer::HandlerError;
+    /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    ///
+    /// fn parse(s: &str) -> Result<u32, HandlerError<BoxError>> {
+    ///     let n: u32 = s.parse().map_err(HandlerError::permanent)?; // retrying will not help
+    ///     Ok(n)
+    /// }
+    /// assert!(matches!(parse("x"), Err(HandlerError::Permanent(_))));
+    /// ```
+    pub fn transient(e: impl Into<E>) -> Self {
+        Self::Transient(e.into())
+    }
+
+    /// A permanent failure (dead-lettered) from any error that converts into `E`.
+    pub fn permanent(e: impl Into<E>) -> Self {
+        Self::Permanent(e.into())
+    }
+}

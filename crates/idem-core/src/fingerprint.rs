@@ -288,6 +288,42 @@ mod tests {
     }
 
     #[test]
+    fn fingerprints_of_reordered_objects_stay_what_stores_already_hold() {
+        // Computed before canonical JSON sorted keys itself in every build: ASCII keys out of
+        // order at several depths, escaped keys, keys that differ in case, non-ASCII keys mixed
+        // with ASCII ones, pointers.
+        for (json, digest) in [
+            (
+                r#"{"z":1,"a":{"y":[{"c":3,"b":2}],"x":null},"m":"s"}"#,
+                "e5fae018970d6d83cffb47f8f3892c364be87573254d00a97627dbfb40b88ffa",
+            ),
+            (
+                r#"{"a\"b":1,"a":2,"a b":3,"a\\":4}"#,
+                "63721437d18cc2eb650a4c0579747469910190c0d589c57e6714915d5f18fbea",
+            ),
+            (
+                r#"{"B":1,"a":2,"_":3,"1":4,"":5}"#,
+                "ebc0da8962d9aaefb3df8c83d357b82c9050b5d808a6fcbf7643e4b509c8e3e2",
+            ),
+            (
+                r#"{"\u00e9":1,"e":2,"f":{"\u00fc":true,"u":false,"\ud83d\ude00":[]}}"#,
+                "24438089e769cb3f5d1d7705367b0e83f851aa09ef863fad1ab94dde8b0202ea",
+            ),
+            (
+                r#"[{"b":1,"a":2},{},[{"d":{"f":1,"e":2}}]]"#,
+                "52fe9248716e702fd796850f26b57c54dd4160d2c1ff3f438ff59068568eb1b2",
+            ),
+        ] {
+            assert_eq!(fp(json).to_string(), digest, "{json}");
+        }
+        let v: Value = serde_json::from_str(r#"{"o":{"b":1,"a":{"d":2,"c":3}},"t":0}"#).unwrap();
+        assert_eq!(
+            Fingerprint::of_json_pointers(&v, &["/o", "/t"]).to_string(),
+            "d660a60c788d33681b0f86f9ead2ff4ff481ab904a4d9186325fd17eb797ffff"
+        );
+    }
+
+    #[test]
     fn pointers_select_fields() {
         let a = json!({"order": {"id": 7, "total": 10}, "sent_at": "t1"});
         let b = json!({"order": {"id": 7, "total": 10}, "sent_at": "t2"});

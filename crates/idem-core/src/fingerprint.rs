@@ -119,8 +119,9 @@ impl FingerprintSpec {
     }
 }
 
-/// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units,
-/// no insignificant whitespace, minimal string escapes, and one form per number — an integral
+/// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units
+/// (whatever order the map holds them in, so also with serde_json's `preserve_order`), no
+/// insignificant whitespace, minimal string escapes, and one form per number — an integral
 /// value within ±2^53 prints as an integer (`1.0`, `1e0` and `1` are equal), other floats in
 /// their shortest round-trip form.
 pub fn canonical_json(value: &Value) -> String {
@@ -146,12 +147,11 @@ fn write_canonical(value: &Value, out: &mut String) {
             out.push(']');
         }
         Value::Object(map) => {
+            // References to the entries, sorted here in every build: serde_json's map iterates
+            // in key order only without its `preserve_order` feature, and any crate in a build
+            // can turn that on for all of them (then the map keeps insertion order).
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            // serde_json's map is sorted by UTF-8 bytes, which is UTF-16 order for ASCII keys:
-            // sort only when a key is not ASCII.
-            if !map.keys().all(|k| k.is_ascii()) {
-                entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-            }
+            sort_entries(&mut entries);
             out.push('{');
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
@@ -163,6 +163,20 @@ fn write_canonical(value: &Value, out: &mut String) {
             }
             out.push('}');
         }
+    }
+}
+
+/// Sorts object entries by their keys' UTF-16 code units (RFC 8785).
+fn sort_entries(entries: &mut [(&String, &Value)]) {
+    if entries.iter().all(|(k, _)| k.is_ascii()) {
+        // For ASCII keys byte order is UTF-16 order. Entries already in order (serde_json's
+        // default map) cost one comparison per key and no sort.
+        if !entries.is_sorted_by(|a, b| a.0 <= b.0) {
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        }
+    } else {
+        // Keys are unique, so an unstable sort gives the one order.
+        entries.sort_unstable_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
     }
 }
 
@@ -247,6 +261,25 @@ mod tests {
         // U+E000 sorts after U+1F600 in UTF-8 but before it in UTF-16 (surrogates are 0xD8xx).
         let v = json!({"\u{1F600}": 1, "\u{E000}": 2});
         assert_eq!(canonical_json(&v), "{\"\u{1F600}\":1,\"\u{E000}\":2}");
+    }
+
+    #[test]
+    fn entries_are_sorted_whatever_order_the_map_gives() {
+        // A map with serde_json's `preserve_order` hands entries over in insertion order; the
+        // default build's map never does, so the sort is tested on the entries directly.
+        let keys = ["b", "a", "B", "", "a b", "\u{E000}", "\u{1F600}", "\u{e9}"].map(String::from);
+        let v = Value::Null;
+        for n in [3, keys.len()] {
+            let mut entries: Vec<(&String, &Value)> = keys[..n].iter().map(|k| (k, &v)).collect();
+            sort_entries(&mut entries);
+            let got: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+            let want: &[&str] = if n == 3 {
+                &["B", "a", "b"]
+            } else {
+                &["", "B", "a", "a b", "b", "\u{e9}", "\u{1F600}", "\u{E000}"]
+            };
+            assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -40,10 +40,12 @@
 //! # } }
 //! ```
 
+mod guarded;
 mod key;
 mod layer;
 mod principal;
 mod problem;
+mod scope;
 mod service;
 mod stored;
 

@@ -13,14 +13,15 @@ use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, FailKind, Lease, Reco
 use tower_service::Service;
 use tracing::Instrument as _;
 
+use crate::body::{BoxError, Read, read_limited};
 use crate::key::Titled;
 use crate::layer::{Config, IDEMPOTENT_REPLAYED};
 use crate::scope::{fingerprint, scope};
-use crate::service::{BoxError, count};
+use crate::service::count;
 use crate::stored::StoredResponse;
-use crate::{IdempotentRequest, Problem, ProblemKind};
+use crate::{IdempotentRequest, Problem, ProblemKind, ResponseBody};
 
-type Answer<B, E> = Result<Response<B>, E>;
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 pub(crate) async fn guarded<S, St, ReqBody, ResBody>(
     inner: S,
@@ -37,7 +38,7 @@ where
     ReqBody: Body + From<Bytes> + Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError> + Send,
-    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody: Body + Send + 'static,
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -101,7 +102,7 @@ where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     St: DedupStore + 'static,
-    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody: Body + Send + 'static,
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -170,7 +171,7 @@ where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     St: DedupStore + 'static,
-    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody: Body + Send + 'static,
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError> + Send,
 {
@@ -185,9 +186,10 @@ where
     let res = match result {
         Ok(res) if !res.status().is_server_error() => res,
         other => {
-            // A 5xx or a service error: nothing is stored, the client may retry.
+            // A 5xx or a service error: nothing is stored, the client may retry. The body is
+            // passed through unread.
             release(&*store, lease).await;
-            return ("released", other);
+            return ("released", other.map(|res| res.map(ResponseBody::inner)));
         }
     };
     let (parts, body) = res.into_parts();
@@ -195,40 +197,40 @@ where
     if too_large(body.size_hint().lower()) {
         // Known too large before reading: stream it through; record that it ran.
         park_unstored(&*store, lease, cfg).await;
-        return ("not_stored", Ok(Response::from_parts(parts, body)));
+        return ("not_stored", Ok(Response::from_parts(parts, ResponseBody::inner(body))));
     }
-    let bytes = match body.collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) => {
-            let e: BoxError = e.into();
+    let bytes = match read_limited(body, cfg.max_body).await {
+        Read::Whole(bytes) => bytes,
+        Read::TooLarge(body) => {
+            // Reading stopped at the first frame past the limit: the client gets what was read
+            // and then the rest; the key records that the request ran.
+            park_unstored(&*store, lease, cfg).await;
+            return ("not_stored", Ok(Response::from_parts(parts, body)));
+        }
+        Read::Failed(e) => {
             tracing::warn!(target: "idem", error = %e, "response body failed; key released");
             release(&*store, lease).await;
             let res = problem(ProblemKind::ResponseUnreadable, "the response body failed");
             return ("released", Ok(res));
         }
     };
-    let label = if bytes.len() > cfg.max_body {
-        park_unstored(&*store, lease, cfg).await;
-        "not_stored"
-    } else {
-        let mut headers = parts.headers.clone();
-        for name in &cfg.skipped_headers {
-            headers.remove(name);
-        }
-        let stored = StoredResponse { status: parts.status, headers, body: bytes.clone() };
-        match store.complete(lease, Some(&stored.encode()), cfg.retain).await {
-            Ok(()) => "stored",
-            Err(e) => {
-                // The handler's effect happened: answer with its response. The key stays in
-                // progress until the lease runs out (or was taken over, when the lease was
-                // lost); a retry after that runs the handler again.
-                tracing::warn!(target: "idem", error = &e as &dyn std::error::Error,
-                    "response not stored; a retry after the lease will run the handler again");
-                "store_failed"
-            }
+    let mut headers = parts.headers.clone();
+    for name in &cfg.skipped_headers {
+        headers.remove(name);
+    }
+    let stored = StoredResponse { status: parts.status, headers, body: bytes.clone() };
+    let label = match store.complete(lease, Some(&stored.encode()), cfg.retain).await {
+        Ok(()) => "stored",
+        Err(e) => {
+            // The handler's effect happened: answer with its response. The key stays in
+            // progress until the lease runs out (or was taken over, when the lease was
+            // lost); a retry after that runs the handler again.
+            tracing::warn!(target: "idem", error = &e as &dyn std::error::Error,
+                "response not stored; a retry after the lease will run the handler again");
+            "store_failed"
         }
     };
-    (label, Ok(Response::from_parts(parts, ResBody::from(bytes))))
+    (label, Ok(Response::from_parts(parts, ResponseBody::full(bytes))))
 }
 
 async fn release<St: DedupStore>(store: &St, lease: Lease) {
@@ -248,14 +250,14 @@ async fn park_unstored<St: DedupStore>(store: &St, lease: Lease, cfg: &Config) {
     }
 }
 
-fn replay<R: From<Bytes>>(stored: StoredResponse) -> Response<R> {
-    let mut res = Response::new(R::from(stored.body));
+fn replay<B>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(stored.body));
     *res.status_mut() = stored.status;
     *res.headers_mut() = stored.headers;
     res.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     res
 }
 
-fn problem<R: From<Bytes>>(kind: ProblemKind, detail: impl Into<String>) -> Response<R> {
+fn problem<B>(kind: ProblemKind, detail: impl Into<String>) -> Response<ResponseBody<B>> {
     Problem::new(kind, detail).into_response()
 }

@@ -65,9 +65,23 @@ pub(crate) struct Config {
 /// | empty, too long, repeated or control characters in the key | `400 Bad Request` naming it |
 /// | a key, but no [`Principal`](crate::Principal) in the request (see below) | `500 Internal Server Error`; the handler does not run |
 ///
-/// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)). A `5xx`
-/// from the handler (or a service error) releases the key so the client may retry; any other
-/// status is stored and replayed.
+/// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)).
+///
+/// # Which responses are stored
+///
+/// A `5xx` from the handler (or a service error) releases the key so the client may retry; any
+/// other status is stored and replayed.
+///
+/// A response body larger than [`max_body`](Self::max_body) is not stored: the layer reads it
+/// frame by frame and stops at the first frame past the limit, so an endless or huge body is
+/// never buffered. The client still gets the whole response (the frames read, then the rest,
+/// streamed); the key is parked *in doubt*, so a retry gets `409`
+/// ([`ProblemKind::ResponseNotStored`](crate::ProblemKind::ResponseNotStored)) and the handler
+/// does not run again. The effect happened: releasing the key would let a retry repeat it, and
+/// there is no response to replay. The record expires after [`retain`](Self::retain) like a
+/// stored response; an operator may release it sooner.
+///
+/// # Scope
 ///
 /// The store key is `(scope, idempotency key)`. The scope is the route — axum's route template
 /// when the `axum` feature is on and the layer is added with `Router::layer`, else the request
@@ -94,8 +108,8 @@ pub(crate) struct Config {
 ///
 /// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
 /// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
-/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored`,
-/// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
+/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored` (too
+/// large), `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
 /// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
 /// `body_too_large`, `body_unreadable`.
 ///
@@ -189,11 +203,12 @@ impl<St> IdempotencyKeyLayer<St> {
     }
 
     /// The largest request body fingerprinted and the largest response body stored (default
-    /// 256 KiB). A larger request is refused with `413`. A larger response is returned to this
-    /// client, but only the fact that it was processed is stored (the record is parked *in
-    /// doubt*): a retry gets `409` ([`ProblemKind::ResponseNotStored`](crate::ProblemKind)) and the
-    /// handler does not run again. Keep it below your store's result limit (1 MiB for the memory
-    /// and SQLite stores).
+    /// 256 KiB). A larger request is refused with `413`. A larger response is read only up to
+    /// the first frame past the limit, then streamed to this client whole (what was read, then
+    /// the rest); only the fact that it was processed is stored (the record is parked *in
+    /// doubt*): a retry gets `409` ([`ProblemKind::ResponseNotStored`](crate::ProblemKind)) and
+    /// the handler does not run again. Keep it below your store's result limit (1 MiB for the
+    /// memory and SQLite stores).
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.cfg.max_body = bytes;
         self

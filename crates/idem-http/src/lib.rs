@@ -8,6 +8,9 @@
 //!   [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
 //! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
 //! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
+//! - [`ResponseBody`]: the body of the layer's responses; a response larger than
+//!   [`max_body`](IdempotencyKeyLayer::max_body) is read only to the first frame past the limit,
+//!   streamed to the client whole and not stored.
 //!
 //! With the `axum` feature, the scope uses axum's route template (`/payments/{id}`) when the layer
 //! is added with `Router::layer`, and [`Problem`] implements `IntoResponse`.
@@ -40,6 +43,7 @@
 //! # } }
 //! ```
 
+mod body;
 mod guarded;
 mod key;
 mod layer;
@@ -49,6 +53,7 @@ mod scope;
 mod service;
 mod stored;
 
+pub use body::ResponseBody;
 pub use key::KeyProblem;
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
 pub use principal::{IdempotentRequest, Principal};

@@ -7,21 +7,23 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::TryFutureExt as _;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
+use crate::body::BoxError;
 use crate::key::{self, Titled};
 use crate::layer::Config;
-use crate::{Principal, Problem, ProblemKind};
-
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::{Principal, Problem, ProblemKind, ResponseBody};
 
 /// The response future of [`IdempotencyKey`].
 pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send>>;
 
 /// The service [`IdempotencyKeyLayer`](crate::IdempotencyKeyLayer) wraps around an inner
 /// service. See the layer for the semantics.
+///
+/// Its responses carry a [`ResponseBody`] around the inner service's body.
 #[derive(Debug)]
 pub struct IdempotencyKey<S, St> {
     inner: S,
@@ -54,11 +56,11 @@ where
     ReqBody: Body + From<Bytes> + Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError> + Send,
-    ResBody: Body + From<Bytes> + Send + 'static,
+    ResBody: Body + Send + 'static,
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError> + Send,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<Self::Response, Self::Error>;
 
@@ -71,14 +73,17 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let cfg = &self.cfg;
+        let pass = |fut: S::Future| -> Self::Future {
+            Box::pin(fut.map_ok(|res| res.map(ResponseBody::inner)))
+        };
         if !cfg.methods.contains(req.method()) {
-            return Box::pin(inner.call(req));
+            return pass(inner.call(req));
         }
         let key = match key::read(req.headers(), &cfg.header, cfg.max_key_len) {
             Ok(Some(key)) => key,
             Ok(None) if !cfg.required => {
                 count(cfg, "no_key");
-                return Box::pin(inner.call(req));
+                return pass(inner.call(req));
             }
             Ok(None) => {
                 count(cfg, "missing_key");
@@ -115,9 +120,9 @@ const NO_PRINCIPAL: &str = "no Principal in the request: the authentication laye
     (in axum, add IdempotencyKeyLayer with .layer() before the authentication's .layer()); \
     for routes whose callers are anonymous, configure the layer with .allow_anonymous()";
 
-fn ready<R, E>(p: Problem) -> ResponseFuture<Response<R>, E>
+fn ready<B, E>(p: Problem) -> ResponseFuture<Response<ResponseBody<B>>, E>
 where
-    R: From<Bytes> + Send + 'static,
+    B: Send + 'static,
     E: Send + 'static,
 {
     Box::pin(std::future::ready(Ok(p.into_response())))

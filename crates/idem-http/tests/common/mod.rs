@@ -119,6 +119,21 @@ async fn big(State(h): State<Handlers>) -> Response {
     (StatusCode::OK, "x".repeat(4096)).into_response()
 }
 
+/// `/stream` answers 64 frames of 100 bytes with no size hint, so the layer learns its size
+/// only by reading it.
+pub const STREAM_FRAMES: usize = 64;
+
+async fn stream(State(h): State<Handlers>) -> Response {
+    let n = bump(&h);
+    let frames = (0..STREAM_FRAMES).map(move |i| {
+        Ok::<_, std::convert::Infallible>(Bytes::from(format!(
+            "{n:>4}:{i:>4}:{}\n",
+            "x".repeat(89)
+        )))
+    });
+    axum::body::Body::from_stream(futures_util::stream::iter(frames)).into_response()
+}
+
 async fn order_pay(State(h): State<Handlers>) -> Response {
     let n = bump(&h);
     (StatusCode::CREATED, format!("order paid (run {n})")).into_response()
@@ -168,6 +183,7 @@ pub fn router_in<St: DedupStore + 'static>(
         .route("/flaky", post(flaky))
         .route("/invalid", post(invalid))
         .route("/big", post(big))
+        .route("/stream", post(stream))
         .route("/orders/{id}/pay", post(order_pay))
         .route("/list", get(list))
         .with_state(h.clone());

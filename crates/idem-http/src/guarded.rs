@@ -184,10 +184,10 @@ where
         }
     };
     let res = match result {
-        Ok(res) if !res.status().is_server_error() => res,
+        Ok(res) if cfg.store_rule.stores(res.status(), res.headers()) => res,
         other => {
-            // A 5xx or a service error: nothing is stored, the client may retry. The body is
-            // passed through unread.
+            // Not the endpoint's answer (by the rule), or a service error: nothing is stored,
+            // the client's retry runs again. The body is passed through unread.
             release(&*store, lease).await;
             return ("released", other.map(|res| res.map(ResponseBody::inner)));
         }

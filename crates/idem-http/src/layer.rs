@@ -4,11 +4,12 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use http::{HeaderName, Method};
+use http::{HeaderMap, HeaderName, Method, StatusCode};
 use idem_core::FingerprintSpec;
 use tower_layer::Layer;
 
 use crate::IdempotencyKey;
+use crate::store_rule::StoreRule;
 
 /// The header carrying the key, as the IETF draft names it.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -48,6 +49,7 @@ pub(crate) struct Config {
     /// Whether a request without a principal was already logged (once per layer and its
     /// clones: the log says how to fix the setup, not how often it went wrong).
     pub(crate) logged_no_principal: Arc<AtomicBool>,
+    pub(crate) store_rule: StoreRule,
 }
 
 /// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
@@ -57,7 +59,7 @@ pub(crate) struct Config {
 ///
 /// | request | response |
 /// | --- | --- |
-/// | first with this key | the handler's; its status, headers and body are stored |
+/// | first with this key | the handler's; its status, headers and body are stored (see below for the statuses that are not) |
 /// | retry, same method, path and body | the stored response, with `Idempotent-Replayed: true` |
 /// | same key while the first is in flight | `409 Conflict` with `Retry-After` |
 /// | same key, different method, path or body | `422 Unprocessable Content` |
@@ -69,8 +71,12 @@ pub(crate) struct Config {
 ///
 /// # Which responses are stored
 ///
-/// A `5xx` from the handler (or a service error) releases the key so the client may retry; any
-/// other status is stored and replayed.
+/// Only what the endpoint produced. By default a `401`, `403`, `408`, `425`, `429` or `5xx`
+/// releases the key instead, so the client's retry runs again: these typically come from a
+/// layer inside this one (authorisation, rate or concurrency limits, timeouts) before the
+/// endpoint ran. Every other status, `4xx` included, is stored and replayed. Change the rule
+/// with [`store_response_if`](Self::store_response_if). A service error or a panic always
+/// releases the key.
 ///
 /// A response body larger than [`max_body`](Self::max_body) is not stored: the layer reads it
 /// frame by frame and stops at the first frame past the limit, so an endless or huge body is
@@ -108,8 +114,9 @@ pub(crate) struct Config {
 ///
 /// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
 /// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
-/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored` (too
-/// large), `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
+/// `replayed`, `in_progress`, `reused`, `released` (not stored by the
+/// [rule](Self::store_response_if), error or panic), `not_stored` (too large),
+/// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
 /// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
 /// `body_too_large`, `body_unreadable`.
 ///
@@ -140,9 +147,9 @@ impl<St> Clone for IdempotencyKeyLayer<St> {
 
 impl<St> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
-    /// `PATCH`, key optional, a [`Principal`](crate::Principal) required with a key, keys up to
-    /// 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`,
-    /// fingerprint of the raw body bytes.
+    /// `PATCH`, key optional, a [`Principal`](crate::Principal) required with
+    /// a key, keys up to 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
+    /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default).
     pub fn new(store: St) -> Self {
         Self {
             store: Arc::new(store),
@@ -159,6 +166,7 @@ impl<St> IdempotencyKeyLayer<St> {
                 skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
                 allow_anonymous: false,
                 logged_no_principal: Arc::new(AtomicBool::new(false)),
+                store_rule: StoreRule::default(),
             },
         }
     }
@@ -179,6 +187,34 @@ impl<St> IdempotencyKeyLayer<St> {
     /// passed through without deduplication).
     pub fn required(mut self, required: bool) -> Self {
         self.cfg.required = required;
+        self
+    }
+
+    /// Which of the handler's responses are stored and replayed; the others release the key,
+    /// so a retry runs the handler again. The default,
+    /// [`stored_by_default`](crate::stored_by_default), stores everything but `401`, `403`,
+    /// `408`, `425`, `429` and `5xx`. A rule may also store `5xx` responses (Stripe replays its
+    /// `500`s once the endpoint ran). A service error or a panic always releases the key.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, stored_by_default};
+    ///
+    /// // Also let a retry run again after a 409 from the endpoint, and trust an inner layer
+    /// // that marks the responses it produced itself.
+    /// let layer = IdempotencyKeyLayer::new(MemoryStore::new()).store_response_if(|status, h| {
+    ///     status != StatusCode::CONFLICT
+    ///         && !h.contains_key("x-rejected-by")
+    ///         && stored_by_default(status, h)
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn store_response_if(
+        mut self,
+        rule: impl Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.cfg.store_rule = StoreRule::new(rule);
         self
     }
 

@@ -6,6 +6,9 @@
 //!   client never replays another's response. The authentication must run before the layer: a
 //!   keyed request without a principal is refused with `500` unless the layer
 //!   [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
+//! - [`stored_by_default`]: which responses are stored and replayed — only what the endpoint
+//!   produced, not the `401`, `403`, `408`, `425`, `429` or `5xx` of a layer inside this one
+//!   ([change it](IdempotencyKeyLayer::store_response_if)).
 //! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
 //! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
 //! - [`ResponseBody`]: the body of the layer's responses; a response larger than
@@ -51,6 +54,7 @@ mod principal;
 mod problem;
 mod scope;
 mod service;
+mod store_rule;
 mod stored;
 
 pub use body::ResponseBody;
@@ -59,3 +63,4 @@ pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
 pub use principal::{IdempotentRequest, Principal};
 pub use problem::{Problem, ProblemKind};
 pub use service::{IdempotencyKey, ResponseFuture};
+pub use store_rule::stored_by_default;

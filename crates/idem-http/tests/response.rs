@@ -1,4 +1,5 @@
-//! How the layer reads a response body it may store: frame by frame, never past the limit.
+//! Which responses the layer stores (only what the endpoint produced), and how it reads a
+//! response body it may store (frame by frame, never past the limit).
 
 #![allow(clippy::unwrap_used)]
 
@@ -9,12 +10,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
+use axum::Router;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::IntoResponse;
+use axum::routing::post;
 use bytes::Bytes;
 use common::{Req, STREAM_FRAMES, serve};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt as _, Full};
 use idem_core::{DedupStore, MemoryStore};
-use idem_http::IdempotencyKeyLayer;
+use idem_http::{IdempotencyKeyLayer, stored_by_default};
 use tower_layer::Layer as _;
 use tower_service::Service;
 
@@ -22,6 +29,100 @@ const BODY: &str = r#"{"amount":1200}"#;
 
 fn layer<St: DedupStore>(store: St) -> IdempotencyKeyLayer<St> {
     IdempotencyKeyLayer::new(store).max_body(1024).allow_anonymous()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_before_the_endpoint_ran_are_not_replayed() {
+    let app = serve(layer(MemoryStore::new())).await;
+    let mut calls = 0;
+    for code in [401, 403, 408, 425, 429, 500, 503] {
+        let (path, key) = (format!("/status/{code}"), format!("k-{code}"));
+        for attempt in 1..=2 {
+            let res = app.send(Req::post(&path, &key, BODY)).await;
+            calls += 1;
+            assert_eq!(res.status, code, "{}", res.text());
+            assert!(!res.replayed(), "{code} replayed on attempt {attempt}");
+            assert_eq!(res.text(), format!("status {code} (run {calls})"));
+        }
+    }
+    assert_eq!(app.calls(), calls, "every retry reached the service again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoints_answers_are_stored_and_replayed() {
+    let app = serve(layer(MemoryStore::new())).await;
+    for (i, code) in [200, 201, 400, 404, 409, 422].into_iter().enumerate() {
+        let (path, key) = (format!("/status/{code}"), format!("k-{code}"));
+        let first = app.send(Req::post(&path, &key, BODY)).await;
+        assert_eq!((first.status.as_u16(), first.replayed()), (code, false));
+        let retry = app.send(Req::post(&path, &key, BODY)).await;
+        assert!(retry.replayed(), "{code} not replayed");
+        assert_eq!((retry.status, &retry.body), (first.status, &first.body));
+        assert_eq!(app.calls(), i + 1, "the retry of a {code} ran the endpoint again");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_rule_decides_what_is_stored() {
+    let rule = |s: StatusCode, h: &axum::http::HeaderMap| {
+        s == StatusCode::TOO_MANY_REQUESTS
+            || (s != StatusCode::NOT_FOUND && stored_by_default(s, h))
+    };
+    let app = serve(layer(MemoryStore::new()).store_response_if(rule)).await;
+    // 404 is no longer stored: the retry runs again.
+    assert!(!app.send(Req::post("/status/404", "a", BODY)).await.replayed());
+    assert!(!app.send(Req::post("/status/404", "a", BODY)).await.replayed());
+    assert_eq!(app.calls(), 2);
+    // 429 now is.
+    assert_eq!(app.send(Req::post("/status/429", "b", BODY)).await.status, 429);
+    let retry = app.send(Req::post("/status/429", "b", BODY)).await;
+    assert!(retry.replayed());
+    assert_eq!(app.calls(), 3);
+    // Everything else follows the default.
+    assert!(!app.send(Req::post("/status/503", "c", BODY)).await.replayed());
+    assert!(!app.send(Req::post("/status/503", "c", BODY)).await.replayed());
+    assert_eq!(app.calls(), 5);
+}
+
+/// A rate limiter inside the idempotency layer answers 429 before the endpoint runs; the
+/// client's retry, once let through, reaches the endpoint and is then stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_from_an_inner_layer_lets_the_retry_reach_the_endpoint() {
+    let ran = Arc::new(AtomicUsize::new(0));
+    let throttled = Arc::new(AtomicUsize::new(1));
+    let (r, t) = (ran.clone(), throttled.clone());
+    let app = Router::new()
+        .route(
+            "/payments",
+            post(move || {
+                let n = r.fetch_add(1, Ordering::SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("paid (run {n})")) }
+            }),
+        )
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            let t = t.clone();
+            async move {
+                // Refuses the first request, lets the others through.
+                if t.fetch_sub(1, Ordering::SeqCst) > 0 {
+                    (StatusCode::TOO_MANY_REQUESTS, "slow down").into_response()
+                } else {
+                    next.run(req).await
+                }
+            }
+        }))
+        .layer(layer(MemoryStore::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let first = common::send(addr, Req::post("/payments", "k", BODY)).await;
+    assert_eq!((first.status.as_u16(), ran.load(Ordering::SeqCst)), (429, 0));
+    let retry = common::send(addr, Req::post("/payments", "k", BODY)).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false));
+    let again = common::send(addr, Req::post("/payments", "k", BODY)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retry.body);
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    server.abort();
 }
 
 /// A body of no known size, larger than the limit: the client gets all of it, byte for byte;

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -119,6 +119,13 @@ async fn big(State(h): State<Handlers>) -> Response {
     (StatusCode::OK, "x".repeat(4096)).into_response()
 }
 
+// Answers the status in the path: what an inner layer (auth, rate limit) or the endpoint sends.
+async fn status(State(h): State<Handlers>, Path(code): Path<u16>) -> Response {
+    let n = bump(&h);
+    let status = StatusCode::from_u16(code).expect("test status");
+    (status, format!("status {code} (run {n})")).into_response()
+}
+
 /// `/stream` answers 64 frames of 100 bytes with no size hint, so the layer learns its size
 /// only by reading it.
 pub const STREAM_FRAMES: usize = 64;
@@ -183,6 +190,7 @@ pub fn router_in<St: DedupStore + 'static>(
         .route("/flaky", post(flaky))
         .route("/invalid", post(invalid))
         .route("/big", post(big))
+        .route("/status/{code}", post(status))
         .route("/stream", post(stream))
         .route("/orders/{id}/pay", post(order_pay))
         .route("/list", get(list))

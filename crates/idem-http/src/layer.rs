@@ -8,8 +8,8 @@ use http::{HeaderMap, HeaderName, Method, StatusCode};
 use idem_core::FingerprintSpec;
 use tower_layer::Layer;
 
-use crate::IdempotencyKey;
 use crate::store_rule::StoreRule;
+use crate::{IdempotencyKey, KeyFormat};
 
 /// The header carrying the key, as the IETF draft names it.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -50,6 +50,7 @@ pub(crate) struct Config {
     /// clones: the log says how to fix the setup, not how often it went wrong).
     pub(crate) logged_no_principal: Arc<AtomicBool>,
     pub(crate) store_rule: StoreRule,
+    pub(crate) key_format: Option<KeyFormat>,
 }
 
 /// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
@@ -64,7 +65,7 @@ pub(crate) struct Config {
 /// | same key while the first is in flight | `409 Conflict` with `Retry-After` |
 /// | same key, different method, path or body | `422 Unprocessable Content` |
 /// | no key where [`required`](Self::required) | `400 Bad Request` |
-/// | empty, too long, repeated or control characters in the key | `400 Bad Request` naming it |
+/// | empty, too long, repeated or control characters in the key, or not of the [`key_format`](Self::key_format) | `400 Bad Request` naming the rule |
 /// | a key, but no [`Principal`](crate::Principal) in the request (see below) | `500 Internal Server Error`; the handler does not run |
 ///
 /// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)).
@@ -147,7 +148,7 @@ impl<St> Clone for IdempotencyKeyLayer<St> {
 
 impl<St> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
-    /// `PATCH`, key optional, a [`Principal`](crate::Principal) required with
+    /// `PATCH`, key optional and of any format, a [`Principal`](crate::Principal) required with
     /// a key, keys up to 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
     /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default).
     pub fn new(store: St) -> Self {
@@ -167,6 +168,7 @@ impl<St> IdempotencyKeyLayer<St> {
                 allow_anonymous: false,
                 logged_no_principal: Arc::new(AtomicBool::new(false)),
                 store_rule: StoreRule::default(),
+                key_format: None,
             },
         }
     }
@@ -215,6 +217,22 @@ impl<St> IdempotencyKeyLayer<St> {
         rule: impl Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.cfg.store_rule = StoreRule::new(rule);
+        self
+    }
+
+    /// Accepts only keys of this form (default: any key the header rules allow); any other is
+    /// refused with `400` and an `application/problem+json` body naming the rule.
+    ///
+    /// ```
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, KeyFormat};
+    ///
+    /// // Clients send `Idempotency-Key: 6f9619ff-8b86-d011-b42d-00c04fc964ff`.
+    /// let layer = IdempotencyKeyLayer::new(MemoryStore::new()).key_format(KeyFormat::Uuid);
+    /// # let _ = layer;
+    /// ```
+    pub fn key_format(mut self, format: KeyFormat) -> Self {
+        self.cfg.key_format = Some(format);
         self
     }
 

@@ -9,6 +9,7 @@
 //! - [`stored_by_default`]: which responses are stored and replayed — only what the endpoint
 //!   produced, not the `401`, `403`, `408`, `425`, `429` or `5xx` of a layer inside this one
 //!   ([change it](IdempotencyKeyLayer::store_response_if)).
+//! - [`KeyFormat`]: an optional rule on the keys' form (a UUID, or your own predicate).
 //! - [`IdempotentRequest`]: what the handler is told (attempt, a downstream idempotency key).
 //! - [`Problem`]: the RFC 9457 `application/problem+json` error responses.
 //! - [`ResponseBody`]: the body of the layer's responses; a response larger than
@@ -25,7 +26,7 @@
 //! use axum::response::Response;
 //! use axum::{Router, routing::post};
 //! use idem_core::MemoryStore;
-//! use idem_http::{IdempotencyKeyLayer, Principal};
+//! use idem_http::{IdempotencyKeyLayer, KeyFormat, Principal};
 //!
 //! async fn pay() -> &'static str { "paid" }
 //!
@@ -35,18 +36,22 @@
 //!     next.run(req).await
 //! }
 //!
-//! # async fn serve() {
+//! # async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+//! let idempotency = IdempotencyKeyLayer::new(MemoryStore::new())
+//!     .key_format(KeyFormat::Uuid)
+//!     .required(true);
 //! let app: Router = Router::new()
 //!     .route("/payments", post(pay))
 //!     // axum runs the layer added last first: authentication, then idempotency.
-//!     .layer(IdempotencyKeyLayer::new(MemoryStore::new()).required(true))
+//!     .layer(idempotency)
 //!     .layer(middleware::from_fn(authenticate));
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
-//! axum::serve(listener, app).await.unwrap();
-//! # } }
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) } }
 //! ```
 
 mod body;
+mod format;
 mod guarded;
 mod key;
 mod layer;
@@ -58,6 +63,7 @@ mod store_rule;
 mod stored;
 
 pub use body::ResponseBody;
+pub use format::KeyFormat;
 pub use key::KeyProblem;
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
 pub use principal::{IdempotentRequest, Principal};

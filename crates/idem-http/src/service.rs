@@ -13,7 +13,7 @@ use http_body::Body;
 use tower_service::Service;
 
 use crate::body::BoxError;
-use crate::key::{self, Titled};
+use crate::key::{self, KeyProblem, Titled};
 use crate::layer::Config;
 use crate::{Principal, Problem, ProblemKind, ResponseBody};
 
@@ -100,6 +100,12 @@ where
                 return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
             }
         };
+        if let Some(format) = cfg.key_format.as_ref().filter(|f| !f.accepts(&key)) {
+            count(cfg, "malformed_key");
+            let rule = format.to_string();
+            let problem = KeyProblem::WrongFormat { header: cfg.header.clone(), rule };
+            return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
+        }
         if !cfg.allow_anonymous && req.extensions().get::<Principal>().is_none() {
             count(cfg, "no_principal");
             if !cfg.logged_no_principal.swap(true, Ordering::Relaxed) {

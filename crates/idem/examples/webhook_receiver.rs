@@ -29,7 +29,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem::consumer::HandlerError;
 use idem::extract::{JsonPointer, Message};
-use idem::http::{IdempotencyKeyLayer, Principal};
+use idem::http::{IdempotencyKeyLayer, KeyFormat, Principal};
 use idem::{Consumer, Outcome, SqliteStore};
 
 #[derive(Clone)]
@@ -85,6 +85,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let github_dedup = IdempotencyKeyLayer::new(store)
         .header(HeaderName::from_static("x-github-delivery"))
+        // GitHub's delivery ids are UUIDs: anything else is refused with 400.
+        .key_format(KeyFormat::Uuid)
         .required(true);
     let app = Router::new()
         .route(

@@ -1,7 +1,6 @@
 //! The layer and its configuration.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, StatusCode};
@@ -46,9 +45,6 @@ pub(crate) struct Config {
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) skipped_headers: Vec<HeaderName>,
     pub(crate) allow_anonymous: bool,
-    /// Whether a request without a principal was already logged (once per layer and its
-    /// clones: the log says how to fix the setup, not how often it went wrong).
-    pub(crate) logged_no_principal: Arc<AtomicBool>,
     pub(crate) store_rule: StoreRule,
     pub(crate) key_format: Option<KeyFormat>,
 }
@@ -66,7 +62,7 @@ pub(crate) struct Config {
 /// | same key, different method, path or body | `422 Unprocessable Content` |
 /// | no key where [`required`](Self::required) | `400 Bad Request` |
 /// | empty, too long, repeated or control characters in the key, or not of the [`key_format`](Self::key_format) | `400 Bad Request` naming the rule |
-/// | a key, but no [`Principal`](crate::Principal) in the request (see below) | `500 Internal Server Error`; the handler does not run |
+/// | a key, but no [`Principal`](crate::Principal) in the request (see below) | a plain `500 Internal Server Error`; the handler does not run; the log says why |
 ///
 /// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)).
 ///
@@ -101,10 +97,11 @@ pub(crate) struct Config {
 /// added last runs first, so add this layer, then the authentication:
 /// `router.layer(idempotency).layer(auth)`. Layered the other way round, every request would
 /// reach this layer as "no principal" and one user's retry could replay another user's stored
-/// response. So a request with a key and no principal is refused with `500`
-/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal), logged once with
-/// `tracing::error!`) and the handler does not run. Routes whose callers are anonymous (a
-/// public endpoint, a webhook without a verified sender) opt out with
+/// response. So a request with a key and no principal is refused with a plain `500`
+/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal)) and the handler does not
+/// run. The body tells the client nothing about the server's setup; the server's log says what
+/// to fix (`tracing::error!`, once per process). Routes whose callers are anonymous (a public
+/// endpoint, a webhook without a verified sender) opt out with
 /// [`allow_anonymous`](Self::allow_anonymous).
 ///
 /// From the claim on, the work runs on a spawned tokio task: a client that disconnects
@@ -166,7 +163,6 @@ impl<St> IdempotencyKeyLayer<St> {
                 fingerprint: FingerprintSpec::Bytes,
                 skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
                 allow_anonymous: false,
-                logged_no_principal: Arc::new(AtomicBool::new(false)),
                 store_rule: StoreRule::default(),
                 key_format: None,
             },

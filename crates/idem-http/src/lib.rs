@@ -4,8 +4,8 @@
 //! - [`IdempotencyKeyLayer`]: the layer and its settings; its docs list the semantics.
 //! - [`Principal`]: the caller, put in the request's extensions by your authentication, so one
 //!   client never replays another's response. The authentication must run before the layer: a
-//!   keyed request without a principal is refused with `500` unless the layer
-//!   [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
+//!   keyed request without a principal is refused with a plain `500` (the server's log says
+//!   why) unless the layer [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
 //! - [`stored_by_default`]: which responses are stored and replayed — only what the endpoint
 //!   produced, not the `401`, `403`, `408`, `425`, `429` or `5xx` of a layer inside this one
 //!   ([change it](IdempotencyKeyLayer::store_response_if)).

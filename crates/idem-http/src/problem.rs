@@ -9,6 +9,9 @@ use http::{HeaderValue, Response, StatusCode, header};
 ///
 /// The `type` of each problem document is this enum's documentation anchor
 /// (`…/idem_http/enum.ProblemKind.html#variant.Missing`), so a client following it reads this list.
+/// The exception is the server's own setup mistake ([`NoPrincipal`](Self::NoPrincipal)): the
+/// client gets a plain `500` (`type` `about:blank`, title `Internal Server Error`) that says
+/// nothing about how the server is built, and the server's log says what to fix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProblemKind {
@@ -35,6 +38,7 @@ pub enum ProblemKind {
     /// [`Principal`](crate::Principal): the authentication runs after the layer instead of
     /// before it (or lets the caller through without one). The handler does not run. See
     /// [`IdempotencyKeyLayer::allow_anonymous`](crate::IdempotencyKeyLayer::allow_anonymous).
+    /// Sent as a plain `500`; the advice goes to the server's log, once per process.
     NoPrincipal,
     /// `500`: the handler's response body failed while it was read for storing; the key is
     /// released.
@@ -68,12 +72,13 @@ impl ProblemKind {
             Self::StoreUnavailable => "Idempotency store is unavailable",
             Self::StoredResponseCorrupt => "Stored response could not be read",
             Self::ResponseNotStored => "Request was processed; its response was not stored",
-            Self::NoPrincipal => "No authenticated caller reached the idempotency layer",
+            Self::NoPrincipal => "Internal Server Error",
             Self::ResponseUnreadable => "Response body failed",
         }
     }
 
-    /// The problem's `type`: a URI naming this variant.
+    /// The problem's `type`: a URI naming this variant, or `about:blank` for the server's setup
+    /// mistakes.
     pub fn type_uri(self) -> &'static str {
         macro_rules! anchor {
             ($v:literal) => {
@@ -93,7 +98,8 @@ impl ProblemKind {
             Self::StoreUnavailable => anchor!("StoreUnavailable"),
             Self::StoredResponseCorrupt => anchor!("StoredResponseCorrupt"),
             Self::ResponseNotStored => anchor!("ResponseNotStored"),
-            Self::NoPrincipal => anchor!("NoPrincipal"),
+            // RFC 9457: `about:blank` when the problem has no semantics beyond the status.
+            Self::NoPrincipal => "about:blank",
             Self::ResponseUnreadable => anchor!("ResponseUnreadable"),
         }
     }

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -108,23 +108,39 @@ where
         }
         if !cfg.allow_anonymous && req.extensions().get::<Principal>().is_none() {
             count(cfg, "no_principal");
-            if !cfg.logged_no_principal.swap(true, Ordering::Relaxed) {
-                tracing::error!(target: "idem", scope_prefix = %cfg.scope_prefix,
-                    method = %req.method(), path = req.uri().path(), "{NO_PRINCIPAL}");
-            }
-            return ready(Problem::new(ProblemKind::NoPrincipal, NO_PRINCIPAL));
+            log_setup_once(&LOGGED_NO_PRINCIPAL, cfg, &req, NO_PRINCIPAL);
+            return ready(setup_problem(ProblemKind::NoPrincipal));
         }
         let store = Arc::clone(&self.store);
         Box::pin(crate::guarded::guarded(inner, store, Arc::clone(cfg), key, req))
     }
 }
 
+/// Whether the setup advice was logged: once per process, as it says how to fix the server,
+/// not how often a request hit the mistake (the `outcome` counter says that).
+static LOGGED_NO_PRINCIPAL: AtomicBool = AtomicBool::new(false);
+
 /// Why a keyed request without a principal is refused: without one, every caller of the route
-/// would share a scope, and one user's retry could replay another user's response.
-const NO_PRINCIPAL: &str = "no Principal in the request: the authentication layer must run \
-    before the idempotency layer and put the caller's Principal in the request's extensions \
-    (in axum, add IdempotencyKeyLayer with .layer() before the authentication's .layer()); \
-    for routes whose callers are anonymous, configure the layer with .allow_anonymous()";
+/// would share a scope, and one user's retry could replay another user's response. For the
+/// server's log only: the client is not told how the server is built.
+const NO_PRINCIPAL: &str = "keyed request refused with 500: no Principal in the request. The \
+    authentication layer must run before the idempotency layer and put the caller's Principal \
+    in the request's extensions (in axum, add IdempotencyKeyLayer with .layer() before the \
+    authentication's .layer()); for routes whose callers are anonymous, configure the layer \
+    with .allow_anonymous()";
+
+/// Logs `advice` at error level the first time only.
+fn log_setup_once<B>(logged: &AtomicBool, cfg: &Config, req: &Request<B>, advice: &str) {
+    if !logged.swap(true, Ordering::Relaxed) {
+        tracing::error!(target: "idem", scope_prefix = %cfg.scope_prefix,
+            method = %req.method(), path = req.uri().path(), "{advice}");
+    }
+}
+
+/// The client's side of a setup mistake: a plain 500 that says nothing about the setup.
+fn setup_problem(kind: ProblemKind) -> Problem {
+    Problem::new(kind, "the request was not processed")
+}
 
 fn ready<B, E>(p: Problem) -> ResponseFuture<Response<ResponseBody<B>>, E>
 where

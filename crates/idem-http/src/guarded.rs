@@ -28,6 +28,7 @@ pub(crate) async fn guarded<S, St, ReqBody, ResBody>(
     store: Arc<St>,
     cfg: Arc<Config>,
     key: String,
+    principal_tag: Option<String>,
     req: Request<ReqBody>,
 ) -> Answer<ResBody, S::Error>
 where
@@ -66,7 +67,8 @@ where
             return Ok(problem(ProblemKind::BodyUnreadable, format!("the body is not JSON: {e}")));
         }
     };
-    let dedup_key = match DedupKey::new(scope(&cfg.scope_prefix, &parts), key) {
+    let scope = scope(&cfg.scope_prefix, &parts, principal_tag.as_deref());
+    let dedup_key = match DedupKey::new(scope, key) {
         Ok(k) => k,
         // The key was validated against a limit no larger than the store's and the scope is
         // hashed when too long, so this is unreachable in practice; answer it as a bad key.
@@ -75,6 +77,7 @@ where
             return Ok(problem(ProblemKind::Malformed, e.to_string()));
         }
     };
+    // The scope holds the principal's keyed hash only: spans and logs never see the principal.
     let span = tracing::debug_span!(target: "idem", "idem.http", scope = %dedup_key.scope(),
         key = %dedup_key.id(), outcome = tracing::field::Empty);
     let claim_req = ClaimRequest::new(dedup_key, fingerprint, cfg.lease, cfg.retain);

@@ -8,7 +8,7 @@ use idem_core::FingerprintSpec;
 use tower_layer::Layer;
 
 use crate::store_rule::StoreRule;
-use crate::{IdempotencyKey, KeyFormat};
+use crate::{IdempotencyKey, KeyFormat, PrincipalKey};
 
 /// The header carrying the key, as the IETF draft names it.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -45,6 +45,7 @@ pub(crate) struct Config {
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) skipped_headers: Vec<HeaderName>,
     pub(crate) allow_anonymous: bool,
+    pub(crate) principal_key: Option<PrincipalKey>,
     pub(crate) store_rule: StoreRule,
     pub(crate) key_format: Option<KeyFormat>,
 }
@@ -62,7 +63,7 @@ pub(crate) struct Config {
 /// | same key, different method, path or body | `422 Unprocessable Content` |
 /// | no key where [`required`](Self::required) | `400 Bad Request` |
 /// | empty, too long, repeated or control characters in the key, or not of the [`key_format`](Self::key_format) | `400 Bad Request` naming the rule |
-/// | a key, but no [`Principal`](crate::Principal) in the request (see below) | a plain `500 Internal Server Error`; the handler does not run; the log says why |
+/// | a key, but no [`Principal`](crate::Principal) in the request, or a principal and no [`principal_key`](Self::principal_key) (see below) | a plain `500 Internal Server Error`; the handler does not run; the log says why |
 ///
 /// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)).
 ///
@@ -89,7 +90,9 @@ pub(crate) struct Config {
 /// The store key is `(scope, idempotency key)`. The scope is the route — axum's route template
 /// when the `axum` feature is on and the layer is added with `Router::layer`, else the request
 /// path — and the [`Principal`](crate::Principal) the application put in the request's
-/// extensions, so one client can never replay another's response.
+/// extensions, so one client can never replay another's response. The principal enters the
+/// scope, and so the store and the logs, only as its HMAC-SHA256 under the
+/// [`principal_key`](Self::principal_key), never as the id itself.
 ///
 /// # Authentication runs first
 ///
@@ -116,19 +119,22 @@ pub(crate) struct Config {
 /// [rule](Self::store_response_if), error or panic), `not_stored` (too large),
 /// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
 /// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
-/// `body_too_large`, `body_unreadable`.
+/// `no_principal_key`, `body_too_large`, `body_unreadable`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use idem_core::MemoryStore;
-/// use idem_http::IdempotencyKeyLayer;
+/// use idem_http::{IdempotencyKeyLayer, PrincipalKey};
 ///
 /// // Behind the authentication, which puts a `Principal` in each request.
+/// # let secret = [0u8; 32];
 /// let layer = IdempotencyKeyLayer::new(MemoryStore::new())
+///     .principal_key(PrincipalKey::new(secret)?) // the same secret on every instance
 ///     .required(true)
 ///     .lease(Duration::from_secs(60))
 ///     .retain(Duration::from_secs(24 * 3600));
 /// # let _ = layer;
+/// # Ok::<(), idem_http::PrincipalKeyError>(())
 /// ```
 #[derive(Debug)]
 #[must_use]
@@ -146,7 +152,8 @@ impl<St> Clone for IdempotencyKeyLayer<St> {
 impl<St> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
     /// `PATCH`, key optional and of any format, a [`Principal`](crate::Principal) required with
-    /// a key, keys up to 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
+    /// a key (and then a [`principal_key`](Self::principal_key)), keys up to 255 bytes, bodies
+    /// up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
     /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default).
     pub fn new(store: St) -> Self {
         Self {
@@ -163,6 +170,7 @@ impl<St> IdempotencyKeyLayer<St> {
                 fingerprint: FingerprintSpec::Bytes,
                 skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
                 allow_anonymous: false,
+                principal_key: None,
                 store_rule: StoreRule::default(),
                 key_format: None,
             },
@@ -185,6 +193,29 @@ impl<St> IdempotencyKeyLayer<St> {
     /// passed through without deduplication).
     pub fn required(mut self, required: bool) -> Self {
         self.cfg.required = required;
+        self
+    }
+
+    /// The secret each [`Principal`](crate::Principal) is hashed with before it enters the
+    /// scope: the store and the logs hold `HMAC-SHA256(secret, principal)`, never the caller's
+    /// id. Required once requests carry a principal: without it such a keyed request is refused
+    /// with a plain `500` ([`ProblemKind::NoPrincipalKey`](crate::ProblemKind::NoPrincipalKey)),
+    /// logged once per process. See [`PrincipalKey`] for why there is no default, and why every
+    /// instance must share the secret.
+    ///
+    /// ```
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, PrincipalKey};
+    ///
+    /// # fn secret_store(_: &str) -> String { "an example secret of 32 or more bytes".into() }
+    /// let secret = secret_store("idem-principal-key"); // the same on every instance
+    /// let layer =
+    ///     IdempotencyKeyLayer::new(MemoryStore::new()).principal_key(PrincipalKey::new(secret)?);
+    /// # let _ = layer;
+    /// # Ok::<(), idem_http::PrincipalKeyError>(())
+    /// ```
+    pub fn principal_key(mut self, key: PrincipalKey) -> Self {
+        self.cfg.principal_key = Some(key);
         self
     }
 
@@ -235,8 +266,9 @@ impl<St> IdempotencyKeyLayer<St> {
     /// Accepts keyed requests without a [`Principal`](crate::Principal): all such callers of a
     /// route share one scope, so one anonymous caller's key replays to any other anonymous
     /// caller who sends the same key. For routes whose callers really are anonymous; requests
-    /// with a principal are still kept apart. Without it a keyed request without a principal
-    /// is refused with `500`, because it means the authentication runs after this layer (see
+    /// with a principal are still kept apart (and need a [`principal_key`](Self::principal_key)).
+    /// Without it a keyed request without a principal is refused with `500`, because it means
+    /// the authentication runs after this layer (see
     /// [the layer's docs](Self#authentication-runs-first)).
     ///
     /// ```

@@ -6,6 +6,8 @@
 //!   client never replays another's response. The authentication must run before the layer: a
 //!   keyed request without a principal is refused with a plain `500` (the server's log says
 //!   why) unless the layer [allows anonymous callers](IdempotencyKeyLayer::allow_anonymous).
+//! - [`PrincipalKey`]: the secret the principal is hashed with (HMAC-SHA256) before it enters
+//!   the store or a log; required once requests carry a principal.
 //! - [`stored_by_default`]: which responses are stored and replayed — only what the endpoint
 //!   produced, not the `401`, `403`, `408`, `425`, `429` or `5xx` of a layer inside this one
 //!   ([change it](IdempotencyKeyLayer::store_response_if)).
@@ -26,18 +28,21 @@
 //! use axum::response::Response;
 //! use axum::{Router, routing::post};
 //! use idem_core::MemoryStore;
-//! use idem_http::{IdempotencyKeyLayer, KeyFormat, Principal};
+//! use idem_http::{IdempotencyKeyLayer, KeyFormat, Principal, PrincipalKey};
 //!
 //! async fn pay() -> &'static str { "paid" }
 //!
-//! // Your authentication: it puts the caller in the request's extensions.
+//! // Your authentication: it puts the caller's stable id (not its token) in the request.
 //! async fn authenticate(mut req: Request, next: Next) -> Response {
 //!     req.extensions_mut().insert(Principal::new("customer-42"));
 //!     next.run(req).await
 //! }
 //!
 //! # async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+//! // The same secret on every instance, from your secret store.
+//! let secret = std::env::var("IDEM_PRINCIPAL_KEY")?;
 //! let idempotency = IdempotencyKeyLayer::new(MemoryStore::new())
+//!     .principal_key(PrincipalKey::new(secret)?)
 //!     .key_format(KeyFormat::Uuid)
 //!     .required(true);
 //! let app: Router = Router::new()
@@ -56,6 +61,7 @@ mod guarded;
 mod key;
 mod layer;
 mod principal;
+mod principal_key;
 mod problem;
 mod scope;
 mod service;
@@ -67,6 +73,7 @@ pub use format::KeyFormat;
 pub use key::KeyProblem;
 pub use layer::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyLayer};
 pub use principal::{IdempotentRequest, Principal};
+pub use principal_key::{PrincipalKey, PrincipalKeyError};
 pub use problem::{Problem, ProblemKind};
 pub use service::{IdempotencyKey, ResponseFuture};
 pub use store_rule::stored_by_default;

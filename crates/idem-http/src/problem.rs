@@ -9,9 +9,10 @@ use http::{HeaderValue, Response, StatusCode, header};
 ///
 /// The `type` of each problem document is this enum's documentation anchor
 /// (`…/idem_http/enum.ProblemKind.html#variant.Missing`), so a client following it reads this list.
-/// The exception is the server's own setup mistake ([`NoPrincipal`](Self::NoPrincipal)): the
-/// client gets a plain `500` (`type` `about:blank`, title `Internal Server Error`) that says
-/// nothing about how the server is built, and the server's log says what to fix.
+/// The exceptions are the server's own setup mistakes ([`NoPrincipal`](Self::NoPrincipal),
+/// [`NoPrincipalKey`](Self::NoPrincipalKey)): the client gets a plain `500` (`type`
+/// `about:blank`, title `Internal Server Error`) that says nothing about how the server is
+/// built, and the server's log says what to fix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProblemKind {
@@ -40,6 +41,10 @@ pub enum ProblemKind {
     /// [`IdempotencyKeyLayer::allow_anonymous`](crate::IdempotencyKeyLayer::allow_anonymous).
     /// Sent as a plain `500`; the advice goes to the server's log, once per process.
     NoPrincipal,
+    /// `500`: a request with a key and a [`Principal`](crate::Principal) reached a layer built
+    /// without a [`PrincipalKey`](crate::PrincipalKey) to hash it with. The handler does not
+    /// run. Sent as a plain `500`; the advice goes to the server's log, once per process.
+    NoPrincipalKey,
     /// `500`: the handler's response body failed while it was read for storing; the key is
     /// released.
     ResponseUnreadable,
@@ -54,9 +59,10 @@ impl ProblemKind {
             Self::Reused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::StoredResponseCorrupt | Self::NoPrincipal | Self::ResponseUnreadable => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::StoredResponseCorrupt
+            | Self::NoPrincipal
+            | Self::NoPrincipalKey
+            | Self::ResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -72,7 +78,7 @@ impl ProblemKind {
             Self::StoreUnavailable => "Idempotency store is unavailable",
             Self::StoredResponseCorrupt => "Stored response could not be read",
             Self::ResponseNotStored => "Request was processed; its response was not stored",
-            Self::NoPrincipal => "Internal Server Error",
+            Self::NoPrincipal | Self::NoPrincipalKey => "Internal Server Error",
             Self::ResponseUnreadable => "Response body failed",
         }
     }
@@ -99,7 +105,7 @@ impl ProblemKind {
             Self::StoredResponseCorrupt => anchor!("StoredResponseCorrupt"),
             Self::ResponseNotStored => anchor!("ResponseNotStored"),
             // RFC 9457: `about:blank` when the problem has no semantics beyond the status.
-            Self::NoPrincipal => "about:blank",
+            Self::NoPrincipal | Self::NoPrincipalKey => "about:blank",
             Self::ResponseUnreadable => anchor!("ResponseUnreadable"),
         }
     }

@@ -106,19 +106,29 @@ where
             let problem = KeyProblem::WrongFormat { header: cfg.header.clone(), rule };
             return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
         }
-        if !cfg.allow_anonymous && req.extensions().get::<Principal>().is_none() {
-            count(cfg, "no_principal");
-            log_setup_once(&LOGGED_NO_PRINCIPAL, cfg, &req, NO_PRINCIPAL);
-            return ready(setup_problem(ProblemKind::NoPrincipal));
-        }
+        let principal_tag = match (req.extensions().get::<Principal>(), &cfg.principal_key) {
+            (Some(p), Some(k)) => Some(k.tag(p)),
+            (None, _) if cfg.allow_anonymous => None,
+            (None, _) => {
+                count(cfg, "no_principal");
+                log_setup_once(&LOGGED_NO_PRINCIPAL, cfg, &req, NO_PRINCIPAL);
+                return ready(setup_problem(ProblemKind::NoPrincipal));
+            }
+            (Some(_), None) => {
+                count(cfg, "no_principal_key");
+                log_setup_once(&LOGGED_NO_PRINCIPAL_KEY, cfg, &req, NO_PRINCIPAL_KEY);
+                return ready(setup_problem(ProblemKind::NoPrincipalKey));
+            }
+        };
         let store = Arc::clone(&self.store);
-        Box::pin(crate::guarded::guarded(inner, store, Arc::clone(cfg), key, req))
+        Box::pin(crate::guarded::guarded(inner, store, Arc::clone(cfg), key, principal_tag, req))
     }
 }
 
 /// Whether the setup advice was logged: once per process, as it says how to fix the server,
 /// not how often a request hit the mistake (the `outcome` counter says that).
 static LOGGED_NO_PRINCIPAL: AtomicBool = AtomicBool::new(false);
+static LOGGED_NO_PRINCIPAL_KEY: AtomicBool = AtomicBool::new(false);
 
 /// Why a keyed request without a principal is refused: without one, every caller of the route
 /// would share a scope, and one user's retry could replay another user's response. For the
@@ -128,6 +138,10 @@ const NO_PRINCIPAL: &str = "keyed request refused with 500: no Principal in the 
     in the request's extensions (in axum, add IdempotencyKeyLayer with .layer() before the \
     authentication's .layer()); for routes whose callers are anonymous, configure the layer \
     with .allow_anonymous()";
+
+const NO_PRINCIPAL_KEY: &str = "keyed request refused with 500: the request has a Principal but \
+    the idempotency layer has no key to hash it with. Configure the layer with \
+    .principal_key(PrincipalKey::new(secret)?), the same secret on every instance";
 
 /// Logs `advice` at error level the first time only.
 fn log_setup_once<B>(logged: &AtomicBool, cfg: &Config, req: &Request<B>, advice: &str) {

@@ -82,7 +82,10 @@ each_store!(
 
 /// Most cases send no principal; `tests/principal.rs` covers the layer without this opt-out.
 fn layer<St: DedupStore>(store: St) -> IdempotencyKeyLayer<St> {
-    IdempotencyKeyLayer::new(store).max_body(1024).allow_anonymous()
+    IdempotencyKeyLayer::new(store)
+        .max_body(1024)
+        .allow_anonymous()
+        .principal_key(common::principal_key())
 }
 
 const BODY: &str = r#"{"amount":1200,"currency":"EUR"}"#;

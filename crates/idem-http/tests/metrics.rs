@@ -17,8 +17,10 @@ async fn each_outcome_is_counted() {
     let layer = IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix("api");
     let app = serve(layer.clone().allow_anonymous()).await;
     let body = r#"{"cents":1}"#;
-    // The same layer without the opt-out refuses a keyed request without a principal.
-    serve(layer).await.send(Req::post("/payments", "k", body)).await;
+    // The same layer without the opt-out refuses a keyed request without a principal…
+    serve(layer.clone()).await.send(Req::post("/payments", "k", body)).await;
+    // …and, without a principal key, one with a principal.
+    app.send(Req::post("/payments", "k", body).user("u")).await;
     // First: `/flaky` answers 503 on the server's first handler call.
     app.send(Req::post("/flaky", "f", body)).await;
     app.send(Req::post("/payments", "k", body)).await;
@@ -52,6 +54,7 @@ async fn each_outcome_is_counted() {
         ("malformed_key", 1),
         ("no_key", 1),
         ("no_principal", 1),
+        ("no_principal_key", 1),
         ("in_progress", 0),
     ] {
         assert_eq!(count(outcome), n, "{outcome}");

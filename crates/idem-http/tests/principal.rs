@@ -1,7 +1,8 @@
 //! The layer keeps callers apart only when authentication ran before it and put a `Principal`
 //! in the request. Layered the other way round, every request reaches it without one: it must
 //! refuse them (a plain 500; the advice logged once) rather than let one user's retry replay
-//! another's response.
+//! another's response. The principal itself never reaches the store or the logs: only its
+//! keyed hash does.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,8 +11,8 @@ mod common;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use common::{Order, Reply, Req, serve_in};
-use idem_core::MemoryStore;
-use idem_http::IdempotencyKeyLayer;
+use idem_core::{InspectStore, ListFilter, MemoryStore};
+use idem_http::{IdempotencyKeyLayer, Principal};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context, SubscriberExt as _};
@@ -76,7 +77,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
 }
 
 fn layer(prefix: &str) -> IdempotencyKeyLayer<MemoryStore> {
-    IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix(prefix)
+    IdempotencyKeyLayer::new(MemoryStore::new())
+        .scope_prefix(prefix)
+        .principal_key(common::principal_key())
 }
 
 /// A plain 500: nothing about the server's layers, principals or settings.
@@ -87,7 +90,7 @@ fn assert_plain_500(res: &Reply) {
     assert_eq!(p["title"], "Internal Server Error", "{p}");
     assert_eq!(p["detail"], "the request was not processed", "{p}");
     let text = res.text().to_lowercase();
-    for advice in ["authentication", "principal", "layer", "anonymous", "extension"] {
+    for advice in ["authentication", "principal", "layer", "anonymous", "extension", "secret"] {
         assert!(!text.contains(advice), "the body mentions {advice:?}: {text}");
     }
 }
@@ -131,6 +134,51 @@ async fn auth_before_the_layer_keeps_principals_apart() {
     let anonymous = app.send(Req::post("/payments", "k", BODY)).await;
     assert_plain_500(&anonymous);
     assert_eq!(app.calls(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_without_a_principal_key_is_a_plain_500() {
+    let logs = Logs::global();
+    let no_key = IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix("no-principal-key");
+    let app = serve_in(no_key, Order::AuthFirst).await;
+    assert_plain_500(&app.send(Req::post("/payments", "k", BODY).user("alice")).await);
+    assert_plain_500(&app.send(Req::post("/payments", "k", BODY).user("alice")).await);
+    assert_eq!(app.calls(), 0);
+    let logged = logs.mentioning("no key to hash it with");
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert!(logged[0].starts_with("ERROR") && logged[0].contains(".principal_key("), "{logged:?}");
+    // Requests without a key do not need one.
+    let req = Req { key: None, ..Req::post("/payments", "", BODY).user("alice") };
+    assert_eq!(app.send(req).await.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_principal_never_reaches_the_store_or_the_logs() {
+    let logs = Logs::global();
+    let who = "alice.smith@example.com";
+    let store = MemoryStore::new();
+    let layer = IdempotencyKeyLayer::new(store.clone())
+        .scope_prefix("hashed")
+        .principal_key(common::principal_key());
+    let app = serve_in(layer, Order::AuthFirst).await;
+    assert_eq!(app.send(Req::post("/payments", "k", BODY).user(who)).await.status, 201);
+    assert!(app.send(Req::post("/payments", "k", BODY).user(who)).await.replayed());
+    // The handler's own view: the store key, and the downstream key derived from it.
+    assert_eq!(app.send(Req::post("/flaky", "k", BODY).user(who)).await.status, 201);
+
+    let tag = common::principal_key().tag(&Principal::new(who));
+    let records = store.list(&ListFilter::new(10)).await.unwrap();
+    assert_eq!(records.len(), 2, "{records:?}");
+    for r in &records {
+        assert!(r.scope.ends_with(&tag), "{}", r.scope);
+        assert!(!r.scope.contains(who) && !r.id.contains(who), "{r:?}");
+        let result = String::from_utf8_lossy(r.result.as_deref().unwrap_or_default()).into_owned();
+        assert!(!result.contains(who), "{result}");
+    }
+    // The spans carry the tag (so the capture works), never the principal.
+    assert!(!logs.mentioning(&tag).is_empty(), "no span with the scope was captured");
+    assert_eq!(logs.mentioning(who), Vec::<String>::new());
+    assert!(!format!("{:?}", Principal::new(who)).contains("alice"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,7 +28,10 @@ use tower_service::Service;
 const BODY: &str = r#"{"amount":1200}"#;
 
 fn layer<St: DedupStore>(store: St) -> IdempotencyKeyLayer<St> {
-    IdempotencyKeyLayer::new(store).max_body(1024).allow_anonymous()
+    IdempotencyKeyLayer::new(store)
+        .max_body(1024)
+        .allow_anonymous()
+        .principal_key(common::principal_key())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

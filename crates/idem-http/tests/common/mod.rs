@@ -16,11 +16,16 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem_core::DedupStore;
-use idem_http::{IdempotencyKeyLayer, IdempotentRequest, Principal};
+use idem_http::{IdempotencyKeyLayer, IdempotentRequest, Principal, PrincipalKey};
 use tokio::sync::{Semaphore, watch};
 
 /// Test time limit for any wait on a condition.
 pub const WAIT: Duration = Duration::from_secs(10);
+
+/// The secret the test layers hash principals with.
+pub fn principal_key() -> PrincipalKey {
+    PrincipalKey::new("a test secret, 32 bytes or more.").expect("long enough")
+}
 
 #[derive(Clone)]
 pub struct Handlers {

@@ -119,8 +119,9 @@ impl FingerprintSpec {
     }
 }
 
-/// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units,
-/// no insignificant whitespace, minimal string escapes, and one form per number — an integral
+/// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units
+/// (whatever order the map holds them in, so also with serde_json's `preserve_order`), no
+/// insignificant whitespace, minimal string escapes, and one form per number — an integral
 /// value within ±2^53 prints as an integer (`1.0`, `1e0` and `1` are equal), other floats in
 /// their shortest round-trip form.
 pub fn canonical_json(value: &Value) -> String {
@@ -146,12 +147,11 @@ fn write_canonical(value: &Value, out: &mut String) {
             out.push(']');
         }
         Value::Object(map) => {
+            // References to the entries, sorted here in every build: serde_json's map iterates
+            // in key order only without its `preserve_order` feature, and any crate in a build
+            // can turn that on for all of them (then the map keeps insertion order).
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            // serde_json's map is sorted by UTF-8 bytes, which is UTF-16 order for ASCII keys:
-            // sort only when a key is not ASCII.
-            if !map.keys().all(|k| k.is_ascii()) {
-                entries.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-            }
+            sort_entries(&mut entries);
             out.push('{');
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
@@ -163,6 +163,20 @@ fn write_canonical(value: &Value, out: &mut String) {
             }
             out.push('}');
         }
+    }
+}
+
+/// Sorts object entries by their keys' UTF-16 code units (RFC 8785).
+fn sort_entries(entries: &mut [(&String, &Value)]) {
+    if entries.iter().all(|(k, _)| k.is_ascii()) {
+        // For ASCII keys byte order is UTF-16 order. Entries already in order (serde_json's
+        // default map) cost one comparison per key and no sort.
+        if !entries.is_sorted_by(|a, b| a.0 <= b.0) {
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        }
+    } else {
+        // Keys are unique, so an unstable sort gives the one order.
+        entries.sort_unstable_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
     }
 }
 
@@ -250,6 +264,25 @@ mod tests {
     }
 
     #[test]
+    fn entries_are_sorted_whatever_order_the_map_gives() {
+        // A map with serde_json's `preserve_order` hands entries over in insertion order; the
+        // default build's map never does, so the sort is tested on the entries directly.
+        let keys = ["b", "a", "B", "", "a b", "\u{E000}", "\u{1F600}", "\u{e9}"].map(String::from);
+        let v = Value::Null;
+        for n in [3, keys.len()] {
+            let mut entries: Vec<(&String, &Value)> = keys[..n].iter().map(|k| (k, &v)).collect();
+            sort_entries(&mut entries);
+            let got: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+            let want: &[&str] = if n == 3 {
+                &["B", "a", "b"]
+            } else {
+                &["", "B", "a", "a b", "b", "\u{e9}", "\u{1F600}", "\u{E000}"]
+            };
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
     fn strings_are_escaped_as_serde_json_escapes_them() {
         // The unescaped fast path must agree with serde_json for every kind of character.
         for s in [
@@ -284,6 +317,42 @@ mod tests {
         assert_eq!(
             fp(r#"{"\ud83d\ude00":1,"\ue000":2,"k":"\u0001"}"#).to_string(),
             "8b394f85d4d320f4d85b64f4404c44f111102f9250ac38a9f3f32f36f0db0d99"
+        );
+    }
+
+    #[test]
+    fn fingerprints_of_reordered_objects_stay_what_stores_already_hold() {
+        // Computed before canonical JSON sorted keys itself in every build: ASCII keys out of
+        // order at several depths, escaped keys, keys that differ in case, non-ASCII keys mixed
+        // with ASCII ones, pointers.
+        for (json, digest) in [
+            (
+                r#"{"z":1,"a":{"y":[{"c":3,"b":2}],"x":null},"m":"s"}"#,
+                "e5fae018970d6d83cffb47f8f3892c364be87573254d00a97627dbfb40b88ffa",
+            ),
+            (
+                r#"{"a\"b":1,"a":2,"a b":3,"a\\":4}"#,
+                "63721437d18cc2eb650a4c0579747469910190c0d589c57e6714915d5f18fbea",
+            ),
+            (
+                r#"{"B":1,"a":2,"_":3,"1":4,"":5}"#,
+                "ebc0da8962d9aaefb3df8c83d357b82c9050b5d808a6fcbf7643e4b509c8e3e2",
+            ),
+            (
+                r#"{"\u00e9":1,"e":2,"f":{"\u00fc":true,"u":false,"\ud83d\ude00":[]}}"#,
+                "24438089e769cb3f5d1d7705367b0e83f851aa09ef863fad1ab94dde8b0202ea",
+            ),
+            (
+                r#"[{"b":1,"a":2},{},[{"d":{"f":1,"e":2}}]]"#,
+                "52fe9248716e702fd796850f26b57c54dd4160d2c1ff3f438ff59068568eb1b2",
+            ),
+        ] {
+            assert_eq!(fp(json).to_string(), digest, "{json}");
+        }
+        let v: Value = serde_json::from_str(r#"{"o":{"b":1,"a":{"d":2,"c":3}},"t":0}"#).unwrap();
+        assert_eq!(
+            Fingerprint::of_json_pointers(&v, &["/o", "/t"]).to_string(),
+            "d660a60c788d33681b0f86f9ead2ff4ff481ab904a4d9186325fd17eb797ffff"
         );
     }
 

@@ -51,6 +51,15 @@ pub enum KeyProblem {
         /// The header's name.
         header: HeaderName,
     },
+    /// The key does not have the form the layer requires
+    /// ([`IdempotencyKeyLayer::key_format`](crate::IdempotencyKeyLayer::key_format)).
+    #[error("the {} header must be {rule}", Titled(header))]
+    WrongFormat {
+        /// The header's name.
+        header: HeaderName,
+        /// The rule, as [`KeyFormat`](crate::KeyFormat) describes it.
+        rule: String,
+    },
 }
 
 /// A header name as people write it (`Idempotency-Key`); `HeaderName` itself is lower case.

@@ -1,14 +1,14 @@
 //! The layer and its configuration.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use http::{HeaderName, Method};
+use http::{HeaderMap, HeaderName, Method, StatusCode};
 use idem_core::FingerprintSpec;
 use tower_layer::Layer;
 
-use crate::IdempotencyKey;
+use crate::store_rule::StoreRule;
+use crate::{IdempotencyKey, KeyFormat, PrincipalKey};
 
 /// The header carrying the key, as the IETF draft names it.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -45,9 +45,9 @@ pub(crate) struct Config {
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) skipped_headers: Vec<HeaderName>,
     pub(crate) allow_anonymous: bool,
-    /// Whether a request without a principal was already logged (once per layer and its
-    /// clones: the log says how to fix the setup, not how often it went wrong).
-    pub(crate) logged_no_principal: Arc<AtomicBool>,
+    pub(crate) principal_key: Option<PrincipalKey>,
+    pub(crate) store_rule: StoreRule,
+    pub(crate) key_format: Option<KeyFormat>,
 }
 
 /// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
@@ -57,22 +57,42 @@ pub(crate) struct Config {
 ///
 /// | request | response |
 /// | --- | --- |
-/// | first with this key | the handler's; its status, headers and body are stored |
+/// | first with this key | the handler's; its status, headers and body are stored (see below for the statuses that are not) |
 /// | retry, same method, path and body | the stored response, with `Idempotent-Replayed: true` |
 /// | same key while the first is in flight | `409 Conflict` with `Retry-After` |
 /// | same key, different method, path or body | `422 Unprocessable Content` |
 /// | no key where [`required`](Self::required) | `400 Bad Request` |
-/// | empty, too long, repeated or control characters in the key | `400 Bad Request` naming it |
-/// | a key, but no [`Principal`](crate::Principal) in the request (see below) | `500 Internal Server Error`; the handler does not run |
+/// | empty, too long, repeated or control characters in the key, or not of the [`key_format`](Self::key_format) | `400 Bad Request` naming the rule |
+/// | a key, but no [`Principal`](crate::Principal) in the request, or a principal and no [`principal_key`](Self::principal_key) (see below) | a plain `500 Internal Server Error`; the handler does not run; the log says why |
 ///
-/// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)). A `5xx`
-/// from the handler (or a service error) releases the key so the client may retry; any other
-/// status is stored and replayed.
+/// Error bodies are RFC 9457 `application/problem+json` ([`Problem`](crate::Problem)).
+///
+/// # Which responses are stored
+///
+/// Only what the endpoint produced. By default a `401`, `403`, `408`, `425`, `429` or `5xx`
+/// releases the key instead, so the client's retry runs again: these typically come from a
+/// layer inside this one (authorisation, rate or concurrency limits, timeouts) before the
+/// endpoint ran. Every other status, `4xx` included, is stored and replayed. Change the rule
+/// with [`store_response_if`](Self::store_response_if). A service error or a panic always
+/// releases the key.
+///
+/// A response body larger than [`max_body`](Self::max_body) is not stored: the layer reads it
+/// frame by frame and stops at the first frame past the limit, so an endless or huge body is
+/// never buffered. The client still gets the whole response (the frames read, then the rest,
+/// streamed); the key is parked *in doubt*, so a retry gets `409`
+/// ([`ProblemKind::ResponseNotStored`](crate::ProblemKind::ResponseNotStored)) and the handler
+/// does not run again. The effect happened: releasing the key would let a retry repeat it, and
+/// there is no response to replay. The record expires after [`retain`](Self::retain) like a
+/// stored response; an operator may release it sooner.
+///
+/// # Scope
 ///
 /// The store key is `(scope, idempotency key)`. The scope is the route — axum's route template
 /// when the `axum` feature is on and the layer is added with `Router::layer`, else the request
 /// path — and the [`Principal`](crate::Principal) the application put in the request's
-/// extensions, so one client can never replay another's response.
+/// extensions, so one client can never replay another's response. The principal enters the
+/// scope, and so the store and the logs, only as its HMAC-SHA256 under the
+/// [`principal_key`](Self::principal_key), never as the id itself.
 ///
 /// # Authentication runs first
 ///
@@ -80,10 +100,11 @@ pub(crate) struct Config {
 /// added last runs first, so add this layer, then the authentication:
 /// `router.layer(idempotency).layer(auth)`. Layered the other way round, every request would
 /// reach this layer as "no principal" and one user's retry could replay another user's stored
-/// response. So a request with a key and no principal is refused with `500`
-/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal), logged once with
-/// `tracing::error!`) and the handler does not run. Routes whose callers are anonymous (a
-/// public endpoint, a webhook without a verified sender) opt out with
+/// response. So a request with a key and no principal is refused with a plain `500`
+/// ([`ProblemKind::NoPrincipal`](crate::ProblemKind::NoPrincipal)) and the handler does not
+/// run. The body tells the client nothing about the server's setup; the server's log says what
+/// to fix (`tracing::error!`, once per process). Routes whose callers are anonymous (a public
+/// endpoint, a webhook without a verified sender) opt out with
 /// [`allow_anonymous`](Self::allow_anonymous).
 ///
 /// From the claim on, the work runs on a spawned tokio task: a client that disconnects
@@ -94,22 +115,26 @@ pub(crate) struct Config {
 ///
 /// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
 /// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
-/// `replayed`, `in_progress`, `reused`, `released` (5xx, error or panic), `not_stored`,
+/// `replayed`, `in_progress`, `reused`, `released` (not stored by the
+/// [rule](Self::store_response_if), error or panic), `not_stored` (too large),
 /// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
 /// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
-/// `body_too_large`, `body_unreadable`.
+/// `no_principal_key`, `body_too_large`, `body_unreadable`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use idem_core::MemoryStore;
-/// use idem_http::IdempotencyKeyLayer;
+/// use idem_http::{IdempotencyKeyLayer, PrincipalKey};
 ///
 /// // Behind the authentication, which puts a `Principal` in each request.
+/// # let secret = [0u8; 32];
 /// let layer = IdempotencyKeyLayer::new(MemoryStore::new())
+///     .principal_key(PrincipalKey::new(secret)?) // the same secret on every instance
 ///     .required(true)
 ///     .lease(Duration::from_secs(60))
 ///     .retain(Duration::from_secs(24 * 3600));
 /// # let _ = layer;
+/// # Ok::<(), idem_http::PrincipalKeyError>(())
 /// ```
 #[derive(Debug)]
 #[must_use]
@@ -126,9 +151,10 @@ impl<St> Clone for IdempotencyKeyLayer<St> {
 
 impl<St> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
-    /// `PATCH`, key optional, a [`Principal`](crate::Principal) required with a key, keys up to
-    /// 255 bytes, bodies up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`,
-    /// fingerprint of the raw body bytes.
+    /// `PATCH`, key optional and of any format, a [`Principal`](crate::Principal) required with
+    /// a key (and then a [`principal_key`](Self::principal_key)), keys up to 255 bytes, bodies
+    /// up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
+    /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default).
     pub fn new(store: St) -> Self {
         Self {
             store: Arc::new(store),
@@ -144,7 +170,9 @@ impl<St> IdempotencyKeyLayer<St> {
                 fingerprint: FingerprintSpec::Bytes,
                 skipped_headers: SKIPPED_HEADERS.map(HeaderName::from_static).to_vec(),
                 allow_anonymous: false,
-                logged_no_principal: Arc::new(AtomicBool::new(false)),
+                principal_key: None,
+                store_rule: StoreRule::default(),
+                key_format: None,
             },
         }
     }
@@ -168,11 +196,79 @@ impl<St> IdempotencyKeyLayer<St> {
         self
     }
 
+    /// The secret each [`Principal`](crate::Principal) is hashed with before it enters the
+    /// scope: the store and the logs hold `HMAC-SHA256(secret, principal)`, never the caller's
+    /// id. Required once requests carry a principal: without it such a keyed request is refused
+    /// with a plain `500` ([`ProblemKind::NoPrincipalKey`](crate::ProblemKind::NoPrincipalKey)),
+    /// logged once per process. See [`PrincipalKey`] for why there is no default, and why every
+    /// instance must share the secret.
+    ///
+    /// ```
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, PrincipalKey};
+    ///
+    /// # fn secret_store(_: &str) -> String { "an example secret of 32 or more bytes".into() }
+    /// let secret = secret_store("idem-principal-key"); // the same on every instance
+    /// let layer =
+    ///     IdempotencyKeyLayer::new(MemoryStore::new()).principal_key(PrincipalKey::new(secret)?);
+    /// # let _ = layer;
+    /// # Ok::<(), idem_http::PrincipalKeyError>(())
+    /// ```
+    pub fn principal_key(mut self, key: PrincipalKey) -> Self {
+        self.cfg.principal_key = Some(key);
+        self
+    }
+
+    /// Which of the handler's responses are stored and replayed; the others release the key,
+    /// so a retry runs the handler again. The default,
+    /// [`stored_by_default`](crate::stored_by_default), stores everything but `401`, `403`,
+    /// `408`, `425`, `429` and `5xx`. A rule may also store `5xx` responses (Stripe replays its
+    /// `500`s once the endpoint ran). A service error or a panic always releases the key.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, stored_by_default};
+    ///
+    /// // Also let a retry run again after a 409 from the endpoint, and trust an inner layer
+    /// // that marks the responses it produced itself.
+    /// let layer = IdempotencyKeyLayer::new(MemoryStore::new()).store_response_if(|status, h| {
+    ///     status != StatusCode::CONFLICT
+    ///         && !h.contains_key("x-rejected-by")
+    ///         && stored_by_default(status, h)
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn store_response_if(
+        mut self,
+        rule: impl Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.cfg.store_rule = StoreRule::new(rule);
+        self
+    }
+
+    /// Accepts only keys of this form (default: any key the header rules allow); any other is
+    /// refused with `400` and an `application/problem+json` body naming the rule.
+    ///
+    /// ```
+    /// use idem_core::MemoryStore;
+    /// use idem_http::{IdempotencyKeyLayer, KeyFormat};
+    ///
+    /// // Clients send `Idempotency-Key: 6f9619ff-8b86-d011-b42d-00c04fc964ff`.
+    /// let layer = IdempotencyKeyLayer::new(MemoryStore::new()).key_format(KeyFormat::Uuid);
+    /// # let _ = layer;
+    /// ```
+    pub fn key_format(mut self, format: KeyFormat) -> Self {
+        self.cfg.key_format = Some(format);
+        self
+    }
+
     /// Accepts keyed requests without a [`Principal`](crate::Principal): all such callers of a
     /// route share one scope, so one anonymous caller's key replays to any other anonymous
     /// caller who sends the same key. For routes whose callers really are anonymous; requests
-    /// with a principal are still kept apart. Without it a keyed request without a principal
-    /// is refused with `500`, because it means the authentication runs after this layer (see
+    /// with a principal are still kept apart (and need a [`principal_key`](Self::principal_key)).
+    /// Without it a keyed request without a principal is refused with `500`, because it means
+    /// the authentication runs after this layer (see
     /// [the layer's docs](Self#authentication-runs-first)).
     ///
     /// ```
@@ -189,11 +285,12 @@ impl<St> IdempotencyKeyLayer<St> {
     }
 
     /// The largest request body fingerprinted and the largest response body stored (default
-    /// 256 KiB). A larger request is refused with `413`. A larger response is returned to this
-    /// client, but only the fact that it was processed is stored (the record is parked *in
-    /// doubt*): a retry gets `409` ([`ProblemKind::ResponseNotStored`](crate::ProblemKind)) and the
-    /// handler does not run again. Keep it below your store's result limit (1 MiB for the memory
-    /// and SQLite stores).
+    /// 256 KiB). A larger request is refused with `413`. A larger response is read only up to
+    /// the first frame past the limit, then streamed to this client whole (what was read, then
+    /// the rest); only the fact that it was processed is stored (the record is parked *in
+    /// doubt*): a retry gets `409` ([`ProblemKind::ResponseNotStored`](crate::ProblemKind)) and
+    /// the handler does not run again. Keep it below your store's result limit (1 MiB for the
+    /// memory and SQLite stores).
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.cfg.max_body = bytes;
         self

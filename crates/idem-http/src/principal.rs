@@ -1,8 +1,16 @@
 //! Who is calling: part of the scope, so one client never replays another's response.
 
+use std::fmt;
+
 /// The authenticated caller, as your authentication middleware puts it in the request's
 /// extensions. Requests with different principals never share a stored response, even with the
 /// same key.
+///
+/// Use a stable id of the caller (a user id, an API client id, a tenant), never a credential:
+/// a bearer token changes when it is renewed, and the retry of a request made with the old token
+/// would then run again. The layer keeps only a keyed hash of it (see
+/// [`PrincipalKey`](crate::PrincipalKey)): the store's records, spans and logs never hold the id
+/// itself, and `Debug` does not print it.
 ///
 /// The authentication must run *before* the idempotency layer (in axum, add it with `.layer`
 /// *after* the [`IdempotencyKeyLayer`](crate::IdempotencyKeyLayer)). A keyed request that
@@ -16,9 +24,11 @@
 ///
 /// let mut req = http::Request::new(());
 /// req.extensions_mut().insert(Principal::new("customer-42"));
-/// assert_eq!(req.extensions().get::<Principal>().map(Principal::as_str), Some("customer-42"));
+/// let p = req.extensions().get::<Principal>().unwrap();
+/// assert_eq!(p.as_str(), "customer-42");
+/// assert_eq!(format!("{p:?}"), "Principal(<redacted>)");
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Principal(String);
 
 impl Principal {
@@ -27,9 +37,17 @@ impl Principal {
         Self(id.into())
     }
 
-    /// The principal's id.
+    /// The principal's id, for the application's own use; the layer stores and logs only its
+    /// keyed hash.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// Prints no part of the id: principals end up in `Debug` output of requests and extensions.
+impl fmt::Debug for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Principal(<redacted>)")
     }
 }
 
@@ -52,7 +70,8 @@ pub struct IdempotentRequest {
 }
 
 impl IdempotentRequest {
-    /// The store key: the scope (route and principal) and the client's `Idempotency-Key`.
+    /// The store key: the scope (route, and the principal's keyed hash) and the client's
+    /// `Idempotency-Key`.
     pub fn key(&self) -> &idem_core::DedupKey {
         &self.key
     }

@@ -9,6 +9,10 @@ use http::{HeaderValue, Response, StatusCode, header};
 ///
 /// The `type` of each problem document is this enum's documentation anchor
 /// (`…/idem_http/enum.ProblemKind.html#variant.Missing`), so a client following it reads this list.
+/// The exceptions are the server's own setup mistakes ([`NoPrincipal`](Self::NoPrincipal),
+/// [`NoPrincipalKey`](Self::NoPrincipalKey)): the client gets a plain `500` (`type`
+/// `about:blank`, title `Internal Server Error`) that says nothing about how the server is
+/// built, and the server's log says what to fix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ProblemKind {
@@ -35,7 +39,12 @@ pub enum ProblemKind {
     /// [`Principal`](crate::Principal): the authentication runs after the layer instead of
     /// before it (or lets the caller through without one). The handler does not run. See
     /// [`IdempotencyKeyLayer::allow_anonymous`](crate::IdempotencyKeyLayer::allow_anonymous).
+    /// Sent as a plain `500`; the advice goes to the server's log, once per process.
     NoPrincipal,
+    /// `500`: a request with a key and a [`Principal`](crate::Principal) reached a layer built
+    /// without a [`PrincipalKey`](crate::PrincipalKey) to hash it with. The handler does not
+    /// run. Sent as a plain `500`; the advice goes to the server's log, once per process.
+    NoPrincipalKey,
     /// `500`: the handler's response body failed while it was read for storing; the key is
     /// released.
     ResponseUnreadable,
@@ -50,9 +59,10 @@ impl ProblemKind {
             Self::Reused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::StoredResponseCorrupt | Self::NoPrincipal | Self::ResponseUnreadable => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::StoredResponseCorrupt
+            | Self::NoPrincipal
+            | Self::NoPrincipalKey
+            | Self::ResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -68,12 +78,13 @@ impl ProblemKind {
             Self::StoreUnavailable => "Idempotency store is unavailable",
             Self::StoredResponseCorrupt => "Stored response could not be read",
             Self::ResponseNotStored => "Request was processed; its response was not stored",
-            Self::NoPrincipal => "No authenticated caller reached the idempotency layer",
+            Self::NoPrincipal | Self::NoPrincipalKey => "Internal Server Error",
             Self::ResponseUnreadable => "Response body failed",
         }
     }
 
-    /// The problem's `type`: a URI naming this variant.
+    /// The problem's `type`: a URI naming this variant, or `about:blank` for the server's setup
+    /// mistakes.
     pub fn type_uri(self) -> &'static str {
         macro_rules! anchor {
             ($v:literal) => {
@@ -93,7 +104,8 @@ impl ProblemKind {
             Self::StoreUnavailable => anchor!("StoreUnavailable"),
             Self::StoredResponseCorrupt => anchor!("StoredResponseCorrupt"),
             Self::ResponseNotStored => anchor!("ResponseNotStored"),
-            Self::NoPrincipal => anchor!("NoPrincipal"),
+            // RFC 9457: `about:blank` when the problem has no semantics beyond the status.
+            Self::NoPrincipal | Self::NoPrincipalKey => "about:blank",
             Self::ResponseUnreadable => anchor!("ResponseUnreadable"),
         }
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{App, Req, serve};
 use idem_core::{DedupStore, MemoryStore};
-use idem_http::IdempotencyKeyLayer;
+use idem_http::{IdempotencyKeyLayer, KeyFormat};
 use idem_sqlx::SqliteStore;
 use idem_testkit::faults::{FaultyStore, Op};
 
@@ -82,7 +82,10 @@ each_store!(
 
 /// Most cases send no principal; `tests/principal.rs` covers the layer without this opt-out.
 fn layer<St: DedupStore>(store: St) -> IdempotencyKeyLayer<St> {
-    IdempotencyKeyLayer::new(store).max_body(1024).allow_anonymous()
+    IdempotencyKeyLayer::new(store)
+        .max_body(1024)
+        .allow_anonymous()
+        .principal_key(common::principal_key())
 }
 
 const BODY: &str = r#"{"amount":1200,"currency":"EUR"}"#;
@@ -280,6 +283,36 @@ async fn other_principal_is_not_a_replay<St: DedupStore + 'static>(store: St) {
     assert!(alice_again.replayed());
     assert_eq!(alice_again.body, alice.body);
     assert_eq!(app.calls(), 3);
+}
+
+#[tokio::test]
+async fn keys_of_another_format_are_400_naming_the_rule() {
+    let app = serve(layer(MemoryStore::new()).key_format(KeyFormat::Uuid)).await;
+    let res = app.send(Req::post("/payments", "order-42", BODY)).await;
+    assert_eq!(res.status, 400, "{}", res.text());
+    let p = res.problem();
+    assert_eq!(p["title"], "Idempotency-Key is malformed");
+    let detail = p["detail"].as_str().unwrap();
+    assert!(detail.contains("Idempotency-Key header must be a UUID (8-4-4-4-12"), "{p}");
+    assert_eq!(app.calls(), 0);
+    // A UUID in either case, bare or quoted, is accepted.
+    let uuid = "6F9619FF-8B86-D011-B42D-00C04FC964FF";
+    assert_eq!(app.send(Req::post("/payments", uuid, BODY)).await.status, 201);
+    let quoted = format!("\"{}\"", uuid.to_lowercase());
+    assert_eq!(app.send(Req::post("/payments", &quoted, BODY)).await.status, 201);
+    assert_eq!(app.calls(), 2);
+
+    let ulid = KeyFormat::matching("a ULID (26 characters)", |k| k.len() == 26);
+    let app = serve(layer(MemoryStore::new()).key_format(ulid)).await;
+    let res = app.send(Req::post("/payments", "too-short", BODY)).await;
+    assert_eq!(res.status, 400);
+    let p = res.problem();
+    assert!(p["detail"].as_str().unwrap().ends_with("must be a ULID (26 characters)"), "{p}");
+    assert_eq!(
+        app.send(Req::post("/payments", "01ARZ3NDEKTSV4RRFFQ69G5FAV", BODY)).await.status,
+        201
+    );
+    assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test]

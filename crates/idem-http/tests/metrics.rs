@@ -16,9 +16,11 @@ async fn each_outcome_is_counted() {
 
     let layer = IdempotencyKeyLayer::new(MemoryStore::new()).scope_prefix("api");
     let app = serve(layer.clone().allow_anonymous()).await;
-    // The same layer without the opt-out refuses a keyed request without a principal.
-    serve(layer).await.send(Req::post("/payments", "k", r#"{"cents":1}"#)).await;
     let body = r#"{"cents":1}"#;
+    // The same layer without the opt-out refuses a keyed request without a principal…
+    serve(layer.clone()).await.send(Req::post("/payments", "k", body)).await;
+    // …and, without a principal key, one with a principal.
+    app.send(Req::post("/payments", "k", body).user("u")).await;
     // First: `/flaky` answers 503 on the server's first handler call.
     app.send(Req::post("/flaky", "f", body)).await;
     app.send(Req::post("/payments", "k", body)).await;
@@ -26,6 +28,8 @@ async fn each_outcome_is_counted() {
     app.send(Req::post("/payments", "k", r#"{"cents":2}"#)).await;
     app.send(Req { key: Some(b""), ..Req::post("/payments", "", body) }).await;
     app.send(Req { key: None, ..Req::post("/payments", "", body) }).await;
+    // An inner layer's 429 is not stored.
+    app.send(Req::post("/status/429", "t", body)).await;
 
     let snap = snapshotter.snapshot().into_vec();
     let count = |outcome: &str| {
@@ -46,10 +50,11 @@ async fn each_outcome_is_counted() {
         ("stored", 1),
         ("replayed", 1),
         ("reused", 1),
-        ("released", 1),
+        ("released", 2),
         ("malformed_key", 1),
         ("no_key", 1),
         ("no_principal", 1),
+        ("no_principal_key", 1),
         ("in_progress", 0),
     ] {
         assert_eq!(count(outcome), n, "{outcome}");

@@ -3,12 +3,15 @@
 //! ```sh
 //! cargo run -p idem-consumer --features axum --example axum_idempotency_key            # scripted client, then exit
 //! cargo run -p idem-consumer --features axum --example axum_idempotency_key -- --serve 127.0.0.1:3000
-//! curl -i -X POST localhost:3000/payments -H 'authorization: Bearer cust_1' \
+//! curl -i -X POST localhost:3000/payments -H 'authorization: Bearer tok_4f1c9a' \
 //!      -H 'idempotency-key: order-42' -H 'content-type: application/json' -d '{"cents":1200}'
 //! ```
 //!
-//! The store is the embedded SQLite file (a temporary one here). Authentication turns the bearer
-//! token into a `Principal`, so one customer's key never replays another's charge. The charge
+//! The store is the embedded SQLite file (a temporary one here). Authentication looks the bearer
+//! token up and puts the customer's id in the request as its `Principal` (the id, not the token:
+//! a token changes when it is refreshed, and a retry with the new one must still be the same
+//! caller), so one customer's key never replays another's charge. The layer stores and logs only
+//! a keyed hash of that id (`IDEM_PRINCIPAL_KEY`, the same secret on every instance). The charge
 //! goes to a (fake) payment provider with a downstream idempotency key derived from ours.
 
 use std::net::SocketAddr;
@@ -25,7 +28,7 @@ use axum::{Extension, Json, Router};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem::SqliteStore;
-use idem::http::{IdempotencyKeyLayer, IdempotentRequest, Principal};
+use idem::http::{IdempotencyKeyLayer, IdempotentRequest, Principal, PrincipalKey};
 
 #[derive(Clone, Default)]
 struct Provider {
@@ -59,36 +62,51 @@ async fn pay(
     (StatusCode::CREATED, Json(body)).into_response()
 }
 
-// Stand-in for real authentication: the bearer token is the customer id.
+/// Stand-in for the session or token store: bearer token → customer id. `cust_1` holds two
+/// tokens, as after a refresh.
+const TOKENS: [(&str, &str); 3] =
+    [("tok_4f1c9a", "cust_1"), ("tok_refreshed_77d0e2", "cust_1"), ("tok_b83e51", "cust_2")];
+
+// Stand-in for real authentication: the token names the customer; the customer's id, never the
+// token, is the principal.
 async fn authenticate(mut req: Request, next: Next) -> Response {
     let token = req
         .headers()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::to_owned);
-    match token {
-        Some(customer) => {
-            req.extensions_mut().insert(Principal::new(customer));
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let customer = token.and_then(|t| TOKENS.iter().find(|(known, _)| *known == t));
+    match customer {
+        Some((_, customer)) => {
+            req.extensions_mut().insert(Principal::new(*customer));
             next.run(req).await
         }
-        None => (StatusCode::UNAUTHORIZED, "bearer token required").into_response(),
+        None => (StatusCode::UNAUTHORIZED, "a valid bearer token is required").into_response(),
     }
 }
 
-async fn app(store: SqliteStore, provider: Provider) -> Router {
+/// The secret principals are hashed with: the same on every instance, for as long as responses
+/// are retained. Demo only: a real service refuses to start without it.
+fn principal_key() -> Result<PrincipalKey, idem::http::PrincipalKeyError> {
+    let secret = std::env::var("IDEM_PRINCIPAL_KEY")
+        .unwrap_or_else(|_| "demo secret; set IDEM_PRINCIPAL_KEY in production".to_owned());
+    PrincipalKey::new(secret)
+}
+
+async fn app(store: SqliteStore, provider: Provider) -> Result<Router, Box<dyn std::error::Error>> {
     let idempotency = IdempotencyKeyLayer::new(store)
+        .principal_key(principal_key()?)
         .required(true)
         .lease(Duration::from_secs(30))
         .retain(Duration::from_secs(24 * 3600));
-    Router::new()
+    Ok(Router::new()
         .route("/payments", post(pay))
         .with_state(provider)
         // axum runs the layer added last first: authentication, then idempotency, so the
         // principal is in the scope. Added the other way round, the idempotency layer would see
         // no principal and refuse every keyed request with a 500 (its log says why).
         .layer(idempotency)
-        .layer(middleware::from_fn(authenticate))
+        .layer(middleware::from_fn(authenticate)))
 }
 
 #[tokio::main]
@@ -96,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await?;
     let provider = Provider::default();
-    let router = app(store, provider.clone()).await;
+    let router = app(store, provider.clone()).await?;
 
     let serve_at = std::env::args().skip_while(|a| a != "--serve").nth(1);
     let listener =
@@ -110,31 +128,37 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tokio::spawn(async move { axum::serve(listener, router).await });
 
     let body = r#"{"cents":1200}"#;
+    let (cust_1, cust_1_refreshed, cust_2) = (TOKENS[0].0, TOKENS[1].0, TOKENS[2].0);
     let steps = [
-        ("first request", "cust_1", Some("order-42"), body),
-        ("client retries (timeout)", "cust_1", Some("order-42"), body),
-        ("same key, other amount", "cust_1", Some("order-42"), r#"{"cents":9900}"#),
-        ("no Idempotency-Key", "cust_1", None, body),
-        ("other customer, same key", "cust_2", Some("order-42"), body),
-        ("refused charge", "cust_1", Some("order-43"), r#"{"cents":0}"#),
-        ("refused charge, retried", "cust_1", Some("order-43"), r#"{"cents":0}"#),
+        ("first request", cust_1, Some("order-42"), body),
+        ("client retries (timeout)", cust_1, Some("order-42"), body),
+        ("retries after token refresh", cust_1_refreshed, Some("order-42"), body),
+        ("same key, other amount", cust_1, Some("order-42"), r#"{"cents":9900}"#),
+        ("no Idempotency-Key", cust_1, None, body),
+        ("other customer, same key", cust_2, Some("order-42"), body),
+        ("refused charge", cust_1, Some("order-43"), r#"{"cents":0}"#),
+        ("refused charge, retried", cust_1, Some("order-43"), r#"{"cents":0}"#),
+        ("unknown token", "tok_forged", Some("order-44"), body),
     ];
-    for (what, customer, key, body) in steps {
-        let (status, replayed, text) = post_json(addr, customer, key, body).await?;
+    let mut replays = 0;
+    for (what, token, key, body) in steps {
+        let (status, replayed, text) = post_json(addr, token, key, body).await?;
+        replays += u32::from(replayed);
         let mark = if replayed { " [replayed]" } else { "" };
         println!("{what:<28} → {status}{mark} {text}");
     }
     let charges = provider.charges.load(Ordering::SeqCst);
-    println!("provider charged {charges} times (one per customer and key)");
-    if charges != 2 {
-        return Err(format!("expected 2 charges, got {charges}").into());
+    println!("provider charged {charges} times (one per customer and key), {replays} replays");
+    // Had the token been the principal, the retry after the refresh would have charged again.
+    if (charges, replays) != (2, 3) {
+        return Err(format!("expected 2 charges and 3 replays, got {charges} and {replays}").into());
     }
     Ok(())
 }
 
 async fn post_json(
     addr: SocketAddr,
-    customer: &str,
+    token: &str,
     key: Option<&str>,
     body: &str,
 ) -> Result<(u16, bool, String), Box<dyn std::error::Error>> {
@@ -143,7 +167,7 @@ async fn post_json(
     tokio::spawn(conn);
     let mut req = hyper::Request::post("/payments")
         .header("host", addr.to_string())
-        .header("authorization", format!("Bearer {customer}"))
+        .header("authorization", format!("Bearer {token}"))
         .header("content-type", "application/json");
     if let Some(key) = key {
         req = req.header("idempotency-key", key);

@@ -10,7 +10,8 @@
 //!
 //! - `/webhooks/github`: the id is a header (`X-GitHub-Delivery`, kept on redelivery; Standard
 //!   Webhooks' `webhook-id` works the same). The `Idempotency-Key` layer, told that header's name,
-//!   stores the first response and replays it.
+//!   stores the first response and replays it. The verified sender is the principal, stored as a
+//!   keyed hash (`IDEM_PRINCIPAL_KEY`).
 //! - `/webhooks/stripe`: the id is in the body (`{"id":"evt_…"}`). The handler runs the
 //!   consumer engine with a JSON-pointer key, exactly as a queue consumer would.
 
@@ -29,7 +30,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem::consumer::HandlerError;
 use idem::extract::{JsonPointer, Message};
-use idem::http::{IdempotencyKeyLayer, Principal};
+use idem::http::{IdempotencyKeyLayer, KeyFormat, Principal, PrincipalKey};
 use idem::{Consumer, Outcome, SqliteStore};
 
 #[derive(Clone)]
@@ -83,8 +84,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .build()?,
         applied: Arc::default(),
     };
+    // The same secret on every instance. Demo only: a real service refuses to start without it.
+    let secret = std::env::var("IDEM_PRINCIPAL_KEY")
+        .unwrap_or_else(|_| "demo secret; set IDEM_PRINCIPAL_KEY in production".to_owned());
     let github_dedup = IdempotencyKeyLayer::new(store)
+        .principal_key(PrincipalKey::new(secret)?)
         .header(HeaderName::from_static("x-github-delivery"))
+        // GitHub's delivery ids are UUIDs: anything else is refused with 400.
+        .key_format(KeyFormat::Uuid)
         .required(true);
     let app = Router::new()
         .route(

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -16,11 +16,16 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use idem_core::DedupStore;
-use idem_http::{IdempotencyKeyLayer, IdempotentRequest, Principal};
+use idem_http::{IdempotencyKeyLayer, IdempotentRequest, Principal, PrincipalKey};
 use tokio::sync::{Semaphore, watch};
 
 /// Test time limit for any wait on a condition.
 pub const WAIT: Duration = Duration::from_secs(10);
+
+/// The secret the test layers hash principals with.
+pub fn principal_key() -> PrincipalKey {
+    PrincipalKey::new("a test secret, 32 bytes or more.").expect("long enough")
+}
 
 #[derive(Clone)]
 pub struct Handlers {
@@ -119,6 +124,28 @@ async fn big(State(h): State<Handlers>) -> Response {
     (StatusCode::OK, "x".repeat(4096)).into_response()
 }
 
+// Answers the status in the path: what an inner layer (auth, rate limit) or the endpoint sends.
+async fn status(State(h): State<Handlers>, Path(code): Path<u16>) -> Response {
+    let n = bump(&h);
+    let status = StatusCode::from_u16(code).expect("test status");
+    (status, format!("status {code} (run {n})")).into_response()
+}
+
+/// `/stream` answers 64 frames of 100 bytes with no size hint, so the layer learns its size
+/// only by reading it.
+pub const STREAM_FRAMES: usize = 64;
+
+async fn stream(State(h): State<Handlers>) -> Response {
+    let n = bump(&h);
+    let frames = (0..STREAM_FRAMES).map(move |i| {
+        Ok::<_, std::convert::Infallible>(Bytes::from(format!(
+            "{n:>4}:{i:>4}:{}\n",
+            "x".repeat(89)
+        )))
+    });
+    axum::body::Body::from_stream(futures_util::stream::iter(frames)).into_response()
+}
+
 async fn order_pay(State(h): State<Handlers>) -> Response {
     let n = bump(&h);
     (StatusCode::CREATED, format!("order paid (run {n})")).into_response()
@@ -168,6 +195,8 @@ pub fn router_in<St: DedupStore + 'static>(
         .route("/flaky", post(flaky))
         .route("/invalid", post(invalid))
         .route("/big", post(big))
+        .route("/status/{code}", post(status))
+        .route("/stream", post(stream))
         .route("/orders/{id}/pay", post(order_pay))
         .route("/list", get(list))
         .with_state(h.clone());
@@ -243,7 +272,10 @@ impl Reply {
         );
         let v: serde_json::Value = serde_json::from_slice(&self.body).expect("problem is JSON");
         assert_eq!(v["status"], self.status.as_u16(), "{v}");
-        assert!(v["type"].as_str().is_some_and(|t| t.starts_with("https://")), "{v}");
+        assert!(
+            v["type"].as_str().is_some_and(|t| t.starts_with("https://") || t == "about:blank"),
+            "{v}"
+        );
         assert!(v["title"].is_string(), "{v}");
         v
     }

@@ -2,7 +2,9 @@
 //! `Debug` impl, log line and command-line message that names a server.
 //!
 //! [`Redacted`] wraps whatever a user gave as "where the server is" and displays it without
-//! its secrets; [`url`] returns the same text as a `String`. The input may be:
+//! its secrets; [`url()`] returns the same text as a `String`; [`secrets`] lists what is hidden,
+//! to scrub text that never went through [`Redacted`] (a client library's log line). The input
+//! may be:
 //!
 //! - a **URL** (`scheme://…`), read with the [`url`](https://docs.rs/url) crate as the database
 //!   and broker clients read it: the password of the user-info is shown as `***` (the user name
@@ -63,7 +65,7 @@ pub struct Redacted<'a>(pub &'a str);
 
 impl fmt::Display for Redacted<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_any(self.0, f)
+        write_any(self.0, &mut Masked(f))
     }
 }
 
@@ -89,6 +91,22 @@ impl fmt::Debug for Redacted<'_> {
 /// ```
 pub fn url(s: &str) -> String {
     Redacted(s).to_string()
+}
+
+/// The parts of `s` that [`Redacted`] hides, as they appear in `s` (percent-encoded where `s`
+/// encodes them). For scrubbing text that did not go through [`Redacted`], such as a client
+/// library's log line: look for each part, and for its percent-decoded form too.
+///
+/// ```
+/// let url = "postgres://app:hunter2@db/orders?sslmode=require&sslpassword=p%40ss";
+/// assert_eq!(idem_core::redact::secrets(url), ["hunter2", "p%40ss"]);
+/// assert!(idem_core::redact::secrets("/var/lib/idem.sqlite").is_empty());
+/// ```
+pub fn secrets(s: &str) -> Vec<&str> {
+    let mut found = Secrets(Vec::new());
+    // Collecting never fails.
+    let _ = write_any(s, &mut found);
+    found.0
 }
 
 /// Whether a query parameter or connection-string field named `name` holds a secret.
@@ -131,9 +149,44 @@ pub fn is_secret_name(name: &str) -> bool {
         )
 }
 
-fn write_any(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
+/// Where the rules send each piece of an address: shown as it is, or hidden.
+trait Sink<'s> {
+    fn text(&mut self, s: &'s str) -> fmt::Result;
+    fn secret(&mut self, s: &'s str) -> fmt::Result;
+}
+
+/// Shows the text and [`MASK`] for each secret.
+struct Masked<'a, 'f>(&'a mut fmt::Formatter<'f>);
+
+impl<'s> Sink<'s> for Masked<'_, '_> {
+    fn text(&mut self, s: &'s str) -> fmt::Result {
+        self.0.write_str(s)
+    }
+
+    fn secret(&mut self, _: &'s str) -> fmt::Result {
+        self.0.write_str(MASK)
+    }
+}
+
+/// Keeps the secrets.
+struct Secrets<'s>(Vec<&'s str>);
+
+impl<'s> Sink<'s> for Secrets<'s> {
+    fn text(&mut self, _: &'s str) -> fmt::Result {
+        Ok(())
+    }
+
+    fn secret(&mut self, s: &'s str) -> fmt::Result {
+        if !s.is_empty() {
+            self.0.push(s);
+        }
+        Ok(())
+    }
+}
+
+fn write_any<'s>(s: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
     let body = s.trim_start();
-    out.write_str(&s[..s.len() - body.len()])?;
+    out.text(&s[..s.len() - body.len()])?;
     if let Some(end) = scheme_end(body) {
         write_url(body, end, out)
     } else if is_key_values(body) {
@@ -153,24 +206,24 @@ fn scheme_end(s: &str) -> Option<usize> {
     .then_some(end)
 }
 
-fn write_url(s: &str, scheme_end: usize, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_url<'s>(s: &'s str, scheme_end: usize, out: &mut dyn Sink<'s>) -> fmt::Result {
     let (head, rest) = s.split_at(scheme_end + 3);
     // The URL parser (the one sqlx, lapin and fe2o3-amqp use) decides whether the text before
     // the last `@` is a user-info: it is unless the parser fails, or reads an `@` after the
     // host (a password with an unencoded `/`, `?` or `#` moves where it thinks the host is).
     let clear = Url::parse(s).is_ok_and(|u| !u[Position::BeforeHost..].contains('@'));
-    out.write_str(head)?;
+    out.text(head)?;
     write_authority_and_rest(rest, clear, out)
 }
 
 /// What follows `scheme://`, or a whole string without a scheme: a `…@` prefix is user-info,
 /// up to the last `@`, so a password with an `@` in it is hidden whole. The rest is shown as
 /// it was given (not in the parser's normal form), with its secret parameters hidden.
-fn write_authority_and_rest(s: &str, clear: bool, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_authority_and_rest<'s>(s: &'s str, clear: bool, out: &mut dyn Sink<'s>) -> fmt::Result {
     let rest = match s.rfind('@') {
         Some(at) => {
             write_user_info(&s[..at], clear, out)?;
-            out.write_char('@')?;
+            out.text("@")?;
             &s[at + 1..]
         }
         None => s,
@@ -181,29 +234,29 @@ fn write_authority_and_rest(s: &str, clear: bool, out: &mut dyn fmt::Write) -> f
 /// `user:password` as `user:***`. Unless the parser read it as a user-info (`clear`), text
 /// that has a `/`, `?`, `#`, backslash or space in it is hidden whole: the password may be
 /// anywhere in it.
-fn write_user_info(info: &str, clear: bool, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_user_info<'s>(info: &'s str, clear: bool, out: &mut dyn Sink<'s>) -> fmt::Result {
     if !clear && (info.contains(['/', '?', '#', '\\']) || info.contains(char::is_whitespace)) {
-        return out.write_str(MASK);
+        return out.secret(info);
     }
     match info.split_once(':') {
-        Some((user, _)) => {
-            out.write_str(user)?;
-            out.write_char(':')?;
-            out.write_str(MASK)
+        Some((user, password)) => {
+            out.text(user)?;
+            out.text(":")?;
+            out.secret(password)
         }
-        None => out.write_str(info),
+        None => out.text(info),
     }
 }
 
 /// Text up to `?` unchanged, then the query's and fragment's parameters.
-fn write_path_and_query(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
-    let Some(q) = s.find(['?', '#']) else { return out.write_str(s) };
-    out.write_str(&s[..=q])?;
+fn write_path_and_query<'s>(s: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
+    let Some(q) = s.find(['?', '#']) else { return out.text(s) };
+    out.text(&s[..=q])?;
     let rest = &s[q + 1..];
     match rest.find('#') {
         Some(h) if s.as_bytes()[q] == b'?' => {
             write_pairs(&rest[..h], out)?;
-            out.write_char('#')?;
+            out.text("#")?;
             write_pairs(&rest[h + 1..], out)
         }
         _ => write_pairs(rest, out),
@@ -212,26 +265,26 @@ fn write_path_and_query(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
 
 /// `a=1&password=x;b=2` as `a=1&password=***;b=2`: the value of each secret name hidden, the
 /// rest as it was (names are percent-decoded to be compared, never re-encoded).
-fn write_pairs(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_pairs<'s>(s: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
     let mut start = 0;
     for (i, sep) in s.match_indices(['&', ';']) {
         write_pair(&s[start..i], out)?;
-        out.write_str(sep)?;
+        out.text(sep)?;
         start = i + 1;
     }
     write_pair(&s[start..], out)
 }
 
-fn write_pair(pair: &str, out: &mut dyn fmt::Write) -> fmt::Result {
-    if let Some((name, _)) = pair.split_once('=') {
+fn write_pair<'s>(pair: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
+    if let Some((name, value)) = pair.split_once('=') {
         let decoded = url::form_urlencoded::parse(name.as_bytes()).next().map(|(k, _)| k);
         if decoded.is_some_and(|k| is_secret_name(&k)) {
-            out.write_str(name)?;
-            out.write_char('=')?;
-            return out.write_str(MASK);
+            out.text(name)?;
+            out.text("=")?;
+            return out.secret(value);
         }
     }
-    out.write_str(pair)
+    out.text(pair)
 }
 
 /// `Name=value;…` (names may have spaces, as ADO.NET's `User ID`), or libpq's `name=value …`
@@ -243,41 +296,41 @@ fn is_key_values(s: &str) -> bool {
     !name.is_empty() && name.chars().all(name_char) && (s.contains(';') || !name.contains(' '))
 }
 
-fn write_key_values(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_key_values<'s>(s: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
     let semicolons = s.contains(';');
     let is_sep = |c: char| if semicolons { c == ';' } else { c.is_whitespace() };
     let mut start = 0;
     for (i, c) in s.char_indices().filter(|(_, c)| is_sep(*c)) {
         write_key_value(&s[start..i], out)?;
-        out.write_char(c)?;
+        out.text(&s[i..i + c.len_utf8()])?;
         start = i + c.len_utf8();
     }
     write_key_value(&s[start..], out)
 }
 
-fn write_key_value(part: &str, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_key_value<'s>(part: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
     if part.trim().is_empty() {
-        return out.write_str(part);
+        return out.text(part);
     }
     match part.split_once('=') {
-        Some((name, _)) if is_secret_name(name) => {
-            out.write_str(name)?;
-            out.write_char('=')?;
-            out.write_str(MASK)
+        Some((name, value)) if is_secret_name(name) => {
+            out.text(name)?;
+            out.text("=")?;
+            out.secret(value)
         }
         // A value may be an address itself (`Endpoint=sb://…`, `Server=user:pw@host`).
         Some((name, value)) => {
-            out.write_str(name)?;
-            out.write_char('=')?;
+            out.text(name)?;
+            out.text("=")?;
             write_any(value, out)
         }
         // Not `Name=value`: maybe a key pasted without its name.
-        None => out.write_str(MASK),
+        None => out.secret(part),
     }
 }
 
 /// A string without a scheme: a path or `host:port` unchanged; `user:password@…` hidden.
-fn write_plain(s: &str, out: &mut dyn fmt::Write) -> fmt::Result {
+fn write_plain<'s>(s: &'s str, out: &mut dyn Sink<'s>) -> fmt::Result {
     match s.rfind('@') {
         Some(at) if s[..at].contains(':') => write_authority_and_rest(s, false, out),
         _ => write_path_and_query(s, out),
@@ -483,6 +536,9 @@ mod tests {
             let input = format!("{scheme}://user:{planted}@host{tail}");
             let out = url(&input);
             prop_assert!(!out.contains(&pw) && !out.contains(&planted), "{} -> {}", input, out);
+            // What is hidden is reported: the planted text is inside one of the secrets.
+            let hidden = secrets(&input);
+            prop_assert!(hidden.iter().any(|h| h.contains(&planted)), "{} -> {:?}", input, hidden);
         }
 
         /// A secret query parameter's value, percent-encoded, in any position of the query.
@@ -498,6 +554,7 @@ mod tests {
             let input = format!("{scheme}://u@host:1/db?{}", query.join("&"));
             let out = url(&input);
             prop_assert!(!out.contains(&pw) && !out.contains(&planted), "{} -> {}", input, out);
+            prop_assert_eq!(secrets(&input), [planted.as_str()]);
         }
 
         /// Azure's connection strings (Service Bus, Event Hubs, Cosmos DB), any case, any

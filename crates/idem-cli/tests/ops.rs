@@ -309,7 +309,11 @@ async fn errors_name_the_problem() {
 
     // Nothing listens on port 1: refused at once, and the message says where.
     let out = idem(&["stats", "--store", "redis://127.0.0.1:1"]);
-    assert!(text(&out).contains("cannot connect to Redis at 127.0.0.1:1"), "{}", text(&out));
+    assert!(
+        text(&out).contains("cannot connect to Redis at redis://127.0.0.1:1"),
+        "{}",
+        text(&out)
+    );
 
     // A SQLite file without the table: named, with what creates it; nothing is created.
     let file = dir.path().join("other.sqlite");

@@ -81,8 +81,11 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
             Redacted(url)
         )
     } else {
-        anyhow::ensure!(Path::new(url).exists(), "--outbox: no database file at {url}");
-        let store = idem::SqliteStore::open(url).await.with_context(|| format!("opening {url}"))?;
+        // A path shows as it is; `user:password@host` without a scheme does not.
+        anyhow::ensure!(Path::new(url).exists(), "--outbox: no database file at {}", Redacted(url));
+        let store = idem::SqliteStore::open(url)
+            .await
+            .with_context(|| format!("opening {}", Redacted(url)))?;
         let outbox = store.outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
         with_outbox(outbox, &args).await

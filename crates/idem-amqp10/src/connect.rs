@@ -28,15 +28,8 @@ impl std::fmt::Debug for Endpoint {
     // Never print a password or a key.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Url(u) => match url::Url::parse(u) {
-                Ok(mut parsed) => {
-                    if parsed.password().is_some() {
-                        let _ = parsed.set_password(Some("***"));
-                    }
-                    write!(f, "{parsed}")
-                }
-                Err(_) => f.write_str("<unparsable url>"),
-            },
+            // The password and secret query parameters (`?password=`, `?sig=`…) as ***.
+            Self::Url(u) => write!(f, "{}", idem_core::redact::Redacted(u)),
             Self::ServiceBus { namespace, host, port, .. } => {
                 write!(f, "servicebus://{namespace} at {host}:{port}")
             }

@@ -13,8 +13,14 @@ use idem::{MySqlStore, PostgresStore};
 /// Settings of a SQL benchmark run.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BenchSqlArgs {
-    /// Server URL: `postgres://…` or `mysql://…`.
-    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    /// Server URL: `postgres://…` or `mysql://…`. Or set IDEM_BENCH_URL (keeps a password out
+    /// of the shell history and `ps`; never shown).
+    #[arg(
+        long,
+        default_value = "postgres://postgres@127.0.0.1:5432/test",
+        env = "IDEM_BENCH_URL",
+        hide_env_values = true
+    )]
     url: String,
     /// Messages per measurement.
     #[arg(long, default_value_t = 3000)]
@@ -174,7 +180,10 @@ pub(crate) async fn run(args: BenchSqlArgs) -> anyhow::Result<()> {
     } else if args.url.starts_with("mysql") || args.url.starts_with("mariadb") {
         mysql(&args).await?
     } else {
-        anyhow::bail!("--url must start with postgres:// or mysql:// (got {:?})", args.url);
+        anyhow::bail!(
+            "--url {}: unknown scheme; expected postgres:// or mysql://",
+            idem::redact::Redacted(&args.url)
+        );
     };
     let db = if args.url.starts_with("postgres") { "PostgreSQL" } else { "MySQL/MariaDB" };
     println!();
@@ -217,11 +226,13 @@ pub(crate) async fn run(args: BenchSqlArgs) -> anyhow::Result<()> {
 async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     use sqlx::postgres::PgPoolOptions;
     let max = args.concurrency.iter().copied().chain([args.group_tasks]).max().unwrap_or(1);
-    let pool = PgPoolOptions::new()
-        .max_connections(u32::try_from(max).unwrap_or(64).max(4))
-        .test_before_acquire(args.ping_before_acquire)
-        .connect(&args.url)
-        .await?;
+    let pool = crate::connect::pg_pool(
+        &args.url,
+        PgPoolOptions::new()
+            .max_connections(u32::try_from(max).unwrap_or(64).max(4))
+            .test_before_acquire(args.ping_before_acquire),
+    )
+    .await?;
     let schema = format!("idem_bench_{}", std::process::id());
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; \
@@ -329,11 +340,13 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
 async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
     use sqlx::mysql::MySqlPoolOptions;
     let max = args.concurrency.iter().copied().chain([args.group_tasks]).max().unwrap_or(1);
-    let pool = MySqlPoolOptions::new()
-        .max_connections(u32::try_from(max).unwrap_or(64).max(4))
-        .test_before_acquire(args.ping_before_acquire)
-        .connect(&args.url)
-        .await?;
+    let pool = crate::connect::mysql_pool(
+        &args.url,
+        MySqlPoolOptions::new()
+            .max_connections(u32::try_from(max).unwrap_or(64).max(4))
+            .test_before_acquire(args.ping_before_acquire),
+    )
+    .await?;
     let t = format!("idem_bench_{}", std::process::id());
     for stmt in [
         format!("DROP TABLE IF EXISTS {t}, {t}_raw, {t}_orders"),

@@ -3,21 +3,36 @@
 mod bench;
 mod bench_sql;
 mod chaos;
+mod connect;
 mod demo;
 mod ops;
 mod relay;
+mod scrub;
 
 use clap::{Parser, Subcommand};
+
+/// `idem --help`. The 10 s is `connect::CONNECT_TIMEOUT`.
+const LONG_ABOUT: &str = "Idempotent message consumers: demo, benchmark and operator tools.
+
+The operator verbs (inspect, stats, purge, release, fail) work on every store: --store takes a \
+SQLite file or a postgres://, mysql://, mariadb:// or redis:// URL, with --schema (PostgreSQL), \
+--table (SQL stores) and --prefix (Redis namespace).
+
+Secrets: every URL argument can come from an environment variable instead (IDEM_STORE, \
+IDEM_OUTBOX, IDEM_TO, IDEM_CHAOS_BROKER, IDEM_CHAOS_STORE, IDEM_BENCH_URL), which keeps passwords \
+out of the shell history and out of `ps`; --help never shows their values. Messages and logs \
+show URLs with the password and secret parameters (password, token, sig, SharedAccessKey…) as ***.
+
+Timeouts: every server gets 10 s to accept a connection; past that, or on a refusal, the verb \
+exits with an error naming the service and its address. A verb that talks to two servers \
+(relay, chaos) connects to them one after the other, so it gives up within 20 s.";
 
 #[derive(Parser)]
 #[command(
     name = "idem",
     version,
     about = "Idempotent message consumers: demo, benchmark and operator tools",
-    long_about = "Idempotent message consumers: demo, benchmark and operator tools.\n\n\
-        The operator verbs (inspect, stats, purge, release, fail) work on every store: \
-        --store takes a SQLite file or a postgres://, mysql://, mariadb:// or redis:// URL, \
-        with --schema (PostgreSQL), --table (SQL stores) and --prefix (Redis namespace)."
+    long_about = LONG_ABOUT
 )]
 struct Cli {
     #[command(subcommand)]
@@ -91,12 +106,14 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // Client libraries' log lines and error causes may hold a password idem never printed.
+    let scrubber = std::sync::Arc::new(scrub::Scrubber::from_process());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(scrub::Stderr(std::sync::Arc::clone(&scrubber)))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -116,7 +133,7 @@ async fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => std::process::ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", scrubber.scrub(&format!("{e:#}")));
             std::process::ExitCode::from(2)
         }
     }

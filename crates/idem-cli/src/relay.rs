@@ -5,12 +5,17 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use idem::outbox::{OutboxCounts, OutboxStore, Publisher, Relay, RelayReport};
+use idem::redact::Redacted;
+use idem::sqlx;
+
+use crate::connect;
 
 /// Where the outbox is and where its messages go.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RelayArgs {
-    /// The outbox's database: a SQLite file, or a `postgres://` or `mysql://` URL.
-    #[arg(long)]
+    /// The outbox's database: a SQLite file, or a `postgres://` or `mysql://` URL. Or set
+    /// IDEM_OUTBOX (keeps a password out of the shell history and `ps`; never shown).
+    #[arg(long, value_name = "FILE|URL", env = "IDEM_OUTBOX", hide_env_values = true)]
     outbox: String,
     /// PostgreSQL schema of the outbox table.
     #[arg(long, default_value = "idem")]
@@ -19,8 +24,9 @@ pub(crate) struct RelayArgs {
     #[arg(long, default_value = "idem_outbox")]
     table: String,
     /// The broker: `amqp://…` (RabbitMQ), `nats://…` (JetStream), `redis://…` (Streams) or
-    /// `kafka://host:port[,host:port]`. Not needed with --stats or --retry-parked.
-    #[arg(long)]
+    /// `kafka://host:port[,host:port]`. Not needed with --stats or --retry-parked. Or set
+    /// IDEM_TO (keeps a password out of the shell history and `ps`; never shown).
+    #[arg(long, value_name = "URL", env = "IDEM_TO", hide_env_values = true)]
     to: Option<String>,
     /// RabbitMQ exchange to publish to (default: the default exchange, where a destination is
     /// a queue name).
@@ -56,26 +62,30 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
     let url = args.outbox.as_str();
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         // Only the outbox table is created: the store's own table is not needed here.
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .connect(url)
-            .await
-            .with_context(|| format!("connecting to {url}"))?;
+        let pool =
+            connect::pg_pool(url, sqlx::postgres::PgPoolOptions::new().max_connections(4)).await?;
         let store = idem::PostgresStore::new(pool).with_schema(&args.schema)?;
         let outbox = store.outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
         with_outbox(outbox, &args).await
     } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let store =
-            idem::MySqlStore::connect(url).await.with_context(|| format!("connecting to {url}"))?;
-        let outbox = store.outbox().with_table_name(&args.table)?;
+        let pool =
+            connect::mysql_pool(url, sqlx::mysql::MySqlPoolOptions::new().max_connections(4))
+                .await?;
+        let outbox = idem::MySqlStore::new(pool).outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
         with_outbox(outbox, &args).await
     } else if url.contains("://") {
-        bail!("--outbox {url}: unknown scheme; expected a SQLite file, postgres:// or mysql://")
+        bail!(
+            "--outbox {}: unknown scheme; expected a SQLite file, postgres:// or mysql://",
+            Redacted(url)
+        )
     } else {
-        anyhow::ensure!(Path::new(url).exists(), "--outbox: no database file at {url}");
-        let store = idem::SqliteStore::open(url).await.with_context(|| format!("opening {url}"))?;
+        // A path shows as it is; `user:password@host` without a scheme does not.
+        anyhow::ensure!(Path::new(url).exists(), "--outbox: no database file at {}", Redacted(url));
+        let store = idem::SqliteStore::open(url)
+            .await
+            .with_context(|| format!("opening {}", Redacted(url)))?;
         let outbox = store.outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
         with_outbox(outbox, &args).await
@@ -96,38 +106,33 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
         bail!("--to is required to publish: amqp://…, nats://…, redis://… or kafka://host:port")
     };
     if to.starts_with("amqp://") || to.starts_with("amqps://") {
-        let conn = idem::amqp::lapin::Connection::connect(to, Default::default())
-            .await
-            .with_context(|| format!("connecting to {to}"))?;
+        let conn = connect::amqp_connection(to).await?;
         let mut publisher = idem::amqp::AmqpPublisher::new(conn.create_channel().await?).await?;
         if let Some(x) = &args.exchange {
             publisher = publisher.exchange(x.clone());
         }
         relay(outbox, publisher, args).await
     } else if to.starts_with("nats://") {
-        let client = idem::nats::async_nats::connect(to.trim_start_matches("nats://"))
-            .await
-            .with_context(|| format!("connecting to {to}"))?;
+        let client = connect::nats_client(to).await?;
         let publisher =
             idem::nats::JetStreamPublisher::new(idem::nats::async_nats::jetstream::new(client));
         relay(outbox, publisher, args).await
     } else if to.starts_with("redis://") || to.starts_with("rediss://") {
-        let client = idem::redis::redis::Client::open(to).with_context(|| format!("--to {to}"))?;
-        let conn =
-            client.get_connection_manager().await.with_context(|| format!("connecting to {to}"))?;
+        let conn = connect::redis_manager(to).await?;
         relay(outbox, idem::redis::StreamPublisher::new(conn), args).await
-    } else if let Some(brokers) = to.strip_prefix("kafka://") {
-        kafka(outbox, brokers, args).await
+    } else if to.starts_with("kafka://") {
+        kafka(outbox, connect::kafka_brokers(to)?, args).await
     } else {
-        bail!("--to {to}: unknown scheme; expected amqp://, nats://, redis:// or kafka://")
+        bail!(
+            "--to {}: unknown scheme; expected amqp://, nats://, redis:// or kafka://",
+            Redacted(to)
+        )
     }
 }
 
 #[cfg(feature = "kafka")]
 async fn kafka<S: OutboxStore>(outbox: S, brokers: &str, args: &RelayArgs) -> anyhow::Result<()> {
-    let publisher =
-        idem::kafka::KafkaPublisher::new(brokers).with_context(|| format!("kafka://{brokers}"))?;
-    relay(outbox, publisher, args).await
+    relay(outbox, connect::kafka_publisher(brokers).await?, args).await
 }
 
 #[cfg(not(feature = "kafka"))]

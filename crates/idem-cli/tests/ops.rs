@@ -309,7 +309,11 @@ async fn errors_name_the_problem() {
 
     // Nothing listens on port 1: refused at once, and the message says where.
     let out = idem(&["stats", "--store", "redis://127.0.0.1:1"]);
-    assert!(text(&out).contains("cannot connect to Redis at 127.0.0.1:1"), "{}", text(&out));
+    assert!(
+        text(&out).contains("cannot connect to Redis at redis://127.0.0.1:1"),
+        "{}",
+        text(&out)
+    );
 
     // A SQLite file without the table: named, with what creates it; nothing is created.
     let file = dir.path().join("other.sqlite");
@@ -323,4 +327,41 @@ async fn errors_name_the_problem() {
     );
     let again = idem(&["purge", "--store", file.to_str().unwrap(), "--table", "nosuch"]);
     assert!(text(&again).contains("no table nosuch"), "{}", text(&again));
+}
+
+/// Producer-supplied text reaches the terminal escaped: an id, scope and result carrying
+/// terminal escape sequences (clear screen, carriage return, window title, colour) are shown
+/// as `\u{1b}`… in the table and in `stats`, and as JSON escapes with `--json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_stats_escape_control_characters() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("idem.sqlite");
+    let store = idem::SqliteStore::open(&file).await.unwrap();
+    store.migrate().await.unwrap();
+    let (scope, id) = ("evil\x1b]0;owned\x07", "o-\x1b[2J\rX\u{9b}1m");
+    let k = key(scope, id);
+    let l = acquire(&store, &k).await;
+    store.complete(l, Some(b"\x1b[31mred\x7f"), RETAIN).await.unwrap();
+    let _held = acquire(&store, &key(scope, "in-progress\r")).await;
+    let args = ["--store", file.to_str().unwrap()];
+
+    let raw = |out: &str| out.contains(['\x1b', '\r', '\x07', '\x7f', '\u{9b}']);
+    let table = ok("inspect", &args, &[]);
+    assert!(!raw(&table), "{table:?}");
+    assert!(table.contains("o-\\u{1b}[2J\\u{d}X\\u{9b}1m"), "{table}");
+    assert!(table.contains("evil\\u{1b}]0;owned\\u{7}"), "{table}");
+    assert!(table.contains("\\u{1b}[31mred\\u{7f}"), "{table}");
+
+    let json = ok("inspect", &args, &["--json"]);
+    assert!(!raw(&json), "{json:?}");
+    let recs = json_lines(&json);
+    assert!(recs.iter().any(|r| r["id"] == id && r["scope"] == scope), "{recs:?}");
+
+    for extra in [&[][..], &["--json"]] {
+        let stats = ok("stats", &args, extra);
+        assert!(!raw(&stats), "{stats:?}");
+        assert!(stats.contains("in-progress"), "{stats}");
+    }
+    let released = ok("release", &args, &[scope, id]);
+    assert!(!raw(&released) && released.contains("released evil\\u{1b}"), "{released:?}");
 }

@@ -8,6 +8,7 @@
 //! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
+//! - [`redact`]: addresses and connection strings shown without their secrets.
 //! - [`telemetry`]: the metrics every consumer emits, and [`describe_metrics`] for exporters.
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
@@ -25,6 +26,7 @@ pub mod key;
 pub mod memory;
 pub mod outbox;
 pub mod record;
+pub mod redact;
 pub mod retention;
 pub mod store;
 pub mod telemetry;

@@ -111,7 +111,9 @@ impl State {
 /// config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "billing");
 /// let kafka = Kafka::new(&config, &["orders"], "dlq.orders").retry_delay(Duration::from_secs(5));
 /// ```
-#[derive(Debug)]
+///
+/// `Debug` shows the brokers, the group and the names of the other settings, never a value that
+/// could be a credential (`sasl.password`, `ssl.key.pem`, `sasl.oauthbearer.config`…).
 #[must_use]
 pub struct Kafka {
     config: ClientConfig,
@@ -122,6 +124,26 @@ pub struct Kafka {
     produce_timeout: Duration,
     close_timeout: Duration,
     topic_retention: Option<Duration>,
+}
+
+impl std::fmt::Debug for Kafka {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // rdkafka's own Debug leaves out five password keys but shows `ssl.key.pem` (a private
+        // key) and `sasl.oauthbearer.config` (which may hold a client secret): names only.
+        let settings: Vec<&str> = self.config.config_map().into_keys().collect();
+        f.debug_struct("Kafka")
+            .field("bootstrap.servers", &self.config.get("bootstrap.servers"))
+            .field("group.id", &self.config.get("group.id"))
+            .field("settings", &settings)
+            .field("topics", &self.topics)
+            .field("dead_letter", &self.dead_letter)
+            .field("batch_wait", &self.batch_wait)
+            .field("retry_delay", &self.retry_delay)
+            .field("produce_timeout", &self.produce_timeout)
+            .field("close_timeout", &self.close_timeout)
+            .field("topic_retention", &self.topic_retention)
+            .finish()
+    }
 }
 
 impl Kafka {
@@ -769,5 +791,20 @@ mod tests {
         let (commit, ahead) = not_behind(&due, &group);
         assert_eq!(commit, vec![(tp(1), 100), (tp(2), 7)], "level, or no group offset: committed");
         assert_eq!(ahead, vec![(tp(0), 32, 2000)]);
+    }
+
+    #[test]
+    fn debug_shows_no_credential() {
+        const SECRET: &str = "PlantedSecret42";
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", "b1:9093").set("group.id", "g");
+        c.set("sasl.username", "app").set("sasl.password", SECRET);
+        c.set("ssl.key.pem", format!("-----BEGIN PRIVATE KEY-----{SECRET}"));
+        c.set("sasl.oauthbearer.config", format!("clientSecret={SECRET}"));
+        let d = format!("{:?}", Kafka::new(&c, &["orders"], "dlq"));
+        assert!(!d.contains(SECRET), "{d}");
+        assert!(d.contains("b1:9093") && d.contains("ssl.key.pem") && d.contains("orders"), "{d}");
+        let p = crate::KafkaPublisher::with_config(&c).unwrap();
+        assert!(!format!("{p:?}").contains(SECRET), "{p:?}");
     }
 }

@@ -27,7 +27,8 @@ async fn main() -> Result<()> {
     let url = std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
     let client = async_nats::connect(&url).await?;
     let js = jetstream::new(client.clone());
-    println!("connected to NATS {} at {url}", client.server_info().version);
+    let (version, at) = (client.server_info().version, idem::redact::Redacted(&url));
+    println!("connected to NATS {version} at {at}");
 
     let sfx = std::process::id();
     let (stream, dlq_stream) = (format!("ORDERS_{sfx}"), format!("ORDERS_{sfx}_DLQ"));

@@ -47,7 +47,8 @@ async fn main() -> Result<(), Error> {
     let queue = format!("idem-example-orders-{sfx}");
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
         .await?;
-    println!("queue {queue} on {url}");
+    // Never print a URL as it is: it may carry a password.
+    println!("queue {queue} on {}", idem::redact::Redacted(&url));
 
     // The producer, with a retry and a reused id.
     ch.confirm_select(ConfirmSelectOptions::default()).await?;

@@ -18,6 +18,8 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 /// encoding): letters, digits and `-_.~`.
 const SAS: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
 
+use idem_core::redact::Redacted;
+
 use crate::error::Error;
 
 /// The error a [`TokenSource`] reports.
@@ -179,9 +181,11 @@ pub(crate) struct Parsed {
 pub(crate) fn parse_connection_string(connection: &str) -> Result<Parsed, Error> {
     let mut endpoint = None;
     let (mut name, mut key, mut signature, mut entity) = (None, None, None, None);
-    for part in connection.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+    let parts = connection.split(';').map(str::trim).enumerate().filter(|(_, p)| !p.is_empty());
+    for (i, part) in parts {
+        // Its text is not shown: it could be a key pasted without its name.
         let (k, v) = part.split_once('=').ok_or_else(|| {
-            Error::config("connection string", format!("part `{}` is not key=value", redact(part)))
+            Error::config("connection string", format!("part {} is not key=value", i + 1))
         })?;
         match k.to_ascii_lowercase().as_str() {
             "endpoint" => endpoint = Some(v),
@@ -197,11 +201,13 @@ pub(crate) fn parse_connection_string(connection: &str) -> Result<Parsed, Error>
     let host = endpoint
         .strip_prefix("sb://")
         .ok_or_else(|| {
-            Error::config("Endpoint", format!("`{endpoint}` does not start with sb://"))
+            Error::config("Endpoint", format!("`{}` does not start with sb://", Redacted(endpoint)))
         })?
         .trim_end_matches('/');
-    if host.is_empty() || host.contains('/') {
-        return Err(Error::config("Endpoint", format!("`{endpoint}` is not sb://<namespace>/")));
+    // No user-info either: a key there would become the host name, shown in Debug and errors.
+    if host.is_empty() || host.contains(['/', '@']) {
+        let shown = Redacted(endpoint);
+        return Err(Error::config("Endpoint", format!("`{shown}` is not sb://<namespace>/")));
     }
     let credential = match (name, key, signature) {
         (_, _, Some(sig)) => Credential::Signature(sig.to_owned()),
@@ -215,10 +221,6 @@ pub(crate) fn parse_connection_string(connection: &str) -> Result<Parsed, Error>
     };
     let entity_path = entity.filter(|e| !e.is_empty()).map(str::to_owned);
     Ok(Parsed { host: host.to_owned(), credential, entity_path })
-}
-
-fn redact(part: &str) -> String {
-    part.chars().take(24).collect::<String>() + if part.len() > 24 { "…" } else { "" }
 }
 
 /// Puts a token for `entity` on the `$cbs` node, then keeps putting a fresh one before it
@@ -305,6 +307,32 @@ mod tests {
         assert_eq!(err("Endpoint=sb://x/;SharedAccessKey=b"), "SharedAccessKeyName");
         assert_eq!(err("Endpoint=sb://x/;SharedAccessKeyName=a"), "SharedAccessKey");
         assert_eq!(err("Endpoint=sb://x/;garbage"), "connection string");
+    }
+
+    #[test]
+    fn errors_and_debug_never_show_a_key() {
+        const KEY: &str = "UGxhbnRlZFNlY3JldEtleQ==";
+        // A key pasted without its name; a key in the endpoint's user-info.
+        for s in [
+            format!("Endpoint=sb://x/;SharedAccessKeyName=a;{KEY}"),
+            format!("Endpoint=sb://a:{KEY}@x/y;SharedAccessKeyName=a;SharedAccessKey=b"),
+            format!("Endpoint=sb://a:{KEY}@x/;SharedAccessKeyName=a;SharedAccessKey=b"),
+            format!("Endpoint=https://a:{KEY}@x/;SharedAccessKeyName=a;SharedAccessKey=b"),
+        ] {
+            let e = parse_connection_string(&s).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(!e.is_empty() && !e.contains(KEY.trim_end_matches('=')), "{e}");
+        }
+        let s = format!("Endpoint=sb://x/;SharedAccessKeyName=a;SharedAccessKey={KEY}");
+        let sb = crate::ServiceBus::from_connection_string(&s).unwrap();
+        assert!(!format!("{sb:?}").contains(KEY), "{sb:?}");
+        let s =
+            format!("Endpoint=sb://x/;SharedAccessSignature=SharedAccessSignature sr=x&sig={KEY}");
+        let sb = crate::ServiceBus::from_connection_string(&s).unwrap();
+        assert!(!format!("{sb:?}").contains(KEY), "{sb:?}");
+        let url = format!("amqp://u:{KEY}@h:5672/?password={KEY}");
+        let config = crate::Amqp10Config::new(url, "q");
+        let d = format!("{config:?}");
+        assert!(!d.contains(KEY) && d.contains("amqp://u:***@h:5672"), "{d}");
     }
 
     #[test]

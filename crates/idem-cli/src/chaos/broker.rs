@@ -6,15 +6,16 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use idem::amqp::Topology;
+use idem::amqp::lapin::Connection;
 use idem::amqp::lapin::options::{
     BasicGetOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idem::amqp::lapin::types::FieldTable;
-use idem::amqp::lapin::{Connection, ConnectionProperties};
-use idem::nats::async_nats::{self, jetstream};
+use idem::nats::async_nats::jetstream;
 use idem::outbox::{OutboxMessage, Publisher};
+use idem::redact::Redacted;
 
-use super::store::redact;
+use crate::connect;
 
 const ACCEPTED: &str =
     "amqp:// (RabbitMQ), nats:// (JetStream), redis:// (Redis Streams) or kafka:// (Kafka)";
@@ -44,14 +45,15 @@ impl BrokerUrl {
             Ok(Self::Nats(s.to_owned()))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             Ok(Self::Redis(s.to_owned()))
-        } else if let Some(brokers) = s.strip_prefix("kafka://") {
+        } else if s.starts_with("kafka://") {
+            let brokers = connect::kafka_brokers(s).context("--broker")?;
             if cfg!(feature = "kafka") {
-                Ok(Self::Kafka(brokers.trim_end_matches('/').to_owned()))
+                Ok(Self::Kafka(brokers.to_owned()))
             } else {
                 bail!("--broker {s}: this idem was built without the `kafka` feature")
             }
         } else {
-            bail!("--broker {s}: unsupported scheme; expected {ACCEPTED}")
+            bail!("--broker {}: unsupported scheme; expected {ACCEPTED}", Redacted(s))
         }
     }
 
@@ -78,33 +80,8 @@ impl BrokerUrl {
     }
 }
 
-pub(crate) async fn amqp_connect(url: &str) -> anyhow::Result<Connection> {
-    Connection::connect(url, ConnectionProperties::default())
-        .await
-        .with_context(|| format!("connecting to RabbitMQ at {}", redact(url)))
-}
-
-pub(crate) async fn redis_client(url: &str) -> anyhow::Result<idem::redis::redis::Client> {
-    idem::redis::redis::Client::open(url).with_context(|| format!("--broker {}", redact(url)))
-}
-
-async fn redis_connect(url: &str) -> anyhow::Result<idem::redis::redis::aio::ConnectionManager> {
-    let client = redis_client(url).await?;
-    let connecting = idem::redis::redis::aio::ConnectionManager::new(client);
-    tokio::time::timeout(Duration::from_secs(5), connecting)
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out"))
-        .and_then(|r| r.map_err(anyhow::Error::from))
-        .with_context(|| format!("connecting to Redis at {}", redact(url)))
-}
-
 pub(crate) async fn nats_connect(url: &str) -> anyhow::Result<jetstream::Context> {
-    let client = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .with_context(|| format!("connecting to NATS at {}", redact(url)))?;
-    Ok(jetstream::new(client))
+    Ok(jetstream::new(connect::nats_client(url).await?))
 }
 
 /// The orchestrator's connection to the broker.
@@ -135,7 +112,7 @@ impl Admin {
         let destination = broker.destination(tag);
         match broker {
             BrokerUrl::Amqp(url) => {
-                let conn = amqp_connect(url).await?;
+                let conn = connect::amqp_connection(url).await?;
                 let ch = conn.create_channel().await?;
                 ch.queue_declare(
                     destination.as_str().into(),
@@ -181,7 +158,7 @@ impl Admin {
                 Ok(Self::Nats { js, publisher, tag: tag.to_owned() })
             }
             BrokerUrl::Redis(url) => {
-                let mut conn = redis_connect(url).await?;
+                let mut conn = connect::redis_manager(url).await?;
                 // The group first, from the stream's start, so the backlog counts every entry.
                 let _: () = idem::redis::redis::cmd("XGROUP")
                     .arg("CREATE")
@@ -198,6 +175,7 @@ impl Admin {
             }
             #[cfg(feature = "kafka")]
             BrokerUrl::Kafka(brokers) => {
+                connect::kafka_reachable(brokers).await?;
                 let dead_letter = format!("{destination}.dlq");
                 Ok(Self::Kafka(
                     super::kafka::KafkaAdmin::create(brokers, destination, dead_letter).await?,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use idem::outbox::{MessageId, OutboxMessage, Outgoing};
+use idem::redact::Redacted;
 use rand::Rng;
 use rand::seq::SliceRandom;
 use tokio::io::AsyncBufReadExt;
@@ -53,6 +54,11 @@ Columns of the table:
 Exit status: 0 when nothing was lost, duplicated or unexpected and every reused id was \
 dead-lettered; 1 otherwise (or on --timeout); 2 when the run could not be set up. The run's \
 queue/stream and tables/keys (named idem_chaos_<tag>) are deleted at the end unless --keep.";
+
+/// Where `--broker` is read from when not given; also how workers get it (never in argv).
+const BROKER_ENV: &str = "IDEM_CHAOS_BROKER";
+/// Where `--store` is read from when not given; also how workers get it (never in argv).
+const STORE_ENV: &str = "IDEM_CHAOS_STORE";
 
 /// A fault injected into the workers, to prove the verifier catches it. Test only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -98,11 +104,14 @@ fn parse_interval(s: &str) -> Result<Interval, String> {
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ChaosArgs {
     /// The broker: amqp://… (RabbitMQ), nats://… (JetStream), redis://… (Redis Streams) or
-    /// kafka://host:port (Kafka; the `kafka` feature).
-    #[arg(long)]
+    /// kafka://host:port (Kafka; the `kafka` feature). Or set IDEM_CHAOS_BROKER (keeps a
+    /// password out of the shell history and `ps`; never shown).
+    #[arg(long, value_name = "URL", env = BROKER_ENV, hide_env_values = true)]
     broker: String,
     /// The store: a SQLite file, postgres://…, mysql://… (inbox mode) or redis://… (two-phase).
-    #[arg(long)]
+    /// Or set IDEM_CHAOS_STORE (not IDEM_STORE: a run creates and drops tables, so it never
+    /// picks up the operator tools' store by accident).
+    #[arg(long, value_name = "FILE|URL", env = STORE_ENV, hide_env_values = true)]
     store: String,
     /// Messages published in all (unique + duplicates + reused).
     #[arg(long, default_value_t = 10_000)]
@@ -245,12 +254,15 @@ struct Worker {
 }
 
 impl Worker {
-    /// Starts `idem chaos --worker …` and waits for its `ready` line.
-    async fn start(args: &ChaosArgs, tag: &str) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("locating the idem binary")?;
+    /// The command of a worker: the broker and store URLs go in its environment, where only
+    /// the same user (and root) can read them, never in its arguments, which `ps` shows to
+    /// every user of the machine.
+    fn command(exe: &std::path::Path, args: &ChaosArgs, tag: &str) -> Command {
         let mut cmd = Command::new(exe);
-        cmd.args(["chaos", "--worker", "--tag", tag, "--broker", &args.broker])
-            .args(["--store", &args.store, "--lease", &format!("{}ms", args.lease.as_millis())])
+        cmd.args(["chaos", "--worker", "--tag", tag])
+            .args(["--lease", &format!("{}ms", args.lease.as_millis())])
+            .env(BROKER_ENV, &args.broker)
+            .env(STORE_ENV, &args.store)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -258,6 +270,13 @@ impl Worker {
         if args.fault == Some(Fault::EffectOutsideTx) {
             cmd.args(["--fault", "effect-outside-tx"]);
         }
+        cmd
+    }
+
+    /// Starts `idem chaos --worker …` and waits for its `ready` line.
+    async fn start(args: &ChaosArgs, tag: &str) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the idem binary")?;
+        let mut cmd = Self::command(&exe, args, tag);
         let mut child = cmd.spawn().context("starting a worker")?;
         let stdout = child.stdout.take().context("worker stdout")?;
         let mut lines = tokio::io::BufReader::new(stdout).lines();
@@ -375,7 +394,7 @@ async fn verify(
             loop {
                 tokio::select! {
                     r = &mut poll => break r?,
-                    () = tokio::time::sleep_until(next_kill.into()) => {
+                    () = tokio::time::sleep_until(next_kill) => {
                         kill_one(&mut workers, &mut events, &mut rng, args, &plan.tag).await?;
                         next_kill = Instant::now() + pause(&mut rng);
                     }
@@ -447,8 +466,8 @@ async fn verify(
     );
     println!(
         "idem chaos: {} × {} ({} workers)",
-        redact_scheme(&args.broker),
-        redact_scheme(&args.store),
+        Redacted(&args.broker),
+        Redacted(&args.store),
         args.workers
     );
     println!("{}", Table { tally: &tally, events: &events });
@@ -457,11 +476,6 @@ async fn verify(
 
 fn applied_reused(effects: &[Effect], id: &str) -> bool {
     effects.iter().any(|e| e.id == id && e.body == REUSED)
-}
-
-/// The URL without its password, or the file name.
-fn redact_scheme(s: &str) -> String {
-    store::redact(s)
 }
 
 #[cfg(test)]
@@ -480,5 +494,34 @@ mod tests {
         );
         assert!(parse_interval("1s..100ms").is_err());
         assert!(parse_interval("1s").is_err());
+    }
+
+    #[test]
+    fn workers_get_the_urls_in_their_environment_not_in_argv() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            chaos: ChaosArgs,
+        }
+        let (broker, store) =
+            ("amqp://u:Planted1@127.0.0.1:1/%2f", "postgres://u@h/db?password=Planted2");
+        let cli = Cli::try_parse_from(["chaos", "--broker", broker, "--store", store]);
+        let args = cli.map(|c| c.chaos).map_err(|e| e.to_string());
+        let args = args.as_ref().map_err(String::as_str);
+        let Ok(args) = args else { panic!("{args:?}") };
+        let cmd = Worker::command(std::path::Path::new("idem"), args, "t1");
+        let argv: Vec<_> = cmd.as_std().get_args().map(|a| a.to_string_lossy()).collect();
+        assert!(argv.iter().all(|a| !a.contains("Planted")), "{argv:?}");
+        assert!(argv.contains(&"--worker".into()) && argv.contains(&"t1".into()), "{argv:?}");
+        let env: std::collections::HashMap<_, _> = cmd.as_std().get_envs().collect();
+        assert_eq!(
+            env.get(std::ffi::OsStr::new(BROKER_ENV)),
+            Some(&Some(std::ffi::OsStr::new(broker)))
+        );
+        assert_eq!(
+            env.get(std::ffi::OsStr::new(STORE_ENV)),
+            Some(&Some(std::ffi::OsStr::new(store)))
+        );
     }
 }

@@ -4,11 +4,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use idem::redact::Redacted;
 use idem::redis::redis::{self, AsyncCommands as _};
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{MySqlStore, PostgresStore, SqliteStore};
 
 use super::verdict::Effect;
+use crate::connect;
 
 const ACCEPTED: &str = "a SQLite file, postgres://, mysql:// or redis://";
 
@@ -26,13 +28,14 @@ impl StoreUrl {
         Ok(if s.starts_with("postgres://") || s.starts_with("postgresql://") {
             Self::Postgres(s.to_owned())
         } else if s.starts_with("mysql://") || s.starts_with("mariadb://") {
-            Self::MySql(s.replacen("mariadb://", "mysql://", 1))
+            // `connect::mysql_pool` takes both, and names MariaDB when asked for it.
+            Self::MySql(s.to_owned())
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             Self::Redis(s.to_owned())
         } else if let Some(path) = s.strip_prefix("sqlite://") {
             Self::Sqlite(path.into())
         } else if s.contains("://") {
-            bail!("--store {s}: unsupported scheme; expected {ACCEPTED}")
+            bail!("--store {}: unsupported scheme; expected {ACCEPTED}", Redacted(s))
         } else {
             Self::Sqlite(s.into())
         })
@@ -73,21 +76,11 @@ pub(crate) enum Ledger {
 }
 
 pub(crate) async fn pg_pool(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool> {
-    sqlx::postgres::PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .with_context(|| format!("connecting to PostgreSQL at {}", redact(url)))
+    connect::pg_pool(url, sqlx::postgres::PgPoolOptions::new().max_connections(max)).await
 }
 
 pub(crate) async fn my_pool(url: &str, max: u32) -> anyhow::Result<sqlx::MySqlPool> {
-    sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .with_context(|| format!("connecting to MySQL at {}", redact(url)))
+    connect::mysql_pool(url, sqlx::mysql::MySqlPoolOptions::new().max_connections(max)).await
 }
 
 pub(crate) async fn sqlite_pool(path: &PathBuf) -> anyhow::Result<sqlx::SqlitePool> {
@@ -99,30 +92,7 @@ pub(crate) async fn sqlite_pool(path: &PathBuf) -> anyhow::Result<sqlx::SqlitePo
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(30));
-    SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(opts)
-        .await
-        .with_context(|| format!("opening SQLite file {}", path.display()))
-}
-
-pub(crate) async fn redis_conn(url: &str) -> anyhow::Result<redis::aio::ConnectionManager> {
-    let client = redis::Client::open(url).with_context(|| format!("--store {}", redact(url)))?;
-    client
-        .get_connection_manager()
-        .await
-        .with_context(|| format!("connecting to Redis at {}", redact(url)))
-}
-
-/// `scheme://host:port/…` without the password, for messages.
-pub(crate) fn redact(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((_, host)) => format!("{scheme}://…@{host}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
+    connect::sqlite_pool(opts, SqlitePoolOptions::new().max_connections(1)).await
 }
 
 impl Ledger {
@@ -155,7 +125,7 @@ impl Ledger {
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
                 Self::Sqlite(pool)
             }
-            StoreUrl::Redis(url) => Self::Redis(redis_conn(url).await?),
+            StoreUrl::Redis(url) => Self::Redis(connect::redis_manager(url).await?),
         })
     }
 
@@ -232,7 +202,7 @@ mod tests {
     fn parses_store_urls() {
         assert!(matches!(StoreUrl::parse("x.db"), Ok(StoreUrl::Sqlite(_))));
         assert!(
-            matches!(StoreUrl::parse("mariadb://root@h/test"), Ok(StoreUrl::MySql(u)) if u.starts_with("mysql://"))
+            matches!(StoreUrl::parse("mariadb://root@h/test"), Ok(StoreUrl::MySql(u)) if u.starts_with("mariadb://"))
         );
         let e = StoreUrl::parse("mongodb://h").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("postgres://") && e.contains("redis://"), "{e}");
@@ -243,10 +213,5 @@ mod tests {
         let e = parse_redis_effect("t-000001:2:original").ok();
         assert_eq!(e.map(|e| (e.id, e.attempt)), Some(("t-000001".into(), Some(2))));
         assert!(parse_redis_effect("nonsense").is_err());
-    }
-
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(redact("amqp://guest:pw@h:5672/%2f"), "amqp://…@h:5672/%2f");
     }
 }

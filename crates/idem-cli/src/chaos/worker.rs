@@ -17,6 +17,7 @@ use idem::{Consumer, Driver, MySqlStore, PostgresStore, SqliteStore, Tx};
 use super::broker::{self, BrokerUrl, NATS_CONSUMER};
 use super::store::{self, Names, StoreUrl};
 use super::{ChaosArgs, Fault};
+use crate::connect;
 
 /// Inbox markers outlive any redelivery of the run.
 const RETAIN: Duration = Duration::from_secs(86_400);
@@ -31,7 +32,7 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
     let names = Names::new(tag);
     match &broker {
         BrokerUrl::Amqp(url) => {
-            let conn = broker::amqp_connect(url).await?;
+            let conn = connect::amqp_connection(url).await?;
             let config = idem::amqp::AmqpConfig::new(&conn, broker.destination(tag))
                 .prefetch(64)
                 .retry_delay(Duration::from_millis(200), Duration::from_secs(2));
@@ -48,7 +49,7 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
             consume(source, &store, &names, args).await
         }
         BrokerUrl::Redis(url) => {
-            let client = broker::redis_client(url).await?;
+            let client = connect::redis_client(url)?;
             // A killed worker's entries are taken over by another after this idle time.
             let config = idem::redis::StreamConfig::new(
                 client,
@@ -171,15 +172,13 @@ where
                 !outside,
                 "--fault effect-outside-tx needs a SQL store (two-phase effects are outside already)"
             );
-            let dedup = idem::redis::RedisStore::builder(url)?
-                .namespace(&names.base)?
-                .response_timeout(Duration::from_secs(2))
-                .connect()
-                .await
-                .with_context(|| format!("connecting to Redis at {}", store::redact(url)))?;
+            let dedup = connect::redis_store(url, |builder| {
+                Ok(builder.namespace(&names.base)?.response_timeout(Duration::from_secs(2)))
+            })
+            .await?;
             let engine = Consumer::builder(dedup).scope(SCOPE).lease(args.lease).build()?;
             let driver = builder.engine(engine).build().await?;
-            let conn = store::redis_conn(url).await?;
+            let conn = connect::redis_manager(url).await?;
             let key = names.redis_ledger();
             ready()?;
             let handler = move |ctx: Context, m: <C::Source as Source>::Message| -> HandlerFuture {

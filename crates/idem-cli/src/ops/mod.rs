@@ -65,7 +65,7 @@ pub(crate) async fn inspect(a: InspectArgs) -> anyhow::Result<()> {
             let key = DedupKey::new(scope.clone(), id.clone())?;
             match store.get(&key).await? {
                 Some(r) => vec![r],
-                None => anyhow::bail!("no record for {key}"),
+                None => anyhow::bail!("no record for {}", show::clean(&key.to_string())),
             }
         }
         _ => {
@@ -81,7 +81,7 @@ pub(crate) async fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     };
     if a.json {
         for r in &records {
-            println!("{}", show::record_json(r));
+            println!("{}", show::json_line(&show::record_json(r)));
         }
         return Ok(());
     }
@@ -127,7 +127,7 @@ pub(crate) async fn stats(a: StatsArgs) -> anyhow::Result<()> {
             out["by_scope"] = json!(per);
             out["by_scope_complete"] = json!(complete);
         }
-        println!("{out}");
+        println!("{}", show::json_line(&out));
         return Ok(());
     }
     println!(
@@ -143,8 +143,8 @@ pub(crate) async fn stats(a: StatsArgs) -> anyhow::Result<()> {
     match oldest {
         Some(r) => println!(
             "oldest in-progress lease: {}/{} claimed {} ago, {}",
-            r.scope,
-            r.id,
+            show::clean(&r.scope),
+            show::clean(&r.id),
             show::age(now.since(r.updated_at)),
             match r.lease_until {
                 Some(u) if u > now => format!("lease ends in {}", show::age(u.since(now))),
@@ -162,7 +162,7 @@ pub(crate) async fn stats(a: StatsArgs) -> anyhow::Result<()> {
         for (scope, c) in &m {
             println!(
                 "{:<32} {:>11} {:>9} {:>8} {:>6} {:>8} {:>7}",
-                scope,
+                show::clean(scope),
                 c.in_progress,
                 c.completed,
                 c.released,
@@ -219,11 +219,12 @@ pub(crate) async fn purge(s: &StoreArgs, batch: usize, max: Option<u64>) -> anyh
 pub(crate) async fn release(s: &StoreArgs, scope: String, id: String) -> anyhow::Result<()> {
     let store = s.open().await?;
     let key = DedupKey::new(scope, id)?;
+    let shown = show::clean(&key.to_string()).into_owned();
     if store.force_release(&key).await? {
-        println!("released {key}: the next delivery runs the handler again");
+        println!("released {shown}: the next delivery runs the handler again");
         Ok(())
     } else {
-        anyhow::bail!("no record for {key}")
+        anyhow::bail!("no record for {shown}")
     }
 }
 
@@ -235,18 +236,19 @@ pub(crate) async fn fail(
 ) -> anyhow::Result<()> {
     let store = s.open().await?;
     let key = DedupKey::new(scope, id)?;
+    let shown = show::clean(&key.to_string()).into_owned();
     let before = store.get(&key).await?.map(|r| r.state);
     // The store decides in one write: a completed record is left alone (its effect happened;
     // failing it would let a resubmission run it twice; `release` is the explicit way).
     if store.force_fail(&key, &reason).await? {
         let was = before.map_or_else(|| "unknown".to_owned(), |s| s.to_string());
-        println!("failed {key} (was {was}): a resubmitted message runs the handler again");
+        println!("failed {shown} (was {was}): a resubmitted message runs the handler again");
         return Ok(());
     }
     match store.get(&key).await?.map(|r| r.state) {
         Some(RecordState::Completed) => anyhow::bail!(
-            "{key} is completed; `idem fail` is for records in doubt (or stuck in progress)"
+            "{shown} is completed; `idem fail` is for records in doubt (or stuck in progress)"
         ),
-        _ => anyhow::bail!("no record for {key}"),
+        _ => anyhow::bail!("no record for {shown}"),
     }
 }

@@ -1,18 +1,17 @@
 //! `--store`: one of the four stores, opened for an operator (no table is created).
 
 use std::path::Path;
-use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use idem::mysql::MySqlStore;
 use idem::postgres::PostgresStore;
+use idem::redact::Redacted;
 use idem::redis::RedisStore;
 use idem::sqlite::SqliteStore;
 use idem::sqlx;
 use idem::{Counts, DedupKey, DedupStore, InspectStore, ListFilter, Record, StoreError};
 
-/// How long opening a store may take before the server counts as unreachable.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::connect::{self, CONNECT_TIMEOUT};
 
 const SCHEMES: &str = "postgres://, postgresql://, mysql://, mariadb:// or redis://";
 
@@ -20,8 +19,9 @@ const SCHEMES: &str = "postgres://, postgresql://, mysql://, mariadb:// or redis
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct StoreArgs {
     /// The store the consumers use: a SQLite file, or a postgres://, postgresql://, mysql://,
-    /// mariadb:// or redis:// URL.
-    #[arg(long, value_name = "FILE|URL")]
+    /// mariadb:// or redis:// URL. Or set IDEM_STORE, which keeps a password out of the shell
+    /// history and `ps`; its value is never shown, and passwords in messages show as ***.
+    #[arg(long, value_name = "FILE|URL", env = "IDEM_STORE", hide_env_values = true)]
     store: String,
     /// PostgreSQL schema of the table.
     #[arg(long, default_value = "idem")]
@@ -99,7 +99,7 @@ impl StoreArgs {
             Some("redis" | "rediss") => self.redis(url).await,
             Some(other) => bail!(
                 "--store {}: unknown scheme {other:?}; expected a SQLite file or a {SCHEMES} URL",
-                redact(url)
+                Redacted(url)
             ),
             None => self.sqlite(Path::new(url)).await,
         }
@@ -115,11 +115,9 @@ impl StoreArgs {
             .filename(path)
             .create_if_missing(false)
             .busy_timeout(CONNECT_TIMEOUT);
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(opts)
-            .await
-            .with_context(|| format!("opening SQLite database {}", path.display()))?;
+        let pool =
+            connect::sqlite_pool(opts, sqlx::sqlite::SqlitePoolOptions::new().max_connections(1))
+                .await?;
         let store = SqliteStore::new(pool.clone()).with_table_name(&self.table)?;
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
@@ -135,13 +133,9 @@ impl StoreArgs {
     }
 
     async fn postgres(&self, url: &str) -> anyhow::Result<OpsStore> {
-        let at = format!("PostgreSQL at {}", address(url));
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(CONNECT_TIMEOUT)
-            .connect(url)
-            .await
-            .with_context(|| format!("cannot connect to {at}"))?;
+        let at = format!("PostgreSQL at {}", Redacted(url));
+        let pool =
+            connect::pg_pool(url, sqlx::postgres::PgPoolOptions::new().max_connections(2)).await?;
         let store = PostgresStore::new(pool.clone())
             .with_schema(&self.schema)?
             .with_table_name(&self.table)?;
@@ -161,17 +155,10 @@ impl StoreArgs {
     }
 
     async fn mysql(&self, url: &str) -> anyhow::Result<OpsStore> {
-        let at = format!("MySQL/MariaDB at {}", address(url));
-        // The driver knows only `mysql://`; MariaDB speaks the same protocol.
-        let url = url
-            .strip_prefix("mariadb://")
-            .map_or_else(|| url.to_owned(), |r| format!("mysql://{r}"));
-        let pool = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(2)
-            .acquire_timeout(CONNECT_TIMEOUT)
-            .connect(&url)
-            .await
-            .with_context(|| format!("cannot connect to {at}"))?;
+        let at = format!("MySQL/MariaDB at {}", Redacted(url));
+        let pool =
+            connect::mysql_pool(url, sqlx::mysql::MySqlPoolOptions::new().max_connections(2))
+                .await?;
         let store = MySqlStore::new(pool.clone()).with_table_name(&self.table)?;
         let n: i64 = sqlx::query_scalar(
             "SELECT CAST(count(*) AS SIGNED) FROM information_schema.tables \
@@ -188,22 +175,11 @@ impl StoreArgs {
     }
 
     async fn redis(&self, url: &str) -> anyhow::Result<OpsStore> {
-        let at = format!("Redis at {}", address(url));
-        // Operators may look at a server whose eviction policy consumers would refuse.
-        let builder = RedisStore::builder(url)
-            .with_context(|| format!("--store {}", redact(url)))?
-            .namespace(&self.prefix)?
-            .allow_eviction(true)
-            .response_timeout(CONNECT_TIMEOUT);
-        let store = tokio::time::timeout(CONNECT_TIMEOUT * 2, builder.connect())
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!(
-                    "cannot connect to {at}: no answer within {:?}",
-                    CONNECT_TIMEOUT * 2
-                )
-            })?
-            .with_context(|| format!("cannot connect to {at}"))?;
+        let store = connect::redis_store(url, |builder| {
+            // Operators may look at a server whose eviction policy consumers would refuse.
+            Ok(builder.namespace(&self.prefix)?.allow_eviction(true))
+        })
+        .await?;
         Ok(OpsStore::Redis(store))
     }
 }
@@ -213,40 +189,4 @@ fn missing_table(table: &str, at: &str) -> String {
         "no table {table} in {at}: it is created by the store's migrate() (a consumer refuses \
          to start without it); check --table (and --schema for PostgreSQL)"
     )
-}
-
-/// `host:port` of a URL, without credentials, for messages.
-fn address(url: &str) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let authority = rest.split(['/', '?']).next().unwrap_or_default();
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    if host.is_empty() { "localhost".to_owned() } else { host.to_owned() }
-}
-
-/// The URL without its credentials, for messages.
-fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    match rest[..end].rfind('@') {
-        Some(at) => format!("{scheme}://…@{}", &rest[at + 1..]),
-        None => url.to_owned(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{address, redact};
-
-    #[test]
-    fn address_drops_credentials_and_path() {
-        assert_eq!(address("postgres://u:secret@db:5432/test?x=1"), "db:5432");
-        assert_eq!(address("redis://127.0.0.1:6379"), "127.0.0.1:6379");
-        assert_eq!(address("mysql:///test"), "localhost");
-    }
-
-    #[test]
-    fn redact_hides_the_password() {
-        assert_eq!(redact("http://u:pw@h/x"), "http://…@h/x");
-        assert_eq!(redact("http://h/x@y"), "http://h/x@y");
-    }
 }

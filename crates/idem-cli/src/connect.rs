@@ -14,6 +14,8 @@
 
 use std::borrow::Cow;
 use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
@@ -28,6 +30,59 @@ use idem::sqlx::{ConnectOptions as _, Connection as _};
 /// How long the CLI waits for one server to accept a connection (and, for clients that have
 /// one, to answer a request) before it gives up with an error. `idem --help` says 10 s.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The CA and client certificate for the servers the CLI connects to (`--tls-ca`, `--tls-cert`,
+/// `--tls-key`, or `IDEM_TLS_CA`, `IDEM_TLS_CERT`, `IDEM_TLS_KEY`): added to the OS trust store,
+/// and presented when a server asks for a client certificate. A URL's own TLS settings
+/// (`sslrootcert=`, `ssl-ca=`, …) win over them.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub(crate) struct TlsArgs {
+    /// A CA certificate (PEM) to trust beside the OS trust store, for every server: PostgreSQL
+    /// and MySQL (then verified with `verify-full` / `VERIFY_IDENTITY` unless the URL says
+    /// otherwise), `rediss://`, `amqps://`, `tls://` (NATS), `kafka+ssl://`.
+    #[arg(long, global = true, env = "IDEM_TLS_CA", value_name = "PEM")]
+    pub(crate) tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM) to present where a server asks for one.
+    #[arg(long, global = true, env = "IDEM_TLS_CERT", value_name = "PEM", requires = "tls_key")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, global = true, env = "IDEM_TLS_KEY", value_name = "PEM", requires = "tls_cert")]
+    pub(crate) tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The same settings as environment variables, for a child process of the CLI.
+    pub(crate) fn env(&self) -> Vec<(&'static str, &Path)> {
+        [
+            ("IDEM_TLS_CA", &self.tls_ca),
+            ("IDEM_TLS_CERT", &self.tls_cert),
+            ("IDEM_TLS_KEY", &self.tls_key),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.as_deref().map(|v| (k, v)))
+        .collect()
+    }
+
+    fn client(&self) -> Option<(&Path, &Path)> {
+        self.tls_cert.as_deref().zip(self.tls_key.as_deref())
+    }
+}
+
+static TLS: OnceLock<TlsArgs> = OnceLock::new();
+
+/// Sets the TLS files every connection uses; called once, from `main`.
+pub(crate) fn set_tls(tls: TlsArgs) {
+    let _ = TLS.set(tls);
+}
+
+/// The TLS files given on the command line or in the environment.
+pub(crate) fn tls() -> &'static TlsArgs {
+    TLS.get_or_init(TlsArgs::default)
+}
+
+fn read(path: &Path, what: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading the {what} {}", path.display()))
+}
 
 /// Runs `connecting` for at most [`CONNECT_TIMEOUT`]; an error names `service` and `url`
 /// (redacted) and keeps the client's error as its cause.
@@ -57,8 +112,22 @@ where
 /// One connection is opened on its own first: the pool itself retries a refused connection
 /// until its timeout and then reports only "pool timed out", hiding why.
 pub(crate) async fn pg_pool(url: &str, pool: PgPoolOptions) -> anyhow::Result<PgPool> {
-    let opts: PgConnectOptions =
+    let mut opts: PgConnectOptions =
         url.parse().with_context(|| format!("PostgreSQL URL {}", Redacted(url)))?;
+    let tls = tls();
+    if let Some(ca) = &tls.tls_ca
+        && !url.contains("sslrootcert")
+    {
+        opts = opts.ssl_root_cert(ca);
+        if !url.contains("sslmode") {
+            opts = opts.ssl_mode(idem::sqlx::postgres::PgSslMode::VerifyFull);
+        }
+    }
+    if let Some((cert, key)) = tls.client()
+        && !url.contains("sslcert")
+    {
+        opts = opts.ssl_client_cert(cert).ssl_client_key(key);
+    }
     bounded("PostgreSQL", url, async move {
         opts.connect().await?.close().await?;
         pool.acquire_timeout(CONNECT_TIMEOUT).connect_with(opts).await
@@ -73,8 +142,24 @@ pub(crate) async fn mysql_pool(url: &str, pool: MySqlPoolOptions) -> anyhow::Res
         Some(rest) => ("MariaDB", Cow::Owned(format!("mysql://{rest}"))),
         None => ("MySQL", Cow::Borrowed(url)),
     };
-    let opts: MySqlConnectOptions =
+    let mut opts: MySqlConnectOptions =
         driver_url.parse().with_context(|| format!("{service} URL {}", Redacted(url)))?;
+    let tls = tls();
+    if let Some(ca) = &tls.tls_ca
+        && !url.contains("ssl-ca")
+        && !url.contains("sslca")
+    {
+        opts = opts.ssl_ca(ca);
+        if !url.contains("ssl-mode") && !url.contains("sslmode") {
+            opts = opts.ssl_mode(idem::sqlx::mysql::MySqlSslMode::VerifyIdentity);
+        }
+    }
+    if let Some((cert, key)) = tls.client()
+        && !url.contains("ssl-cert")
+        && !url.contains("sslcert")
+    {
+        opts = opts.ssl_client_cert(cert).ssl_client_key(key);
+    }
     bounded(service, url, async move {
         opts.connect().await?.close().await?;
         pool.acquire_timeout(CONNECT_TIMEOUT).connect_with(opts).await
@@ -93,9 +178,29 @@ pub(crate) async fn sqlite_pool(
     pool.connect_with(opts).await.with_context(|| format!("opening SQLite database {file}"))
 }
 
-/// A Redis client for `url`; nothing is connected yet.
+/// A Redis client for `url`; nothing is connected yet. `rediss://` trusts the OS store and
+/// `--tls-ca`, and presents `--tls-cert` when asked.
 pub(crate) fn redis_client(url: &str) -> anyhow::Result<redis::Client> {
-    redis::Client::open(url).with_context(|| format!("Redis URL {}", Redacted(url)))
+    let tls = tls();
+    let client = if url.starts_with("rediss://") && (tls.tls_ca.is_some() || tls.client().is_some())
+    {
+        idem::redis::install_crypto_provider();
+        let certs = redis::TlsCertificates {
+            client_tls: match tls.client() {
+                Some((cert, key)) => Some(redis::ClientTlsConfig {
+                    client_cert: read(cert, "client certificate")?,
+                    client_key: read(key, "client key")?,
+                }),
+                None => None,
+            },
+            root_cert: tls.tls_ca.as_deref().map(|ca| read(ca, "CA certificate")).transpose()?,
+        };
+        redis::Client::build_with_tls(url, certs)
+    } else {
+        idem::redis::install_crypto_provider();
+        redis::Client::open(url)
+    };
+    client.with_context(|| format!("Redis URL {}", Redacted(url)))
 }
 
 /// A Redis connection manager (it reconnects by itself); requests time out after the bound.
@@ -117,16 +222,34 @@ pub(crate) async fn redis_store(
         idem::redis::RedisStoreBuilder,
     ) -> anyhow::Result<idem::redis::RedisStoreBuilder>,
 ) -> anyhow::Result<RedisStore> {
-    let builder =
-        RedisStore::builder(url).with_context(|| format!("Redis URL {}", Redacted(url)))?;
+    let builder = RedisStore::builder_for(redis_client(url)?);
     let builder = configure(builder.response_timeout(CONNECT_TIMEOUT))?;
     bounded("Redis", url, builder.connect()).await
 }
 
-/// A RabbitMQ (AMQP 0-9-1) connection.
+/// A RabbitMQ (AMQP 0-9-1) connection: `amqps://` is verified TLS (the OS store and
+/// `--tls-ca`; `--tls-cert` presented, for `?auth_mechanism=external` say).
 pub(crate) async fn amqp_connection(url: &str) -> anyhow::Result<idem::amqp::lapin::Connection> {
+    use idem::amqp::lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
     let props = idem::amqp::lapin::ConnectionProperties::default();
-    bounded("RabbitMQ", url, idem::amqp::lapin::Connection::connect(url, props)).await
+    let tls = tls();
+    let config = OwnedTLSConfig {
+        identity: match tls.client() {
+            Some((cert, key)) => Some(OwnedIdentity::PKCS8 {
+                pem: read(cert, "client certificate")?,
+                key: read(key, "client key")?,
+            }),
+            None => None,
+        },
+        cert_chain: match &tls.tls_ca {
+            Some(ca) => Some(String::from_utf8_lossy(&read(ca, "CA certificate")?).into_owned()),
+            None => None,
+        },
+    };
+    let runtime = idem::amqp::lapin::runtime::default_runtime()?;
+    let connecting =
+        idem::amqp::lapin::Connection::connect_with_config(url, props, config, runtime);
+    bounded("RabbitMQ", url, connecting).await
 }
 
 /// A NATS client (it reconnects by itself once connected). `nats://user:password@host` logs in
@@ -157,43 +280,132 @@ pub(crate) async fn nats_client(url: &str) -> anyhow::Result<idem::nats::async_n
     // Neither fails on a URL with a host.
     let _ = server.set_username("");
     let _ = server.set_password(None);
-    let options = options.connection_timeout(CONNECT_TIMEOUT);
+    let mut options = options.connection_timeout(CONNECT_TIMEOUT);
+    let tls = tls();
+    if let Some(ca) = &tls.tls_ca {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let Some((cert, key)) = tls.client() {
+        options = options.add_client_certificate(cert.to_owned(), key.to_owned());
+    }
     bounded("NATS", url, options.connect(server.as_str())).await
 }
 
-/// The `host:port[,host:port]` list of a `kafka://` URL. Credentials have no place in it (the
-/// CLI sets no SASL): a user-info or a query is refused, without being shown.
-pub(crate) fn kafka_brokers(url: &str) -> anyhow::Result<&str> {
-    let Some(brokers) = url.strip_prefix("kafka://") else {
-        bail!("{}: not a kafka:// URL", Redacted(url))
-    };
-    let brokers = brokers.trim_end_matches('/');
-    if brokers.contains(['@', '?', '#', '/']) || brokers.is_empty() {
-        bail!(
-            "{}: expected kafka://host:port[,host:port] (no user, password, path or parameters)",
-            Redacted(url)
-        );
-    }
-    Ok(brokers)
+/// Where a Kafka cluster is and how to reach it: `kafka://host:port[,host:port]` (plaintext),
+/// `kafka+ssl://…` (TLS, trusting the OS store or `--tls-ca`, presenting `--tls-cert`),
+/// `kafka+sasl-ssl://user:password@…` and `kafka+sasl://user:password@…` (SASL over TLS or
+/// plaintext; `?mechanism=SCRAM-SHA-512`, default PLAIN).
+#[derive(Clone)]
+pub(crate) struct KafkaTarget {
+    pub(crate) brokers: String,
+    security: Vec<(&'static str, String)>,
 }
 
-/// Checks that a Kafka broker of `brokers` answers a metadata request within the bound.
+impl std::fmt::Debug for KafkaTarget {
+    // The SASL password never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys: Vec<&str> = self.security.iter().map(|(k, _)| *k).collect();
+        f.debug_struct("KafkaTarget")
+            .field("brokers", &self.brokers)
+            .field("security", &keys)
+            .finish()
+    }
+}
+
+impl KafkaTarget {
+    /// The client settings: the brokers and the security settings.
+    #[cfg(feature = "kafka")]
+    pub(crate) fn config(&self) -> idem::kafka::rdkafka::ClientConfig {
+        let mut c = idem::kafka::rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.security {
+            c.set(*k, v);
+        }
+        c
+    }
+
+    /// Whether the settings are plaintext, without SASL.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.security.is_empty()
+    }
+}
+
+/// Parses a Kafka URL (see [`KafkaTarget`]); a malformed one is refused without being shown.
+pub(crate) fn kafka_target(url: &str) -> anyhow::Result<KafkaTarget> {
+    const FORMS: &str = "expected kafka://host:port[,host:port], kafka+ssl://…, \
+                         kafka+sasl-ssl://user:password@… or kafka+sasl://user:password@…";
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", ""));
+    let (tls_on, sasl) = match scheme {
+        "kafka" => (false, false),
+        "kafka+ssl" => (true, false),
+        "kafka+sasl-ssl" => (true, true),
+        "kafka+sasl" => (false, true),
+        _ => bail!("{}: not a Kafka URL; {FORMS}", Redacted(url)),
+    };
+    let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let authority = authority.trim_end_matches('/');
+    let (user_info, brokers) = match authority.rsplit_once('@') {
+        Some((u, b)) => (Some(u), b),
+        None => (None, authority),
+    };
+    if brokers.is_empty() || brokers.contains(['/', '#', '@']) || (user_info.is_some() != sasl) {
+        bail!("{}: {FORMS} (credentials only with SASL)", Redacted(url));
+    }
+    let mut security = Vec::new();
+    if tls_on || sasl {
+        let protocol = match (tls_on, sasl) {
+            (true, true) => "SASL_SSL",
+            (true, false) => "SSL",
+            _ => "SASL_PLAINTEXT",
+        };
+        security.push(("security.protocol", protocol.to_owned()));
+    }
+    if let Some(user_info) = user_info {
+        let (user, password) = user_info.split_once(':').unwrap_or((user_info, ""));
+        let decode =
+            |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+        let mut mechanism = "PLAIN".to_owned();
+        for (k, v) in url::form_urlencoded::parse(query.as_bytes()) {
+            match k.as_ref() {
+                "mechanism" => mechanism = v.to_ascii_uppercase(),
+                _ => bail!("{}: unknown parameter (only `mechanism`)", Redacted(url)),
+            }
+        }
+        security.push(("sasl.mechanism", mechanism));
+        security.push(("sasl.username", decode(user)));
+        security.push(("sasl.password", decode(password)));
+    } else if !query.is_empty() {
+        bail!("{}: {FORMS} (parameters only with SASL)", Redacted(url));
+    }
+    if tls_on {
+        let tls = tls();
+        if let Some(ca) = &tls.tls_ca {
+            security.push(("ssl.ca.location", ca.display().to_string()));
+        }
+        if let Some((cert, key)) = tls.client() {
+            security.push(("ssl.certificate.location", cert.display().to_string()));
+            security.push(("ssl.key.location", key.display().to_string()));
+        }
+        security.push(("ssl.endpoint.identification.algorithm", "https".to_owned()));
+    }
+    Ok(KafkaTarget { brokers: brokers.to_owned(), security })
+}
+
+/// Checks that a Kafka broker of `target` answers a metadata request within the bound.
 /// librdkafka's clients connect lazily and retry forever, so without this an unreachable
 /// cluster shows only as publishes that time out minutes later.
 #[cfg(feature = "kafka")]
-pub(crate) async fn kafka_reachable(brokers: &str) -> anyhow::Result<()> {
-    use idem::kafka::rdkafka::ClientConfig;
+pub(crate) async fn kafka_reachable(target: &KafkaTarget) -> anyhow::Result<()> {
     use idem::kafka::rdkafka::producer::{BaseProducer, Producer as _};
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let list = brokers.to_owned();
+    let config = target.config();
     // librdkafka blocks; a client's close can hang against some brokers, so the probe runs on
     // a thread of its own that is abandoned if it outlives the bound.
     std::thread::Builder::new()
         .name("idem: kafka probe".into())
         .spawn(move || {
             let probe = || -> anyhow::Result<()> {
-                let producer: BaseProducer =
-                    ClientConfig::new().set("bootstrap.servers", &list).create()?;
+                let producer: BaseProducer = config.create()?;
                 // librdkafka retries a refused or silent broker until the timeout, then says
                 // "broker transport failure".
                 let within = CONNECT_TIMEOUT * 9 / 10;
@@ -205,17 +417,19 @@ pub(crate) async fn kafka_reachable(brokers: &str) -> anyhow::Result<()> {
             drop(tx.send(probe()));
         })
         .context("starting a thread to reach Kafka")?;
-    let url = format!("kafka://{brokers}");
+    let url = format!("kafka://{}", target.brokers);
     bounded("Kafka", &url, async { rx.await.map_err(|_| anyhow!("the probe's thread panicked"))? })
         .await
 }
 
-/// An idempotent Kafka producer for `brokers`, once a broker has answered.
+/// An idempotent Kafka producer for `target`, once a broker has answered.
 #[cfg(feature = "kafka")]
-pub(crate) async fn kafka_publisher(brokers: &str) -> anyhow::Result<idem::kafka::KafkaPublisher> {
-    kafka_reachable(brokers).await?;
-    idem::kafka::KafkaPublisher::new(brokers)
-        .with_context(|| format!("creating a Kafka producer for kafka://{brokers}"))
+pub(crate) async fn kafka_publisher(
+    target: &KafkaTarget,
+) -> anyhow::Result<idem::kafka::KafkaPublisher> {
+    kafka_reachable(target).await?;
+    idem::kafka::KafkaPublisher::with_config(&target.config())
+        .with_context(|| format!("creating a Kafka producer for kafka://{}", target.brokers))
 }
 
 #[cfg(test)]
@@ -223,12 +437,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kafka_urls_take_hosts_only_and_never_echo_a_password() {
-        assert_eq!(kafka_brokers("kafka://a:9092,b:9092/").ok(), Some("a:9092,b:9092"));
-        for bad in ["kafka://u:hunter2@a:9092", "kafka://a:9092?sasl.password=hunter2", "kafka://"]
-        {
-            let e = kafka_brokers(bad).err().map(|e| e.to_string()).unwrap_or_default();
-            assert!(e.contains("expected kafka://host:port") && !e.contains("hunter2"), "{e}");
+    fn kafka_urls_say_how_to_connect_and_never_echo_a_password() {
+        let t = kafka_target("kafka://a:9092,b:9092/").ok();
+        assert_eq!(
+            t.as_ref().map(|t| (t.brokers.as_str(), t.is_plain())),
+            Some(("a:9092,b:9092", true))
+        );
+        let t = kafka_target("kafka+sasl-ssl://app:hunter2@a:9093?mechanism=scram-sha-512").ok();
+        let t = t.map(|t| t.security).unwrap_or_default();
+        assert!(t.contains(&("security.protocol", "SASL_SSL".to_owned())), "{t:?}");
+        assert!(t.contains(&("sasl.mechanism", "SCRAM-SHA-512".to_owned())), "{t:?}");
+        assert!(t.contains(&("sasl.password", "hunter2".to_owned())), "{t:?}");
+        let dbg = format!("{:?}", kafka_target("kafka+sasl://app:hunter2@a:9092").ok());
+        assert!(!dbg.contains("hunter2"), "{dbg}");
+        for bad in [
+            "kafka://u:hunter2@a:9092",
+            "kafka://a:9092?sasl.password=hunter2",
+            "kafka://",
+            "kafka+sasl-ssl://a:9093",
+            "kafka+sasl://u:hunter2@a:9092?password=hunter2",
+            "kafkas://a:9092",
+        ] {
+            let e = kafka_target(bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("kafka") && !e.contains("hunter2"), "{bad}: {e}");
         }
     }
 

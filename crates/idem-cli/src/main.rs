@@ -23,6 +23,11 @@ IDEM_OUTBOX, IDEM_TO, IDEM_CHAOS_BROKER, IDEM_CHAOS_STORE, IDEM_BENCH_URL), whic
 out of the shell history and out of `ps`; --help never shows their values. Messages and logs \
 show URLs with the password and secret parameters (password, token, sig, SharedAccessKey…) as ***.
 
+TLS: amqps://, rediss://, tls:// (NATS), kafka+ssl:// and kafka+sasl-ssl:// (Kafka), and \
+PostgreSQL's sslmode=… / MySQL's ssl-mode=… are verified TLS, trusting the OS store; \
+--tls-ca adds a CA (and makes PostgreSQL and MySQL verify-full), --tls-cert/--tls-key present a \
+client certificate. A URL that asks for TLS never connects in plaintext.
+
 Timeouts: every server gets 10 s to accept a connection; past that, or on a refusal, the verb \
 exits with an error naming the service and its address. A verb that talks to two servers \
 (relay, chaos) connects to them one after the other, so it gives up within 20 s.";
@@ -37,6 +42,8 @@ exits with an error naming the service and its address. A verb that talks to two
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    tls: connect::TlsArgs,
 }
 
 #[derive(Subcommand)]
@@ -116,6 +123,7 @@ async fn main() -> std::process::ExitCode {
         .with_writer(scrub::Stderr(std::sync::Arc::clone(&scrubber)))
         .init();
     let cli = Cli::parse();
+    connect::set_tls(cli.tls.clone());
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await.map(|ok| if ok { 0 } else { 1 }),
         Command::Chaos(args) => chaos::run(args).await,

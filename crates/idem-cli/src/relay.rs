@@ -112,7 +112,7 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
             publisher = publisher.exchange(x.clone());
         }
         relay(outbox, publisher, args).await
-    } else if to.starts_with("nats://") {
+    } else if to.starts_with("nats://") || to.starts_with("tls://") {
         let client = connect::nats_client(to).await?;
         let publisher =
             idem::nats::JetStreamPublisher::new(idem::nats::async_nats::jetstream::new(client));
@@ -120,8 +120,8 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
     } else if to.starts_with("redis://") || to.starts_with("rediss://") {
         let conn = connect::redis_manager(to).await?;
         relay(outbox, idem::redis::StreamPublisher::new(conn), args).await
-    } else if to.starts_with("kafka://") {
-        kafka(outbox, connect::kafka_brokers(to)?, args).await
+    } else if to.starts_with("kafka://") || to.starts_with("kafka+") {
+        kafka(outbox, &connect::kafka_target(to)?, args).await
     } else {
         bail!(
             "--to {}: unknown scheme; expected amqp://, nats://, redis:// or kafka://",
@@ -131,12 +131,20 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
 }
 
 #[cfg(feature = "kafka")]
-async fn kafka<S: OutboxStore>(outbox: S, brokers: &str, args: &RelayArgs) -> anyhow::Result<()> {
-    relay(outbox, connect::kafka_publisher(brokers).await?, args).await
+async fn kafka<S: OutboxStore>(
+    outbox: S,
+    target: &connect::KafkaTarget,
+    args: &RelayArgs,
+) -> anyhow::Result<()> {
+    relay(outbox, connect::kafka_publisher(target).await?, args).await
 }
 
 #[cfg(not(feature = "kafka"))]
-async fn kafka<S: OutboxStore>(_: S, _: &str, _: &RelayArgs) -> anyhow::Result<()> {
+async fn kafka<S: OutboxStore>(
+    _: S,
+    _: &connect::KafkaTarget,
+    _: &RelayArgs,
+) -> anyhow::Result<()> {
     bail!("this idem was built without Kafka; rebuild with `--features kafka`")
 }
 

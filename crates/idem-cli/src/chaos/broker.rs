@@ -41,12 +41,20 @@ impl BrokerUrl {
     pub(crate) fn parse(s: &str) -> anyhow::Result<Self> {
         if s.starts_with("amqp://") || s.starts_with("amqps://") {
             Ok(Self::Amqp(s.to_owned()))
-        } else if s.starts_with("nats://") {
+        } else if s.starts_with("nats://") || s.starts_with("tls://") {
             Ok(Self::Nats(s.to_owned()))
         } else if s.starts_with("redis://") || s.starts_with("rediss://") {
             Ok(Self::Redis(s.to_owned()))
-        } else if s.starts_with("kafka://") {
-            let brokers = connect::kafka_brokers(s).context("--broker")?;
+        } else if s.starts_with("kafka://") || s.starts_with("kafka+") {
+            let target = connect::kafka_target(s).context("--broker")?;
+            if !target.is_plain() {
+                bail!(
+                    "--broker {}: idem chaos reaches Kafka over plaintext kafka:// only (its \
+                     admin, producer and worker clients take no TLS or SASL settings yet)",
+                    Redacted(s)
+                );
+            }
+            let brokers = target.brokers;
             if cfg!(feature = "kafka") {
                 Ok(Self::Kafka(brokers.to_owned()))
             } else {
@@ -175,7 +183,8 @@ impl Admin {
             }
             #[cfg(feature = "kafka")]
             BrokerUrl::Kafka(brokers) => {
-                connect::kafka_reachable(brokers).await?;
+                connect::kafka_reachable(&connect::kafka_target(&format!("kafka://{brokers}"))?)
+                    .await?;
                 let dead_letter = format!("{destination}.dlq");
                 Ok(Self::Kafka(
                     super::kafka::KafkaAdmin::create(brokers, destination, dead_letter).await?,

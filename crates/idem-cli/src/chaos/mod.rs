@@ -263,6 +263,7 @@ impl Worker {
             .args(["--lease", &format!("{}ms", args.lease.as_millis())])
             .env(BROKER_ENV, &args.broker)
             .env(STORE_ENV, &args.store)
+            .envs(crate::connect::tls().env())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

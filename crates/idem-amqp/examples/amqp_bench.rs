@@ -21,8 +21,8 @@ use idem_amqp::lapin::options::{
 use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Topology};
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, Engine, MemoryStore};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -141,7 +141,7 @@ impl Run {
     /// handler, until `n` messages are acknowledged.
     async fn driven<B: Backend>(&self, config: AmqpConfig<'_>, backend: B) -> Result<usize> {
         let c = AmqpConsumer::builder(config)
-            .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+            .engine(Engine::builder(backend).scope("bench").retain(DAY).build()?)
             .batch(self.batch)
             .concurrency(self.lanes)
             // Short: at the end, batches still in flight wait this long for messages that never come.

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::consumer::{Opening, SourceConfig};
 use lapin::Connection;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
@@ -12,7 +12,7 @@ use crate::{Error, RabbitWindow, Topology};
 
 /// A RabbitMQ queue's settings for the driver. Only the connection and the queue are required;
 /// batch size, idle wait and broker timeouts are the driver's
-/// ([`Builder`](idem_core::driver::Builder)).
+/// ([`Builder`](idem_core::consumer::Builder)).
 ///
 /// Defaults: prefetch 128 (at least the driver's batch), no extra gathering after the first
 /// delivery, "in progress elsewhere" delays clamped to 1 s – 5 min, the

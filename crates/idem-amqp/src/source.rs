@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use futures_util::{FutureExt, StreamExt};
-use idem_core::driver::{Action, DeadLetter, Source, headers};
+use idem_core::consumer::{Action, DeadLetter, Source, headers};
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Channel, Confirmation};
@@ -167,7 +167,7 @@ impl AmqpSource {
     /// One message's verbs.
     async fn verb(&self, m: &AmqpMessage, action: &Action) -> Result<(), Error> {
         match action {
-            Action::Ack | Action::DeadLettered { .. } => self.ack(m).await,
+            Action::Ack | Verb::DeadLetter { .. } => self.ack(m).await,
             Action::Retry { after } => match self.delay_for(*after) {
                 Some(d) => match self.delay(m, d).await {
                     Ok(()) => self.ack(m).await,

@@ -32,8 +32,8 @@ use idem_amqp::lapin::options::BasicPublishOptions;
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem_amqp::{AmqpConfig, AmqpConsumer, AmqpMessage};
 use idem_core::OutcomeKind;
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::driver::{self, Action, Report, Settlement};
+use idem_core::engine::{Context, HandlerError};
+use idem_core::consumer::{self, Action, Report, Settlement};
 use idem_sqlx::{PostgresInbox, PostgresStore, SqliteInbox, SqliteStore, Tx};
 use rand::seq::{IndexedRandom, SliceRandom};
 use sqlx::postgres::PgPoolOptions;
@@ -324,7 +324,7 @@ async fn run_consumer(
     who: &'static str,
     cut: Cut,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<Report, driver::Error<idem_amqp::Error>> {
+) -> Result<Report, consumer::Error<idem_amqp::Error>> {
     match c {
         Started::SqliteInbox(c) => {
             let handler = |tx, m| sqlite_ledger_write(tx, m, who, cut.clone());
@@ -742,7 +742,7 @@ async fn spawn_b(
     queue: &str,
     mode: Mode,
     seen: mpsc::UnboundedSender<Seen>,
-) -> (oneshot::Sender<()>, JoinHandle<Result<Report, driver::Error<idem_amqp::Error>>>) {
+) -> (oneshot::Sender<()>, JoinHandle<Result<Report, consumer::Error<idem_amqp::Error>>>) {
     let c = store.start(conn, queue, mode, seen_hook("B", seen)).await;
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(run_consumer(c, store.clone(), "B", None, async move {

@@ -7,7 +7,7 @@ use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, ExchangeKind};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, Topology};
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::Error as DriverError;
 
 /// Opens a two-phase consumer with `topology` over the broker's connection; the source's error
 /// when it refuses.

@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use common::{Broker, Seen, reporter, wait_for};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{self, Action, headers};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{self, Action, headers};
 use idem_core::extract::Header;
-use idem_core::{Consumer, MemoryStore};
+use idem_core::{Engine, MemoryStore};
 use tokio::sync::{Notify, oneshot};
 
 const LIMIT: Duration = Duration::from_secs(20);
@@ -57,7 +57,7 @@ async fn processed_duplicate_conflict_and_missing_key() {
     assert_eq!(outcomes, ["processed", "duplicate", "conflict", "failed_permanent"]);
     assert_eq!(seen[0].action, Action::Ack);
     assert_eq!(seen[1].action, Action::Ack);
-    assert!(matches!(seen[2].action, Action::DeadLettered { .. }));
+    assert!(matches!(seen[2].action, Verb::DeadLetter { .. }));
     stop.send(()).unwrap();
     let stats = task.await.unwrap().unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -274,7 +274,7 @@ async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() 
 async fn a_header_extractor_replaces_the_message_id() {
     let Some(b) = Broker::new("header").await else { return };
     let (hook, mut rx) = reporter();
-    let engine = Consumer::builder(MemoryStore::new())
+    let engine = Engine::builder(MemoryStore::new())
         .scope("header")
         .key(Header::new("idempotency-key"))
         .build()
@@ -306,7 +306,7 @@ async fn a_header_extractor_replaces_the_message_id() {
 #[tokio::test]
 async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
     let Some(b) = Broker::new("window").await else { return };
-    let engine = Consumer::builder(MemoryStore::new())
+    let engine = Engine::builder(MemoryStore::new())
         .scope("window")
         .retain(Duration::from_secs(3600))
         .build()
@@ -317,7 +317,7 @@ async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
         .build()
         .await
         .unwrap_err();
-    let driver::Error::Open(inner @ Error::Retention(_)) = &err else { panic!("{err:?}") };
+    let consumer::Error::Open(inner @ Error::Retention(_)) = &err else { panic!("{err:?}") };
     assert!(inner.to_string().contains("20 deliveries × 30m"), "{inner}");
     let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).retention_window(window))
         .store(MemoryStore::new())
@@ -387,7 +387,7 @@ async fn unusable_settings_are_refused_with_the_setting_named() {
 async fn build(
     config: AmqpConfig<'_>,
     batch: usize,
-) -> Result<AmqpConsumer<MemoryStore>, driver::Error<Error>> {
+) -> Result<AmqpConsumer<MemoryStore>, consumer::Error<Error>> {
     AmqpConsumer::builder(config)
         .store(MemoryStore::new())
         .scope("settings")
@@ -401,10 +401,10 @@ trait SourceMessage {
     fn source_message(&self) -> String;
 }
 
-impl SourceMessage for driver::Error<Error> {
+impl SourceMessage for consumer::Error<Error> {
     fn source_message(&self) -> String {
         match self {
-            driver::Error::Open(e) => e.to_string(),
+            consumer::Error::Open(e) => e.to_string(),
             other => other.to_string(),
         }
     }

@@ -18,8 +18,8 @@ use fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId, Properties};
 use fe2o3_amqp::types::primitives::{Binary, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, fe2o3_amqp};
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, Engine, MemoryStore};
 use idem_sqlx::{PostgresStore, SqliteStore};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -66,15 +66,15 @@ async fn main() -> Result<()> {
         let (elapsed, closing) = match mode {
             "accept-only" => bare(&url, &address, n, batch, credit).await?,
             "two-phase MemoryStore" => {
-                drive(config, Consumer::builder(MemoryStore::new()), n, batch).await?
+                drive(config, Engine::builder(MemoryStore::new()), n, batch).await?
             }
             "two-phase PostgresStore" => {
-                drive(config, Consumer::builder(pg.clone()), n, batch).await?
+                drive(config, Engine::builder(pg.clone()), n, batch).await?
             }
-            "inbox PostgreSQL" => drive(config, Consumer::builder(pg.inbox(DAY)), n, batch).await?,
+            "inbox PostgreSQL" => drive(config, Engine::builder(pg.inbox(DAY)), n, batch).await?,
             _ => {
                 let sqlite = SqliteStore::open(dir.path().join(format!("{queue}.sqlite"))).await?;
-                drive(config, Consumer::builder(sqlite.inbox(DAY)), n, batch).await?
+                drive(config, Engine::builder(sqlite.inbox(DAY)), n, batch).await?
             }
         };
         let secs = elapsed.as_secs_f64();
@@ -197,7 +197,7 @@ async fn bare(
 /// (timed from the build; the close is timed apart).
 async fn drive<B: Backend + 'static>(
     config: Amqp10Config,
-    engine: idem_core::consumer::ConsumerBuilder<B>,
+    engine: idem_core::engine::EngineBuilder<B>,
     n: usize,
     batch: usize,
 ) -> Result<(Duration, Duration)>

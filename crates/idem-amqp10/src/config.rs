@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::consumer::{Opening, SourceConfig};
 
 use crate::connect::Endpoint;
 use crate::error::Error;
@@ -35,7 +35,7 @@ pub enum DeadLetters {
 }
 
 /// Settings for an AMQP 1.0 consumer: the broker's URL, the source address and what the
-/// broker does not say about itself. Opened by the [`Driver`](idem_core::Driver) builder.
+/// broker does not say about itself. Opened by the [`Consumer`](idem_core::Consumer) builder.
 ///
 /// ```
 /// use std::time::Duration;

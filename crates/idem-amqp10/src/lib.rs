@@ -22,7 +22,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters};
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -53,7 +53,7 @@
 //!   the original is released instead. An accepted copy followed by a lost `accepted` is
 //!   redelivered and dead-lettered again: dead letters are at least once.
 //! - No broker call waits forever: the driver bounds fetches and dispositions by its
-//!   [`broker_timeout`](idem_core::driver::Builder::broker_timeout); closing the links and the
+//!   [`broker_timeout`](idem_core::consumer::Builder::broker_timeout); closing the links and the
 //!   connection is bounded by [`Amqp10Config::verb_timeout`] (RabbitMQ's AMQP 1.0 plugin
 //!   answers a closing detach without `closed=true`).
 //! - RabbitMQ's AMQP 1.0 links offer only accepted, rejected and released: a `modified`
@@ -84,6 +84,6 @@ pub use tls::Tls;
 
 /// An AMQP 1.0 or Service Bus consumer made idempotent: the shared driver over an
 /// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type Amqp10Consumer<B> = idem_core::Driver<Amqp10Source, B>;
+pub type Amqp10Engine<B> = idem_core::Consumer<Amqp10Source, B>;
 
 pub use fe2o3_amqp;

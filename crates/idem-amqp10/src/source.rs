@@ -16,7 +16,7 @@ use fe2o3_amqp::types::messaging::{Body, Message, Modified, Outcome};
 use crate::link::{Gone, Link, Verb};
 use fe2o3_amqp::link::receiver::CreditMode;
 use fe2o3_amqp::types::primitives::{Symbol, Value};
-use idem_core::driver::{Action, DeadLetter, Opening, Source, headers};
+use idem_core::consumer::{Action, DeadLetter, Opening, Source, headers};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
@@ -406,7 +406,7 @@ impl Source for Amqp10Source {
         for (msg, action) in items {
             match action {
                 Action::Ack => accept.push(msg.info().clone()),
-                Action::DeadLettered { reason } => {
+                Verb::DeadLetter { reason } => {
                     if self.dlq.is_some() {
                         accept.push(msg.info().clone());
                     } else {

@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters};
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::driver::{Builder, Report, Settlement};
+use idem_core::engine::{Context, HandlerError};
+use idem_core::consumer::{Builder, Report, Settlement};
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, OutcomeKind};
+use idem_core::{Engine, OutcomeKind};
 use idem_sqlx::{SqliteStore, Tx};
 
 const ORDERS: usize = 500;
@@ -127,7 +127,7 @@ async fn consume(
         };
         c.run(handler, shutdown).await.expect("run")
     } else {
-        let engine = Consumer::builder(store)
+        let engine = Engine::builder(store)
             .scope("crash")
             .lease(Duration::from_secs(2))
             .retain(Duration::from_secs(86_400))

@@ -25,8 +25,8 @@ use idem_amqp10::{
     Amqp10Consumer, Amqp10Message, ServiceBus, ServiceBusConfig, SessionFilter, fe2o3_amqp,
 };
 use idem_core::MemoryStore;
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::driver::Report;
+use idem_core::engine::{Context, HandlerError};
+use idem_core::consumer::Report;
 use tokio::sync::{Notify, mpsc};
 
 const QUEUE: &str = "orders";
@@ -197,7 +197,7 @@ fn namespace(port: u16) -> ServiceBus {
     .endpoint("127.0.0.1", port, false)
 }
 
-async fn consumer(config: ServiceBusConfig) -> Amqp10Consumer<MemoryStore> {
+async fn consumer(config: ServiceBusConfig) -> Amqp10Engine<MemoryStore> {
     Amqp10Consumer::builder(config)
         .store(MemoryStore::new())
         .scope("orders")
@@ -227,7 +227,7 @@ async fn next(p: &mut Peer, want: impl Fn(&Seen) -> bool) -> Seen {
 
 async fn outcome(
     p: &mut Peer,
-    c: &Amqp10Consumer<MemoryStore>,
+    c: &Amqp10Engine<MemoryStore>,
     flaky: &Arc<AtomicBool>,
 ) -> (String, Outcome) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);

@@ -11,14 +11,14 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters, Error};
-use idem_core::consumer::{Context, HandlerError};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::CloudEvents;
-use idem_core::{Consumer, MemoryStore};
+use idem_core::{Engine, MemoryStore};
 use idem_testkit::wait_for;
 
-type C = Amqp10Consumer<MemoryStore>;
+type C = Amqp10Engine<MemoryStore>;
 
-async fn consumer(config: Amqp10Config, engine: Option<Consumer<MemoryStore>>) -> C {
+async fn consumer(config: Amqp10Config, engine: Option<Engine<MemoryStore>>) -> C {
     let b = Amqp10Consumer::builder(config).idle_wait(Duration::from_millis(200));
     match engine {
         Some(e) => b.engine(e).build().await.unwrap(),
@@ -34,13 +34,13 @@ async fn ok(_: Context, _: Amqp10Message) -> Result<(), HandlerError<String>> {
 async fn poll_until<F, Fut>(
     c: &C,
     handler: F,
-    done: impl Fn(&idem_core::driver::Report) -> bool,
-) -> idem_core::driver::Report
+    done: impl Fn(&idem_core::consumer::Report) -> bool,
+) -> idem_core::consumer::Report
 where
     F: Fn(Context, Amqp10Message) -> Fut + Sync + Clone,
     Fut: std::future::Future<Output = Result<(), HandlerError<String>>> + Send,
 {
-    let mut total = idem_core::driver::Report::default();
+    let mut total = idem_core::consumer::Report::default();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !done(&total) {
         assert!(tokio::time::Instant::now() < deadline, "not reached: {total}");
@@ -73,7 +73,7 @@ async fn cloud_events_binding_gives_the_key() {
     ];
     b.publish(None, b"{}", &attrs).await;
     b.publish(None, b"{}", &attrs).await;
-    let engine = Consumer::builder(MemoryStore::new())
+    let engine = Engine::builder(MemoryStore::new())
         .scope("ce")
         .key(CloudEvents::default())
         .build()

@@ -7,16 +7,16 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{
-    Action, DeadLetter, Error, FetchFailures, MemoryQueue, Opening, QueueMessage, Source,
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{
+    Action, DeadLetter, Error, FetchFailures, MemoryQueue, Opening, MemoryDelivery, Source,
     SourceConfig, headers,
 };
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, DedupStore, Driver, MemoryStore, OutcomeKind};
+use idem_core::{Engine, DedupStore, Consumer, MemoryStore, OutcomeKind};
 
-async fn consumer(q: &MemoryQueue) -> Driver<MemoryQueue, MemoryStore> {
-    Driver::builder(q.clone())
+async fn consumer(q: &MemoryQueue) -> Consumer<MemoryQueue, MemoryStore> {
+    Consumer::builder(q.clone())
         .store(MemoryStore::new())
         .scope("orders")
         .idle_wait(Duration::from_millis(20))
@@ -26,7 +26,7 @@ async fn consumer(q: &MemoryQueue) -> Driver<MemoryQueue, MemoryStore> {
 }
 
 /// A handler that fails transiently on ids starting `t-`, permanently on `p-`.
-async fn handle(msg: QueueMessage) -> Result<String, HandlerError<String>> {
+async fn handle(msg: MemoryDelivery) -> Result<String, HandlerError<String>> {
     let id = msg.message_id().unwrap_or_default().to_owned();
     if id.starts_with("t-") {
         return Err(HandlerError::Transient(format!("{id} is busy")));
@@ -47,8 +47,8 @@ async fn each_outcome_gets_its_verb_and_dead_letters_carry_the_headers() {
     q.push_with(None, "{}", Vec::new()); // no key: rejected
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&seen);
-    let c = Driver::builder(q.clone())
-        .engine(Consumer::builder(MemoryStore::new()).scope("orders").build().unwrap())
+    let c = Consumer::builder(q.clone())
+        .engine(Engine::builder(MemoryStore::new()).scope("orders").build().unwrap())
         .idle_wait(Duration::from_millis(20))
         .on_settle(move |s| log.lock().unwrap().push((s.outcome, s.action.clone())))
         .build()
@@ -113,13 +113,13 @@ async fn a_key_in_progress_elsewhere_is_retried_after_the_lease() {
     let store = MemoryStore::new();
     let q = MemoryQueue::new();
     q.push("o-1", "{}");
-    let engine = Consumer::builder(store.clone())
+    let engine = Engine::builder(store.clone())
         .scope("orders")
         .lease(Duration::from_millis(50))
         .build()
         .unwrap();
     // Another consumer holds the key.
-    let other = Consumer::builder(store).scope("orders").build().unwrap();
+    let other = Engine::builder(store).scope("orders").build().unwrap();
     let req = idem_core::ClaimRequest::new(
         idem_core::DedupKey::new("orders", "o-1").unwrap(),
         None,
@@ -129,7 +129,7 @@ async fn a_key_in_progress_elsewhere_is_retried_after_the_lease() {
     let idem_core::Claim::Acquired(_held) = other.store().claim(&req).await.unwrap() else {
         panic!("fresh key")
     };
-    let c = Driver::builder(q.clone())
+    let c = Consumer::builder(q.clone())
         .engine(engine)
         .idle_wait(Duration::from_millis(20))
         .build()
@@ -150,7 +150,7 @@ async fn the_hook_runs_after_the_effect_and_before_the_verb() {
     let effects = Arc::new(AtomicU32::new(0));
     let at_hook = Arc::new(Mutex::new(None));
     let (e2, h2, q2) = (Arc::clone(&effects), Arc::clone(&at_hook), q.clone());
-    let c = Driver::builder(q.clone())
+    let c = Consumer::builder(q.clone())
         .store(MemoryStore::new())
         .scope("orders")
         .on_settle(move |_| {
@@ -177,10 +177,10 @@ async fn the_hook_runs_after_the_effect_and_before_the_verb() {
 async fn the_builder_names_what_is_missing() {
     // Without .store / .inbox / .engine there is no `build` at all (a compile error).
     let no_scope =
-        Driver::builder(MemoryQueue::new()).store(MemoryStore::new()).build().await.unwrap_err();
+        Consumer::builder(MemoryQueue::new()).store(MemoryStore::new()).build().await.unwrap_err();
     assert!(matches!(no_scope, Error::Config(_)), "{no_scope}");
     assert!(no_scope.to_string().contains(".scope("), "{no_scope}");
-    let long = Driver::builder(MemoryQueue::new())
+    let long = Consumer::builder(MemoryQueue::new())
         .store(MemoryStore::new())
         .scope("s".repeat(513))
         .build()
@@ -188,9 +188,9 @@ async fn the_builder_names_what_is_missing() {
         .unwrap_err()
         .to_string();
     assert!(long.contains("scope") && long.contains("512"), "{long}");
-    let twice = Driver::builder(MemoryQueue::new())
+    let twice = Consumer::builder(MemoryQueue::new())
         .scope("a")
-        .engine(Consumer::builder(MemoryStore::new()).scope("b").build().unwrap())
+        .engine(Engine::builder(MemoryStore::new()).scope("b").build().unwrap())
         .build()
         .await
         .unwrap_err();
@@ -210,10 +210,10 @@ struct Flaky {
 struct Down;
 
 impl Source for Flaky {
-    type Message = QueueMessage;
+    type Message = MemoryDelivery;
     type Error = Down;
 
-    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<QueueMessage>, Down> {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<MemoryDelivery>, Down> {
         if self.fails.load(Ordering::SeqCst) > 0 {
             self.fails.fetch_sub(1, Ordering::SeqCst);
             return Err(Down);
@@ -225,11 +225,11 @@ impl Source for Flaky {
         self.fatal
     }
 
-    async fn dead_letter(&self, items: &[(&QueueMessage, DeadLetter)]) -> Vec<Result<(), Down>> {
+    async fn dead_letter(&self, items: &[(&MemoryDelivery, DeadLetter)]) -> Vec<Result<(), Down>> {
         items.iter().map(|_| Ok(())).collect()
     }
 
-    async fn settle(&self, items: Vec<(QueueMessage, Action)>) -> Result<u64, Down> {
+    async fn settle(&self, items: Vec<(MemoryDelivery, Action)>) -> Result<u64, Down> {
         Ok(self.queue.settle(items).await.unwrap_or_else(|e: Infallible| match e {}))
     }
 }
@@ -248,7 +248,7 @@ async fn fetch_failures_follow_the_policy() {
     let flaky =
         |fails, fatal| Flaky { queue: q.clone(), fails: Arc::new(AtomicU32::new(fails)), fatal };
     // Two failures are retried, then the message is handled.
-    let c = Driver::builder(flaky(2, false))
+    let c = Consumer::builder(flaky(2, false))
         .store(MemoryStore::new())
         .scope("orders")
         .fetch_failures(FetchFailures::new(3, Duration::from_millis(10)))
@@ -258,7 +258,7 @@ async fn fetch_failures_follow_the_policy() {
     let report = c.run(|_, m| handle(m), q.drained()).await.unwrap();
     assert_eq!((report.fetch_failures, report.processed), (2, 1));
     // Three in a row end the run.
-    let c = Driver::builder(flaky(3, false))
+    let c = Consumer::builder(flaky(3, false))
         .store(MemoryStore::new())
         .scope("orders")
         .fetch_failures(FetchFailures::new(3, Duration::from_millis(10)))
@@ -269,7 +269,7 @@ async fn fetch_failures_follow_the_policy() {
     assert!(matches!(err, Error::Fetch { attempts: 3, .. }), "{err}");
     // A fatal error ends it at once.
     let c =
-        Driver::builder(flaky(1, true)).store(MemoryStore::new()).scope("o").build().await.unwrap();
+        Consumer::builder(flaky(1, true)).store(MemoryStore::new()).scope("o").build().await.unwrap();
     let err = c.run(|_, m| handle(m), std::future::pending()).await.unwrap_err();
     assert!(matches!(err, Error::Fetch { attempts: 1, .. }), "{err}");
 }
@@ -280,7 +280,7 @@ async fn shutdown_finishes_the_batch_in_flight_and_releases_what_came_later() {
     for i in 0..3 {
         q.push(format!("o-{i}"), "{}");
     }
-    let c = Driver::builder(q.clone())
+    let c = Consumer::builder(q.clone())
         .store(MemoryStore::new())
         .scope("orders")
         .batch(1)
@@ -326,7 +326,7 @@ async fn several_batches_in_flight_handle_each_message_once() {
     for i in 0..200 {
         q.push(format!("o-{}", i % 150), "{}"); // 50 duplicates
     }
-    let c = Driver::builder(q.clone())
+    let c = Consumer::builder(q.clone())
         .store(MemoryStore::new())
         .scope("orders")
         .batch(7)

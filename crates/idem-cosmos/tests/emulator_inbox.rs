@@ -3,17 +3,17 @@
 mod common;
 
 use azure_data_cosmos::clients::ContainerClient;
-use idem_core::consumer::{FailureKind, HandlerError};
+use idem_core::engine::{FailureKind, HandlerError};
 use idem_core::extract::Message;
-use idem_core::{Consumer, Outcome};
+use idem_core::{Engine, Outcome};
 use idem_cosmos::{BatchDocs, CosmosInbox};
 use serde_json::{Value, json};
 
-async fn inbox() -> (Consumer<CosmosInbox>, ContainerClient, common::Emulator) {
+async fn inbox() -> (Engine<CosmosInbox>, ContainerClient, common::Emulator) {
     let emu = common::Emulator::start().await;
     let orders = emu.container("/orderId").await;
     let inbox = CosmosInbox::new(orders.clone(), "/orderId").expect("inbox");
-    let consumer = Consumer::builder(inbox).scope("orders").build().expect("consumer");
+    let consumer = Engine::builder(inbox).scope("orders").build().expect("consumer");
     (consumer, orders, emu)
 }
 

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Action, Settlement};
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Action, Settlement};
+use idem_core::{Backend, Engine, MemoryStore};
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
@@ -118,7 +118,7 @@ async fn driven<B: Backend + 'static>(
     batch: usize,
     backend: B,
 ) -> Duration {
-    let engine = Consumer::builder(backend)
+    let engine = Engine::builder(backend)
         .scope(group)
         .retain(Duration::from_secs(86_400))
         .build()

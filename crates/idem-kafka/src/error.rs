@@ -7,7 +7,7 @@ use rdkafka::error::KafkaError;
 
 /// Errors of the Kafka source. Per-message failures are not errors: they end in a commit, a
 /// retry or a dead letter, and are counted in the driver's
-/// [`Report`](idem_core::driver::Report).
+/// [`Report`](idem_core::consumer::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -1,5 +1,5 @@
 //! Kafka consumer adapter for **idem** (on `rdkafka`), driven by idem's shared
-//! [`Driver`](idem_core::Driver).
+//! [`Consumer`](idem_core::Consumer).
 //!
 //! A consumer-group consumer with auto-commit off. Each partition's offset is committed only
 //! up to the last message whose outcome is durable, even when the messages of one partition
@@ -20,7 +20,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
 //! use idem::{PostgresStore, sqlx};
 //!
@@ -130,4 +130,4 @@ pub use source::{Kafka, KafkaSource};
 
 /// A Kafka consumer made idempotent: the shared driver over a [`KafkaSource`], in two-phase
 /// mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type KafkaConsumer<B> = idem_core::Driver<KafkaSource, B>;
+pub type KafkaConsumer<B> = idem_core::Consumer<KafkaSource, B>;

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::driver::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
+use idem_core::consumer::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
@@ -97,7 +97,7 @@ impl State {
 }
 
 /// A Kafka consumer group's settings for the driver: what is specific to Kafka. Batch size,
-/// idle wait and broker timeouts are the driver's ([`Builder`](idem_core::driver::Builder)).
+/// idle wait and broker timeouts are the driver's ([`Builder`](idem_core::consumer::Builder)).
 ///
 /// Defaults: gather a batch for at most 5 ms once a first message arrived; retry transient
 /// failures after 1 s (a key in progress elsewhere after the other lease, at most that long);
@@ -699,14 +699,14 @@ impl Source for KafkaSource {
             for (mut d, action) in items {
                 let tp = d.tp();
                 match action {
-                    Action::Ack | Action::DeadLettered { .. } if st.owns(&d) => {
+                    Action::Ack | Verb::DeadLetter { .. } if st.owns(&d) => {
                         st.tracker.settled(&tp, d.offset());
                     }
                     // Settled, but of a partition revoked since it was polled: not ours to
                     // commit.
-                    Action::Ack | Action::DeadLettered { .. } => {}
+                    Action::Ack | Verb::DeadLetter { .. } => {}
                     Action::Retry { after } => {
-                        let after = idem_core::driver::retry_delay(
+                        let after = idem_core::consumer::retry_delay(
                             after,
                             self.retry_delay,
                             Duration::from_millis(10),

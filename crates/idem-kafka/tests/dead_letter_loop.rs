@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::Error as DriverError;
 use idem_kafka::rdkafka::Message as _;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::{Error, Kafka, KafkaConsumer};

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use idem_core::{Consumer, MemoryStore};
+use idem_core::{Engine, MemoryStore};
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::{Error, EventHubs, KafkaConsumer};
 
@@ -18,8 +18,8 @@ const DAY: Duration = Duration::from_secs(86_400);
 const OFFLINE: &str = "Endpoint=sb://idem-test.invalid/;SharedAccessKeyName=listen;\
                        SharedAccessKey=c2VjcmV0LWtleQ==;EntityPath=orders";
 
-fn dedup(retain: Duration) -> Consumer<MemoryStore> {
-    Consumer::builder(MemoryStore::new()).scope("eh").retain(retain).build().unwrap()
+fn dedup(retain: Duration) -> Engine<MemoryStore> {
+    Engine::builder(MemoryStore::new()).scope("eh").retain(retain).build().unwrap()
 }
 
 #[tokio::test]
@@ -27,7 +27,7 @@ async fn opening_fails_naming_both_durations_when_the_hub_outlives_the_records()
     let hubs = EventHubs::new(OFFLINE, "order-writer").unwrap().retention(DAY * 7);
     let kafka = hubs.kafka(&[hubs.topic().unwrap()], "orders-dlq");
     let err = KafkaConsumer::builder(kafka).engine(dedup(DAY)).build().await.unwrap_err();
-    let idem_core::driver::Error::Open(source) = err else { panic!("{err:?}") };
+    let idem_core::consumer::Error::Open(source) = err else { panic!("{err:?}") };
     assert!(
         matches!(source, Error::Retention { topic_retention, dedup_retention }
             if topic_retention == DAY * 7 && dedup_retention == DAY),

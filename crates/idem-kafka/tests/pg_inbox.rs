@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{PgSchema, Topics};
-use idem_core::consumer::HandlerError;
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
 use idem_kafka::{Kafka, KafkaConsumer};
 

@@ -8,7 +8,7 @@ use std::error::Error as _;
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -72,7 +72,7 @@ idem_testkit::publisher_conformance!(|name: &'static str| Harness::new(name));
 
 fn message(topic: &str, key: Option<&str>, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         topic.to_owned(),
         br#"{"order":"o-1"}"#.to_vec(),
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
@@ -150,7 +150,7 @@ async fn a_record_too_large_is_not_retried() {
     let _topics = Topics::create(&brokers, &[(&topic, 1)]).await;
     let p = KafkaPublisher::with_config(&publisher_config(&brokers)).expect("producer");
     let big = OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         topic.clone(),
         vec![b'x'; 1 << 20],
         Vec::new(),

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::Consumer;
+use idem_core::Engine;
 use idem_kafka::{Kafka, KafkaConsumer};
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -26,7 +26,7 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
     let check = |retain: Duration| {
         let (brokers, week, hour) = (brokers.clone(), week.clone(), hour.clone());
         async move {
-            let dedup = Consumer::builder(idem_core::MemoryStore::new())
+            let dedup = Engine::builder(idem_core::MemoryStore::new())
                 .scope("ret")
                 .retain(retain)
                 .build()
@@ -60,13 +60,13 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
 async fn a_stated_topic_retention_longer_than_the_records_fails_the_opening() {
     let open = |retain: Duration| async move {
         let dedup =
-            Consumer::builder(idem_core::MemoryStore::new()).scope("ret").retain(retain).build();
+            Engine::builder(idem_core::MemoryStore::new()).scope("ret").retain(retain).build();
         let config = Kafka::new(&common::config("127.0.0.1:1", "g"), &["orders"], "orders-dlq")
             .topic_retention(DAY * 7)
             .close_timeout(Duration::from_secs(2));
         KafkaConsumer::builder(config).engine(dedup.unwrap()).build().await
     };
-    let Err(idem_core::driver::Error::Open(e)) = open(DAY).await else { panic!("opened") };
+    let Err(idem_core::consumer::Error::Open(e)) = open(DAY).await else { panic!("opened") };
     assert!(
         matches!(e, idem_kafka::Error::Retention { topic_retention, dedup_retention }
             if topic_retention == DAY * 7 && dedup_retention == DAY),

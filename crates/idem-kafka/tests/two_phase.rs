@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Action, Report};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Action, Report};
 use idem_core::extract::Envelope;
-use idem_core::{Backend, ClaimRequest, Consumer, DedupKey, DedupStore};
+use idem_core::{Backend, ClaimRequest, Engine, DedupKey, DedupStore};
 use idem_kafka::{Delivery, Kafka, KafkaConsumer};
 use idem_sqlx::SqliteStore;
 use tokio::sync::{mpsc, oneshot};
@@ -24,7 +24,7 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 type Ledger = Arc<Mutex<Vec<String>>>;
 
-fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+fn run<S: DedupStore + Backend<Ctx = idem_core::engine::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
 ) -> (oneshot::Sender<()>, JoinHandle<Report>) {
@@ -33,7 +33,7 @@ fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
 
 /// [`run`] with a handler that takes `pace` per message (work that takes time, so a consumer
 /// is still busy when another joins its group).
-fn run_paced<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+fn run_paced<S: DedupStore + Backend<Ctx = idem_core::engine::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
     pace: Duration,
@@ -71,19 +71,19 @@ type Seen = mpsc::UnboundedReceiver<(i64, &'static str, &'static str)>;
 fn verb(a: &Action) -> &'static str {
     match a {
         Action::Ack => "commit",
-        Action::DeadLettered { .. } => "dead-lettered",
+        Verb::DeadLetter { .. } => "dead-lettered",
         Action::Retry { .. } => "retry",
         _ => "release",
     }
 }
 
 /// One consumer of `topic` (1 partition) whose hook reports every settled message.
-async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::engine::Context> + 'static>(
     brokers: &str,
     group: &str,
     topic: &str,
     dlq: &str,
-    dedup: Consumer<S>,
+    dedup: Engine<S>,
     kafka: impl FnOnce(Kafka) -> Kafka,
 ) -> (Ledger, Seen, oneshot::Sender<()>, JoinHandle<Report>) {
     let (seen_tx, seen_rx) = mpsc::unbounded_channel();
@@ -142,7 +142,7 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
 
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
-    let dedup = Consumer::builder(store.clone()).scope("hold").build().unwrap();
+    let dedup = Engine::builder(store.clone()).scope("hold").build().unwrap();
     // Another consumer holds m-3 (same fingerprint: the same message, in progress elsewhere).
     let held = Delivery::new(&topic, 0, 3, msgs(&["m-3"])[0].1.clone());
     let req = ClaimRequest::new(
@@ -310,7 +310,7 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
 
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
-    let dedup = Consumer::builder(store).scope("dlqf").build().unwrap();
+    let dedup = Engine::builder(store).scope("dlqf").build().unwrap();
     let kafka = |k: Kafka| {
         k.produce_timeout(Duration::from_millis(500))
             .retry_delay(Duration::from_millis(200))
@@ -362,7 +362,7 @@ async fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
             .await
             .unwrap_err();
         match e {
-            idem_core::driver::Error::Open(e) => e.to_string(),
+            idem_core::consumer::Error::Open(e) => e.to_string(),
             other => panic!("expected the source to refuse: {other}"),
         }
     };
@@ -417,7 +417,7 @@ async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_dropped_at_its_await_loses_nothing() {
     use futures_util::FutureExt;
-    use idem_core::driver::Source;
+    use idem_core::consumer::Source;
     let Some(brokers) = common::brokers() else { return };
     let topic = format!("idem-cancel-{}", common::suffix());
     let dlq = format!("{topic}-dlq");
@@ -432,7 +432,7 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
     )
     .retry_delay(Duration::from_millis(20))
     .batch_wait(Duration::from_millis(200));
-    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("cancel").build().unwrap();
+    let dedup = Engine::builder(idem_core::MemoryStore::new()).scope("cancel").build().unwrap();
     let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
     let src = c.source();
 
@@ -481,7 +481,7 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
 /// partition out while the group is ahead; once it has caught up, it commits again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
-    use idem_core::driver::Source;
+    use idem_core::consumer::Source;
     let Some(brokers) = common::brokers() else { return };
     let sfx = common::suffix();
     let (topic, dlq, group) =
@@ -492,7 +492,7 @@ async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
     let ends = common::produce(&common::producer(&brokers), &topic, &msgs(&id_refs), Some(0)).await;
     assert_eq!(ends[&0], 12);
     let config = Kafka::new(&common::config(&brokers, &group), &[topic.as_str()], dlq);
-    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("behind").build().unwrap();
+    let dedup = Engine::builder(idem_core::MemoryStore::new()).scope("behind").build().unwrap();
     let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
     let src = c.source();
 

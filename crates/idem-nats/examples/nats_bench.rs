@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, Engine, MemoryStore};
 use idem_nats::{JetStream, JetStreamConsumer};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
@@ -170,7 +170,7 @@ async fn driven<B: Backend>(
     n: usize,
 ) -> Result<usize> {
     let c = JetStreamConsumer::builder(config)
-        .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+        .engine(Engine::builder(backend).scope("bench").retain(DAY).build()?)
         .batch(batch)
         .concurrency(lanes)
         // Short: at the end, batches still in flight wait this long for messages that never come.

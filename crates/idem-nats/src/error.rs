@@ -6,7 +6,7 @@ use idem_core::retention::RetentionTooShort;
 
 /// Errors of the JetStream source. Per-message failures are not errors: they end in a verb
 /// (ack, nak, dead-letter) and are counted in the driver's
-/// [`Report`](idem_core::driver::Report).
+/// [`Report`](idem_core::consumer::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

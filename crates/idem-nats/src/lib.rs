@@ -1,7 +1,7 @@
 //! NATS JetStream consumer adapter for **idem**.
 //!
 //! A pull consumer with explicit acks, driven by idem's shared
-//! [`Driver`](idem_core::Driver): every delivery ends in exactly one JetStream verb, sent only
+//! [`Consumer`](idem_core::Consumer): every delivery ends in exactly one JetStream verb, sent only
 //! after its effect is committed or its dead-letter copy is stored.
 //!
 //! | idem outcome | JetStream |
@@ -25,7 +25,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem::nats::async_nats::{self, jetstream};
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::nats::{JetStream, JetStreamConsumer};
 //! use idem::{PostgresStore, sqlx};
 //!
@@ -119,4 +119,4 @@ pub use source::{JetStream, JetStreamSource};
 
 /// A JetStream pull consumer made idempotent: the shared driver over a [`JetStreamSource`], in
 /// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type JetStreamConsumer<B> = idem_core::Driver<JetStreamSource, B>;
+pub type JetStreamConsumer<B> = idem_core::Consumer<JetStreamSource, B>;

@@ -7,7 +7,7 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::{AckKind, Context};
 use futures_util::StreamExt;
 use idem_core::RetentionWindow;
-use idem_core::driver::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
+use idem_core::consumer::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
 use idem_core::extract::Envelope;
 
 use crate::delivery::MSG_ID_HEADER;
@@ -15,7 +15,7 @@ use crate::{Delivery, Error};
 
 /// A JetStream pull consumer's settings for the driver: what is specific to JetStream. Only the
 /// dead-letter subject is required; batch size, idle wait and broker timeouts are the driver's
-/// ([`Builder`](idem_core::driver::Builder)).
+/// ([`Builder`](idem_core::consumer::Builder)).
 ///
 /// Defaults: retry transient failures after 1 s, send `Progress` on the engine's lease
 /// heartbeat (none without one), no extra gathering after the first message, no dead-letter
@@ -415,7 +415,7 @@ impl Source for JetStreamSource {
         let replies = items.iter().map(|(d, a)| {
             let kind = match a {
                 Action::Ack => AckKind::Ack,
-                Action::DeadLettered { .. } => AckKind::Term,
+                Verb::DeadLetter { .. } => AckKind::Term,
                 Action::Retry { after } => AckKind::Nak(Some(after.unwrap_or(self.retry_delay))),
                 _ => AckKind::Nak(None),
             };

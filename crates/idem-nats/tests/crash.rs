@@ -25,10 +25,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url};
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Decided, Report, headers};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Decided, Report, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, DedupStore, InspectStore};
+use idem_core::{Engine, DedupStore, InspectStore};
 use idem_nats::{Delivery, JetStream, JetStreamConsumer};
 use idem_sqlx::{PostgresStore, SqliteInbox, SqliteStore};
 use idem_testkit::wait_for;
@@ -169,7 +169,7 @@ impl<S: TestStore> Adapter<S> {
         backend: &Backend,
     ) -> Self {
         let config = JetStream::new(js, pull, dlq);
-        let driver = |b: idem_core::driver::Builder<JetStream>| {
+        let driver = |b: idem_core::consumer::Builder<JetStream>| {
             b.batch(64).idle_wait(Duration::from_millis(200))
         };
         match mode {
@@ -182,7 +182,7 @@ impl<S: TestStore> Adapter<S> {
                     .expect("inbox consumer"),
             ),
             Mode::TwoPhase => {
-                let dedup = Consumer::builder(S::open(db, backend).await)
+                let dedup = Engine::builder(S::open(db, backend).await)
                     .scope("crash")
                     .lease(ACK_WAIT)
                     // Lease heartbeat, and with it JetStream Progress, on the same beat.

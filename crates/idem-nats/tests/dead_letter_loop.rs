@@ -10,7 +10,7 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, Context, stream};
 use futures_util::StreamExt;
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::Error as DriverError;
 use idem_nats::{Error, JetStream, JetStreamConsumer, MSG_ID_HEADER};
 
 use common::{nats_url, suffix};

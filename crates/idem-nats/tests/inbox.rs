@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use common::{Env, header, nats_url};
-use idem_core::Consumer;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::Engine;
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Report, headers};
 use idem_core::extract::{Envelope, Header};
 use idem_nats::{Delivery, JetStream, JetStreamConsumer};
 use idem_sqlx::{SqliteStore, Tx};
@@ -40,7 +40,7 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
         .await
         .expect("table");
     let pull = env.consumer("inbox", Duration::from_secs(30), 4).await;
-    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
+    let engine = Engine::builder(store.inbox(Duration::from_secs(86_400)))
         .scope("inbox")
         .key(Header::new("order-id")) // the key is a business header, not Nats-Msg-Id
         .build()
@@ -117,7 +117,7 @@ async fn inbox_run_commits_then_acks_until_shutdown() {
         .await
         .expect("table");
     let pull = env.consumer("inbox-run", Duration::from_secs(30), 4).await;
-    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
+    let engine = Engine::builder(store.inbox(Duration::from_secs(86_400)))
         .scope("inbox-run")
         .key(Header::new("Order-Id"))
         .build()

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use common::{DUP_WINDOW, Env};
-use idem_core::driver::headers;
+use idem_core::consumer::headers;
 use idem_nats::{JetStream, JetStreamSource};
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 

@@ -11,7 +11,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::stream;
 use common::{DUP_WINDOW, Env};
-use idem_core::outbox::{MessageId, OutboxMessage, PublishError, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, PublishError, Publisher};
 use idem_nats::{JetStream, JetStreamPublisher, JetStreamSource, Refused};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 
@@ -70,7 +70,7 @@ idem_testkit::publisher_conformance!(|_name: &'static str| Harness::new());
 
 fn message(subject: &str, payload: Vec<u8>, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         subject.to_owned(),
         payload,
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),

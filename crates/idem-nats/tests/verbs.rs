@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Env, header, nats_url};
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Report, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FingerprintSpec};
+use idem_core::{Claim, ClaimRequest, Engine, DedupStore, FingerprintSpec};
 use idem_nats::{Error, JetStream, JetStreamConsumer};
 use idem_sqlx::SqliteStore;
 use idem_testkit::wait_for;
@@ -106,7 +106,7 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
     let pull = env.consumer("slow", Duration::from_secs(1), 5).await;
     let sqlite = store(&dir).await;
     let probe = sqlite.clone();
-    let dedup = Consumer::builder(sqlite)
+    let dedup = Engine::builder(sqlite)
         .scope("slow")
         .lease(Duration::from_secs(1))
         .heartbeat(Duration::from_millis(250))
@@ -164,7 +164,7 @@ async fn startup_refuses_unsafe_configurations() {
     let dedup = |retain| {
         let dir = &dir;
         async move {
-            Consumer::builder(store(dir).await).scope("s").retain(retain).build().expect("consumer")
+            Engine::builder(store(dir).await).scope("s").retain(retain).build().expect("consumer")
         }
     };
     let week = Duration::from_secs(7 * 86_400);
@@ -176,7 +176,7 @@ async fn startup_refuses_unsafe_configurations() {
             .await
             .expect_err("an unsafe configuration");
         match e {
-            idem_core::driver::Error::Open(e) => e,
+            idem_core::consumer::Error::Open(e) => e,
             other => panic!("expected the source to refuse: {other}"),
         }
     };

@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::consumer::{Context, HandlerError};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::{JsonPointer, Message};
-use idem_core::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome};
+use idem_core::{Claim, ClaimRequest, Engine, DedupKey, DedupStore, Outcome};
 use idem_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 
@@ -450,7 +450,7 @@ async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
         let mut all_ok = true;
         for _ in 0..repeats {
             let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
-            let consumer = Consumer::builder(store)
+            let consumer = Engine::builder(store)
                 .scope("orders")
                 .key(JsonPointer::new("/message_id"))
                 .lease(LEASE)
@@ -522,8 +522,8 @@ mod streams {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
-    use idem_core::consumer::HandlerError;
-    use idem_core::{Backend, Consumer, MemoryStore};
+    use idem_core::engine::HandlerError;
+    use idem_core::{Backend, Engine, MemoryStore};
     use idem_redis::{RedisStore, StreamConfig, StreamConsumer};
     use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
     use redis::aio::MultiplexedConnection;
@@ -642,7 +642,7 @@ mod streams {
         lanes: usize,
     ) -> Result<Duration, BoxErr> {
         let c = StreamConsumer::builder(StreamConfig::new(client.clone(), stream, group, "c"))
-            .engine(Consumer::builder(backend).scope(group).retain(DAY).build()?)
+            .engine(Engine::builder(backend).scope(group).retain(DAY).build()?)
             .batch(batch)
             .concurrency(lanes)
             .idle_wait(BLOCK)

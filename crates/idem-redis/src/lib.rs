@@ -8,7 +8,7 @@
 //!   ([`RedisStore::cluster_builder`]). At connect it refuses an evicting `maxmemory-policy`
 //!   (on a cluster, on any master) and warns when persistence is off.
 //! - [`StreamConsumer`] reads a stream through a consumer group ([`StreamConfig`]) with idem's
-//!   [`Driver`](idem_core::Driver): in two-phase mode over any store (this one included;
+//!   [`Consumer`](idem_core::Consumer): in two-phase mode over any store (this one included;
 //!   `.store(store)`), or in inbox mode over a SQL inbox (`.inbox(store.inbox(retain))` of
 //!   `idem-sqlx`'s SQLite, PostgreSQL or MySQL store), where each batch's effects commit with
 //!   their dedup markers in one transaction.
@@ -22,7 +22,7 @@
 //! | fetched while the consumer shuts down | none (pending; taken over after `reclaim_idle`) |
 //!
 //! A dead-letter entry carries the entry's fields, the shared
-//! [`headers`](idem_core::driver::headers) `idem-reason`, `idem-outcome`, `idem-scope`,
+//! [`headers`](idem_core::consumer::headers) `idem-reason`, `idem-outcome`, `idem-scope`,
 //! `idem-source` (the stream), `idem-source-position` (the entry id), `idem-delivered`, and
 //! [`idem-group`](GROUP_FIELD).
 //!
@@ -38,7 +38,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::extract::Envelope;
 //! use idem::redis::{StreamConfig, StreamConsumer, redis};
 //! use idem::{PostgresStore, sqlx};
@@ -89,7 +89,7 @@
 //!   are spent: keep `reclaim_idle` above the longest batch, and
 //!   `(max_deliveries − 1) × reclaim_idle` above the engine's lease (opening warns otherwise).
 //! - **Connection trouble**: a failed fetch is retried per the driver's
-//!   [`FetchFailures`](idem_core::driver::FetchFailures); a blocking read with no answer 5 s
+//!   [`FetchFailures`](idem_core::consumer::FetchFailures); a blocking read with no answer 5 s
 //!   after its block time is dropped with its connection; any broker call hanging past the
 //!   driver's broker timeout ends the run, and whatever was not acknowledged comes back.
 //! - **The group or stream is deleted** (`NOGROUP`): the run ends at once.
@@ -159,7 +159,7 @@ pub use tls::install_crypto_provider;
 
 /// A Redis stream consumer made idempotent: the shared driver over a [`StreamSource`], in
 /// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type StreamConsumer<B> = idem_core::Driver<StreamSource, B>;
+pub type StreamConsumer<B> = idem_core::Consumer<StreamSource, B>;
 
 /// The Redis client crate this adapter is built on (for `Client` and your own commands).
 pub use redis;

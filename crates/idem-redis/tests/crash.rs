@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::group_state;
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::driver::{Builder, Report, Settlement, headers};
+use idem_core::engine::{Context, HandlerError};
+use idem_core::consumer::{Builder, Report, Settlement, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, OutcomeKind};
+use idem_core::{Engine, OutcomeKind};
 use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};
 use idem_sqlx::{SqliteStore, Tx};
 use idem_testkit::wait_for;
@@ -177,7 +177,7 @@ async fn consume(
     } else {
         let store = setup.store().await;
         let ledger = store.connection().clone();
-        let engine = Consumer::builder(store)
+        let engine = Engine::builder(store)
             .scope("crash")
             .lease(LEASE)
             .retain(Duration::from_secs(86_400))

@@ -3,7 +3,7 @@
 mod common;
 
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::Error as DriverError;
 use idem_redis::{Error, StreamConfig, StreamConsumer};
 use redis::AsyncCommands;
 use redis::streams::{StreamReadOptions, StreamReadReply};

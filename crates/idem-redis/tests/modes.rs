@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{Cleanup, group_state};
-use idem_core::driver::headers;
+use idem_core::consumer::headers;
 use idem_redis::{GROUP_FIELD, StreamConfig, StreamSource};
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 use redis::AsyncCommands;

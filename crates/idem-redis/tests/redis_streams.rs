@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::group_state;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Report, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, MemoryStore};
+use idem_core::{Engine, MemoryStore};
 use idem_redis::{Error, GROUP_FIELD, StreamConfig, StreamConsumer, StreamEntry};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -76,7 +76,7 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         let _: Vec<String> = pipe.query_async(&mut conn).await.expect("xadd");
     }
 
-    let engine = Consumer::builder(store.clone())
+    let engine = Engine::builder(store.clone())
         .scope("billing")
         .lease(Duration::from_secs(5))
         .retain(Duration::from_secs(3600))
@@ -198,10 +198,10 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
 /// Builds a consumer over `config` (two-phase over a memory store, retention `retain`) and
 /// returns what opening the source said.
 async fn open(config: StreamConfig, retain: Duration) -> Result<(), Error> {
-    let engine = Consumer::builder(MemoryStore::new()).scope("s").retain(retain).build();
+    let engine = Engine::builder(MemoryStore::new()).scope("s").retain(retain).build();
     match StreamConsumer::builder(config).engine(engine.expect("engine")).build().await {
         Ok(_) => Ok(()),
-        Err(idem_core::driver::Error::Open(e)) => Err(e),
+        Err(idem_core::consumer::Error::Open(e)) => Err(e),
         Err(e) => panic!("not an error of the source: {e}"),
     }
 }
@@ -473,7 +473,7 @@ async fn a_deleted_group_ends_the_run_at_once() {
     // The default policy would retry 10 times, 1 s apart: NOGROUP is fatal instead.
     let ended = tokio::time::timeout(Duration::from_secs(5), run).await.expect("run ended");
     match ended {
-        Err(idem_core::driver::Error::Fetch {
+        Err(idem_core::consumer::Error::Fetch {
             attempts: 1,
             source: Error::Redis { source, .. },
         }) => {

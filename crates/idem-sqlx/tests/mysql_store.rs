@@ -228,7 +228,7 @@ async fn purge_runs_beside_claims() {
 /// failure and every order is written once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
-    use idem_core::driver::{Driver, MemoryQueue, QueueMessage};
+    use idem_core::consumer::{Consumer, MemoryQueue, MemoryDelivery};
     use idem_core::extract::Envelope;
 
     let Some(db) = db(8).await else { return };
@@ -242,7 +242,7 @@ async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
     for i in 0..N {
         q.push(format!("o-{i:05}"), format!(r#"{{"order":{i}}}"#));
     }
-    let consumer = Driver::builder(q.clone())
+    let consumer = Consumer::builder(q.clone())
         .inbox(db.store.inbox(WEEK))
         .scope("deadlocks")
         .batch(64)
@@ -252,15 +252,15 @@ async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
         .await
         .unwrap();
     let insert = format!("INSERT INTO {orders} VALUES (?)");
-    let handler = |mut tx: idem_sqlx::Tx<sqlx::MySql>, m: QueueMessage| {
+    let handler = |mut tx: idem_sqlx::Tx<sqlx::MySql>, m: MemoryDelivery| {
         let insert = insert.clone();
         async move {
             sqlx::query(sqlx::AssertSqlSafe(insert))
                 .bind(m.message_id().unwrap_or_default().to_owned())
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| idem_core::consumer::HandlerError::Transient(e.to_string()))?;
-            Ok::<_, idem_core::consumer::HandlerError<String>>(())
+                .map_err(|e| idem_core::engine::HandlerError::Transient(e.to_string()))?;
+            Ok::<_, idem_core::engine::HandlerError<String>>(())
         }
     };
     let drained = q.drained();

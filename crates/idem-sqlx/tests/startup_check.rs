@@ -7,17 +7,17 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Error, MemoryQueue};
-use idem_core::{Backend, Driver, StoreError};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Error, MemoryQueue};
+use idem_core::{Backend, Consumer, StoreError};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
 /// Builds a consumer over `backend` on an in-process queue.
 async fn build<B: Backend>(
     backend: B,
-) -> Result<Driver<MemoryQueue, B>, Error<std::convert::Infallible>> {
-    Driver::builder(MemoryQueue::new()).inbox(backend).scope("orders").build().await
+) -> Result<Consumer<MemoryQueue, B>, Error<std::convert::Infallible>> {
+    Consumer::builder(MemoryQueue::new()).inbox(backend).scope("orders").build().await
 }
 
 /// The refusal of a store whose table is missing: its message names `table` and `migrate`.
@@ -38,7 +38,7 @@ fn assert_unmigrated<T>(
 /// Five messages against a table dropped after the consumer was built: every one fails
 /// (transiently, so it is retried), and the report says which store error.
 async fn fails_with_the_reason<B: Backend>(
-    consumer: Driver<MemoryQueue, B>,
+    consumer: Consumer<MemoryQueue, B>,
     queue: &MemoryQueue,
     why: &str,
 ) {
@@ -162,7 +162,7 @@ mod postgres {
         let drop_table = format!("DROP TABLE \"{schema}\".idem_records");
 
         let queue = MemoryQueue::new();
-        let two_phase = Driver::builder(queue.clone())
+        let two_phase = Consumer::builder(queue.clone())
             .store(store.clone())
             .scope("orders")
             .build()
@@ -173,7 +173,7 @@ mod postgres {
 
         store.migrate().await.unwrap();
         let queue = MemoryQueue::new();
-        let inbox = Driver::builder(queue.clone())
+        let inbox = Consumer::builder(queue.clone())
             .inbox(store.inbox(DAY))
             .scope("orders")
             .build()
@@ -237,7 +237,7 @@ mod mysql {
         let _drop = common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`") };
         store.migrate().await.unwrap();
         let queue = MemoryQueue::new();
-        let consumer = Driver::builder(queue.clone())
+        let consumer = Consumer::builder(queue.clone())
             .store(store.clone())
             .scope("orders")
             .build()

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::{HandlerError, MissingKeyPolicy};
+use idem_core::engine::{HandlerError, MissingKeyPolicy};
 use idem_core::extract::Message;
 use idem_core::{
     Backend, Claim, ClaimRequest, Consumer, DedupKey, DedupStore, InspectStore, Outcome,
@@ -67,8 +67,8 @@ fn order(id: &str, cents: u32) -> Message {
     Message::new(format!(r#"{{"order_id":"{id}","cents":{cents}}}"#)).with_message_id(id)
 }
 
-fn consumer<H: InboxHarness>(h: &H) -> Consumer<H::Inbox> {
-    Consumer::builder(h.inbox()).scope(SCOPE).build().unwrap()
+fn consumer<H: InboxHarness>(h: &H) -> Engine<H::Inbox> {
+    Engine::builder(h.inbox()).scope(SCOPE).build().unwrap()
 }
 
 type Out = Outcome<String, String>;
@@ -78,7 +78,7 @@ type Out = Outcome<String, String>;
 /// after writing.
 async fn decide<H: InboxHarness>(
     h: &Arc<H>,
-    c: &Consumer<H::Inbox>,
+    c: &Engine<H::Inbox>,
     batch: &[Message],
 ) -> Vec<Out> {
     let handler = |mut tx: Tx<<H::Inbox as TxInbox>::Db>, m: Message| {
@@ -321,7 +321,7 @@ pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
     let keyless = Message::new(r#"{"cents":1}"#);
     let outs = decide(&h, &c, &[keyless.clone(), order("o-1", 1)]).await;
     assert_eq!(kinds(&outs), [OutcomeKind::FailedPermanent, OutcomeKind::Processed]);
-    let lax = Consumer::builder(h.inbox())
+    let lax = Engine::builder(h.inbox())
         .scope(SCOPE)
         .missing_key(MissingKeyPolicy::ProcessWithoutDedup)
         .build()
@@ -335,7 +335,7 @@ pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
 /// still counts); the inbox's own limit refuses a result above 1 MiB with `TooLarge`.
 pub async fn result_limit<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = Consumer::builder(h.inbox()).scope(SCOPE).max_result_bytes(8).build().unwrap();
+    let c = Engine::builder(h.inbox()).scope(SCOPE).max_result_bytes(8).build().unwrap();
     let outs = decide(&h, &c, &[order("long-result", 1)]).await;
     assert_eq!(kinds(&outs), [OutcomeKind::Processed]);
     let again = decide(&h, &c, &[order("long-result", 1)]).await;

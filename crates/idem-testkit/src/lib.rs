@@ -4,7 +4,7 @@
 //!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
 //! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_sqlx::TxInbox`] and the
 //!   consumer backend every broker adapter drives), against each SQL inbox.
-//! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::driver::Source`] through
+//! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::consumer::Source`] through
 //!   the driver): every mode through the same builder calls on a real broker.
 //! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
 //!   leases, fencing, ordering keys, retries and parking, purge.

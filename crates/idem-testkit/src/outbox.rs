@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use idem_core::outbox::{Failure, MessageId, OutboxStore, Outgoing, Pending, Ticket};
+use idem_core::outbox::{PublishFailure, OutboxId, OutboxStore, Outgoing, Pending, Ticket};
 
 use crate::{Harness, TimeControl};
 
@@ -63,7 +63,7 @@ pub async fn concurrent_claims_are_disjoint<S: OutboxStore, C: TimeControl>(h: H
             }
         })
     });
-    let mut seen: HashSet<MessageId> = HashSet::new();
+    let mut seen: HashSet<OutboxId> = HashSet::new();
     for t in tasks {
         for id in t.await.unwrap() {
             assert!(seen.insert(id.clone()), "{id} was leased twice");
@@ -83,7 +83,7 @@ pub async fn ordering_keys_go_one_at_a_time<S: OutboxStore, C: TimeControl>(h: H
     assert_eq!(bodies(&first), ["a1", "b1", "free", "x1"], "one row per (destination, key)");
     let a1 = first.iter().find(|p| p.message.payload() == b"a1").unwrap().ticket;
     // a1 fails and waits for a retry: a2 must not overtake it.
-    let fail = Failure { ticket: a1, reason: "nack".into(), retry_in: Some(h.unit) };
+    let fail = PublishFailure { ticket: a1, reason: "nack".into(), retry_in: Some(h.unit) };
     assert_eq!(s.mark_failed(&[fail]).await.unwrap(), 1);
     assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a2 overtook a1 waiting for a retry");
     h.time.advance(h.unit * 2).await;
@@ -165,8 +165,8 @@ pub async fn failures_retry_then_park<S: OutboxStore, C: TimeControl>(h: Harness
     s.send(vec![msg("q", "a"), msg("q", "b")]).await.unwrap();
     let batch = s.claim(10, h.unit * 10).await.unwrap();
     let (a, b) = (batch[0].ticket, batch[1].ticket);
-    let retry = Failure { ticket: a, reason: "broker away".into(), retry_in: Some(h.unit) };
-    let park = Failure { ticket: b, reason: "x".repeat(5000), retry_in: None };
+    let retry = PublishFailure { ticket: a, reason: "broker away".into(), retry_in: Some(h.unit) };
+    let park = PublishFailure { ticket: b, reason: "x".repeat(5000), retry_in: None };
     assert_eq!(s.mark_failed(&[retry.clone(), park]).await.unwrap(), 2);
     assert_eq!(s.mark_failed(&[retry]).await.unwrap(), 0, "a marked lease is spent");
     assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a retry waits for its backoff");
@@ -211,7 +211,7 @@ pub async fn remove_sent_deletes_only_held_rows<S: OutboxStore, C: TimeControl>(
 
 pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
-    let id = MessageId::new("order-7-accepted").unwrap();
+    let id = OutboxId::new("order-7-accepted").unwrap();
     let a = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
     let b = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
     assert_eq!((a[0].clone(), b[0].clone()), (id.clone(), id));
@@ -227,7 +227,7 @@ pub async fn ids_differing_by_case_or_a_trailing_space_are_apart<S: OutboxStore,
 ) {
     let s = &h.store;
     for id in ["order-8", "Order-8", "order-8 "] {
-        s.send(vec![msg("q", "x").id(MessageId::new(id).unwrap())]).await.unwrap();
+        s.send(vec![msg("q", "x").id(OutboxId::new(id).unwrap())]).await.unwrap();
     }
     assert_eq!(s.counts().await.unwrap().pending, 3, "three ids, three messages");
     let mut ids: Vec<String> =

@@ -2,7 +2,7 @@
 //! [`publisher_conformance!`](crate::publisher_conformance), on the real broker.
 //!
 //! Each case publishes to a destination of its own and reads what arrived through the same
-//! crate's idem source (the [`Driver`] in two-phase mode over a [`MemoryStore`]), so it checks
+//! crate's idem source (the [`Consumer`] in two-phase mode over a [`MemoryStore`]), so it checks
 //! the whole way: the message id lands where the consumer's default key extractor reads it,
 //! payload and headers survive, a message published twice is a duplicate downstream, an ordering
 //! key keeps the enqueue order, and a destination nothing receives is a failure, not a success.
@@ -12,13 +12,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, Source, SourceConfig};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Report, Source, SourceConfig};
 use idem_core::extract::Envelope;
 use idem_core::outbox::{
-    MemoryOutbox, MessageId, OutboxMessage, OutboxStore, Outgoing, Publisher, Relay,
+    MemoryOutbox, OutboxId, OutboxMessage, OutboxStore, Outgoing, Publisher, Relay,
 };
-use idem_core::{Driver, MemoryStore, OutcomeKind};
+use idem_core::{Consumer, MemoryStore, OutcomeKind};
 
 pub use crate::inbox::BoxFuture;
 
@@ -88,7 +88,7 @@ async fn consume<H: PublisherHarness>(
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let hook = {
         let seen = Arc::clone(&seen);
-        move |s: &idem_core::driver::Settlement<'_, <H::Source as Source>::Message>| {
+        move |s: &idem_core::consumer::Settlement<'_, <H::Source as Source>::Message>| {
             seen.lock().unwrap().push(Seen {
                 key: s.key.map(|k| k.id().to_owned()),
                 outcome: s.outcome,
@@ -97,7 +97,7 @@ async fn consume<H: PublisherHarness>(
             });
         }
     };
-    let consumer = Driver::builder(h.config())
+    let consumer = Consumer::builder(h.config())
         .store(MemoryStore::new())
         .scope(SCOPE)
         .batch(32)
@@ -125,7 +125,7 @@ async fn consume<H: PublisherHarness>(
 /// An outbox message with a fresh id for `h`'s destination.
 fn message<H: PublisherHarness>(h: &H, payload: &str, header: &str) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         h.destination().to_owned(),
         payload.as_bytes().to_vec(),
         vec![(HEADER.to_owned(), header.to_owned())],

@@ -16,10 +16,10 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Driver, Report, Source, SourceConfig, headers};
+use idem_core::engine::HandlerError;
+use idem_core::consumer::{Consumer, Report, Source, SourceConfig, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Backend, Consumer, DedupStore};
+use idem_core::{Backend, Engine, DedupStore};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore, Tx};
 use sqlx::AssertSqlSafe;
 
@@ -124,8 +124,8 @@ where
     }
     h.publish(REUSED, br#"{"order":"other"}"#).await;
     // The same calls whatever the broker and the backend.
-    let consumer = Driver::builder(h.config())
-        .engine(Consumer::builder(backend).scope(name).build().expect("engine"))
+    let consumer = Consumer::builder(h.config())
+        .engine(Engine::builder(backend).scope(name).build().expect("engine"))
         .batch(8)
         .idle_wait(Duration::from_millis(100))
         .build()

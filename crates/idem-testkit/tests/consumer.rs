@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::{
+use idem_core::engine::{
     Cause, ConfigError, Context, Disposition, ExpiredLeasePolicy, FailureKind, HandlerError,
     MissingKeyPolicy,
 };
@@ -23,8 +23,8 @@ fn order(id: &str, cents: u32) -> Message {
     Message::new(format!(r#"{{"order_id":"{id}","cents":{cents}}}"#)).with_message_id(id)
 }
 
-fn consumer(store: MemoryStore) -> Consumer<MemoryStore> {
-    Consumer::builder(store)
+fn consumer(store: MemoryStore) -> Engine<MemoryStore> {
+    Engine::builder(store)
         .scope("orders")
         .lease(Duration::from_secs(30))
         .retain(Duration::from_secs(86_400))
@@ -49,10 +49,10 @@ async fn processed_then_duplicate_with_stored_result() {
     let runs = Arc::new(AtomicU32::new(0));
     let first: Out = c.process(&order("o-1", 100), counting(&runs)).await;
     assert!(matches!(&first, Outcome::Processed(r) if r == "charged#1"), "{first:?}");
-    assert_eq!(first.disposition(), Disposition::Ack);
+    assert_eq!(first.verb(), Verb::Ack);
     let again: Out = c.process(&order("o-1", 100), counting(&runs)).await;
     assert!(matches!(&again, Outcome::Duplicate(Some(r)) if r == "charged#1"), "{again:?}");
-    assert_eq!(again.disposition(), Disposition::Ack);
+    assert_eq!(again.verb(), Verb::Ack);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
@@ -65,8 +65,8 @@ async fn reused_key_with_other_content_is_a_conflict_dead_lettered() {
     let Outcome::Conflict(conflict) = &reused else { panic!("{reused:?}") };
     assert_eq!(conflict.key.id(), "o-1");
     assert_ne!(conflict.stored, conflict.incoming);
-    match reused.disposition() {
-        Disposition::DeadLetter { reason } => {
+    match reused.verb() {
+        Verb::DeadLetter { reason } => {
             assert!(reason.contains("reused with a different payload"), "{reason}")
         }
         other => panic!("conflict must be dead-lettered, got {other:?}"),
@@ -108,7 +108,7 @@ async fn a_live_lease_elsewhere_means_retry_later() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(matches!(second.disposition(), Disposition::Retry { after: Some(_) }));
+    assert!(matches!(second.verb(), Verb::Retry { after: Some(_) }));
     release_tx.send(()).unwrap();
     assert!(matches!(first.await.unwrap(), Outcome::Processed(_)));
     assert_eq!(runs.load(Ordering::SeqCst), 0);
@@ -123,7 +123,7 @@ async fn transient_failure_releases_the_claim_for_a_retry() {
     let Outcome::Failed(f) = &failed else { panic!("{failed:?}") };
     assert_eq!(f.kind, FailureKind::Transient);
     assert!(matches!(&f.cause, Cause::Handler(e) if e == "503"));
-    assert_eq!(failed.disposition(), Disposition::Retry { after: None });
+    assert_eq!(failed.verb(), Verb::Retry { after: None });
     // Released: the redelivery runs at once, as attempt 2, with the same downstream key.
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let s = Arc::clone(&seen);
@@ -153,7 +153,7 @@ async fn permanent_failure_is_recorded_and_dead_lettered() {
         .await;
     assert!(matches!(&out, Outcome::Failed(f) if f.kind == FailureKind::Permanent));
     assert!(
-        matches!(out.disposition(), Disposition::DeadLetter { reason } if reason.contains("card declined"))
+        matches!(out.verb(), Verb::DeadLetter { reason } if reason.contains("card declined"))
     );
     let rec = store.get(&DedupKey::new("orders", "o-1").unwrap()).await.unwrap().unwrap();
     assert_eq!(rec.state, RecordState::Failed);
@@ -179,7 +179,7 @@ async fn missing_key_reject() {
     let Outcome::Failed(f) = &out else { panic!("{out:?}") };
     assert!(matches!(f.cause, Cause::MissingKey(_)));
     assert!(
-        matches!(out.disposition(), Disposition::DeadLetter { reason } if reason.contains("message id is missing"))
+        matches!(out.verb(), Verb::DeadLetter { reason } if reason.contains("message id is missing"))
     );
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
@@ -187,7 +187,7 @@ async fn missing_key_reject() {
 fn missing_key_lenient() {
     let no_key = Message::new(r#"{"cents":1}"#);
     let runs = Arc::new(AtomicU32::new(0));
-    let lenient = Consumer::builder(MemoryStore::new())
+    let lenient = Engine::builder(MemoryStore::new())
         .scope("orders")
         .missing_key(MissingKeyPolicy::ProcessWithoutDedup)
         .build()
@@ -211,16 +211,16 @@ fn missing_key_lenient() {
 
 #[tokio::test]
 async fn oversized_or_extracted_keys_fail_with_a_clear_cause() {
-    let c = Consumer::builder(MemoryStore::new()).scope("orders").max_key_bytes(8).build().unwrap();
+    let c = Engine::builder(MemoryStore::new()).scope("orders").max_key_bytes(8).build().unwrap();
     let runs = Arc::new(AtomicU32::new(0));
     let out: Out = c.process(&order("much-too-long-id", 1), counting(&runs)).await;
-    match out.disposition() {
-        Disposition::DeadLetter { reason } => {
+    match out.verb() {
+        Verb::DeadLetter { reason } => {
             assert!(reason.contains("id is 16 bytes, longer than the limit of 8 bytes"), "{reason}")
         }
         other => panic!("{other:?}"),
     }
-    let by_field = Consumer::builder(MemoryStore::new())
+    let by_field = Engine::builder(MemoryStore::new())
         .scope("orders")
         .key(JsonPointer::new("/order_id"))
         .build()
@@ -273,7 +273,7 @@ async fn crash_mid_handler_is_taken_over_after_the_lease() {
 async fn park_policy_holds_an_expired_lease_in_doubt_until_released() {
     let clock = ManualClock::new();
     let store = MemoryStore::with_clock(clock.clone());
-    let c = Consumer::builder(store.clone())
+    let c = Engine::builder(store.clone())
         .scope("orders")
         .lease(Duration::from_secs(30))
         .on_expired_lease(ExpiredLeasePolicy::Park)
@@ -292,7 +292,7 @@ async fn park_policy_holds_an_expired_lease_in_doubt_until_released() {
         let Outcome::Failed(f) = &out else { panic!("{out:?}") };
         assert!(matches!(f.cause, Cause::InDoubt { .. }), "{:?}", f.cause);
         assert!(
-            matches!(out.disposition(), Disposition::DeadLetter { reason } if reason.contains("in doubt"))
+            matches!(out.verb(), Verb::DeadLetter { reason } if reason.contains("in doubt"))
         );
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "a parked message must not run");
@@ -309,7 +309,7 @@ async fn park_policy_holds_an_expired_lease_in_doubt_until_released() {
 async fn failed_completion_is_never_reported_as_processed() {
     let clock = ManualClock::new();
     let store = FaultyStore::new(MemoryStore::with_clock(clock.clone()));
-    let c = Consumer::builder(store.clone())
+    let c = Engine::builder(store.clone())
         .scope("orders")
         .lease(Duration::from_secs(30))
         .complete_retry(Duration::ZERO)
@@ -321,7 +321,7 @@ async fn failed_completion_is_never_reported_as_processed() {
     let Outcome::Failed(f) = &out else { panic!("{out:?}") };
     assert_eq!(f.kind, FailureKind::Transient);
     assert!(matches!(f.cause, Cause::Store(_)));
-    assert!(matches!(out.disposition(), Disposition::Retry { .. }));
+    assert!(matches!(out.verb(), Verb::Retry { .. }));
     clock.advance(Duration::from_secs(31));
     let again: Out = c.process(&order("o-1", 1), counting(&runs)).await;
     assert!(matches!(again, Outcome::Processed(ref r) if r == "charged#2"), "{again:?}");
@@ -333,7 +333,7 @@ async fn failed_completion_is_never_reported_as_processed() {
 #[tokio::test(start_paused = true)]
 async fn a_completion_that_fails_for_a_moment_is_tried_again() {
     let store = FaultyStore::new(MemoryStore::new());
-    let c = Consumer::builder(store.clone())
+    let c = Engine::builder(store.clone())
         .scope("orders")
         .complete_retry(Duration::from_secs(2))
         .build()
@@ -368,7 +368,7 @@ async fn a_completion_that_fails_for_a_moment_is_tried_again() {
 #[tokio::test]
 async fn failed_claim_runs_nothing_and_retries() {
     let store = FaultyStore::new(MemoryStore::new());
-    let c = Consumer::builder(store.clone()).scope("orders").build().unwrap();
+    let c = Engine::builder(store.clone()).scope("orders").build().unwrap();
     let runs = Arc::new(AtomicU32::new(0));
     store.fail_next(Op::Claim, 1);
     let out: Out = c.process(&order("o-1", 1), counting(&runs)).await;
@@ -381,7 +381,7 @@ async fn failed_claim_runs_nothing_and_retries() {
 #[tokio::test]
 async fn batch_claims_in_one_round_trip_and_runs_repeats_once() {
     let store = FaultyStore::new(MemoryStore::new());
-    let c = Consumer::builder(store.clone()).scope("orders").build().unwrap();
+    let c = Engine::builder(store.clone()).scope("orders").build().unwrap();
     let runs = Arc::new(AtomicU32::new(0));
     let msgs = vec![order("a", 1), order("b", 2), order("a", 1), order("a", 5), Message::new("{}")];
     let r = Arc::clone(&runs);
@@ -404,7 +404,7 @@ async fn batch_claims_in_one_round_trip_and_runs_repeats_once() {
 #[tokio::test]
 async fn batch_falls_back_to_single_claims_when_the_batch_fails() {
     let store = FaultyStore::new(MemoryStore::new());
-    let c = Consumer::builder(store.clone()).scope("orders").build().unwrap();
+    let c = Engine::builder(store.clone()).scope("orders").build().unwrap();
     store.fail_next(Op::Claim, 1);
     let runs = Arc::new(AtomicU32::new(0));
     let r = Arc::clone(&runs);
@@ -424,7 +424,7 @@ async fn batch_falls_back_to_single_claims_when_the_batch_fails() {
 #[tokio::test(start_paused = true)]
 async fn heartbeat_keeps_a_slow_handler_lease() {
     let store = MemoryStore::with_clock(TokioClock::new());
-    let c = Consumer::builder(store.clone())
+    let c = Engine::builder(store.clone())
         .scope("orders")
         .lease(Duration::from_secs(10))
         .heartbeat(Duration::from_secs(3))
@@ -457,17 +457,17 @@ async fn heartbeat_keeps_a_slow_handler_lease() {
 /// names the field and the limit.
 #[test]
 fn an_oversized_scope_is_refused_naming_the_field_and_the_limit() {
-    let err = Consumer::builder(MemoryStore::new()).scope("s".repeat(513)).build().unwrap_err();
+    let err = Engine::builder(MemoryStore::new()).scope("s".repeat(513)).build().unwrap_err();
     assert!(matches!(err, ConfigError::InvalidScope(_)));
     let text = err.to_string();
     assert!(text.contains("scope") && text.contains("513") && text.contains("512"), "{text}");
-    let nul = Consumer::builder(MemoryStore::new()).scope("a\0b").build().unwrap_err().to_string();
+    let nul = Engine::builder(MemoryStore::new()).scope("a\0b").build().unwrap_err().to_string();
     assert!(nul.contains("scope") && nul.contains("NUL"), "{nul}");
 }
 
 #[test]
 fn retention_shorter_than_the_redelivery_window_is_rejected() {
-    let err = Consumer::builder(MemoryStore::new())
+    let err = Engine::builder(MemoryStore::new())
         .scope("orders")
         .retain(Duration::from_secs(600))
         .retention_window(RetentionWindow::new(10, Duration::from_secs(300)))
@@ -476,11 +476,11 @@ fn retention_shorter_than_the_redelivery_window_is_rejected() {
     assert!(matches!(err, ConfigError::Retention(_)));
     assert!(err.to_string().contains("10 deliveries × 5m"), "{err}");
     assert!(matches!(
-        Consumer::builder(MemoryStore::new()).build().unwrap_err(),
+        Engine::builder(MemoryStore::new()).build().unwrap_err(),
         ConfigError::MissingScope
     ));
     assert!(matches!(
-        Consumer::builder(MemoryStore::new()).scope("").build().unwrap_err(),
+        Engine::builder(MemoryStore::new()).scope("").build().unwrap_err(),
         ConfigError::InvalidScope(_)
     ));
 }

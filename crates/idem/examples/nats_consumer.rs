@@ -15,8 +15,8 @@
 use std::time::Duration;
 
 use idem::PostgresStore;
-use idem::consumer::HandlerError;
-use idem::driver::headers;
+use idem::engine::HandlerError;
+use idem::consumer::headers;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::nats::{JetStream, JetStreamConsumer};
 
@@ -129,7 +129,7 @@ async fn main() -> Result<()> {
             Ok(format!("stored {id}"))
         }
     };
-    let mut total = idem::driver::Report::default();
+    let mut total = idem::consumer::Report::default();
     loop {
         let report = consumer.poll(&handler).await?;
         if report.fetched == 0 {

@@ -25,8 +25,8 @@ use idem::amqp::lapin::options::{
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, RabbitWindow};
-use idem::consumer::HandlerError;
-use idem::driver::{Action, Settlement, headers};
+use idem::engine::HandlerError;
+use idem::consumer::{Action, Settlement, headers};
 use idem::sqlx::{self, AssertSqlSafe};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -106,7 +106,7 @@ async fn main() -> Result<(), Error> {
             Ok(())
         }
     };
-    let mut total = idem::driver::Report::default();
+    let mut total = idem::consumer::Report::default();
     loop {
         let report = consumer.poll(&handler).await?;
         if report.fetched == 0 {
@@ -168,7 +168,7 @@ fn print_settlement(s: &Settlement<'_, AmqpMessage>) {
     let verb = match s.action {
         Action::Ack => "ack".to_owned(),
         Action::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
-        Action::DeadLettered { reason } => format!("dead-lettered ({reason}), then ack"),
+        Verb::DeadLetter { reason } => format!("dead-lettered ({reason}), then ack"),
         _ => "nack, requeue".to_owned(),
     };
     let key = s.key.map_or("-", |k| k.id());

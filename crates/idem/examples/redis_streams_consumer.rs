@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::redis::redis::{self as client, AsyncCommands};
 use idem::redis::{StreamConfig, StreamConsumer, StreamEntry};
@@ -107,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_tx.send(true)?;
-    let mut report = idem::driver::Report::default();
+    let mut report = idem::consumer::Report::default();
     for w in workers {
         report += w.await??;
     }

@@ -28,9 +28,9 @@ use idem::amqp10::fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId,
 use idem::amqp10::fe2o3_amqp::types::primitives::{Binary, Value};
 use idem::amqp10::fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem::amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters, ServiceBus};
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::cosmos::{BatchDocs, CosmosInbox};
-use idem::driver::{Action, Settlement};
+use idem::consumer::{Action, Settlement};
 use idem::extract::Envelope;
 use serde_json::json;
 
@@ -66,7 +66,7 @@ fn printer(seen: Seen) -> impl Fn(&Settlement<'_, Amqp10Message>) + Send + Sync 
         let id = s.message.message_id().unwrap_or("-").to_owned();
         let verb = match s.action {
             Action::Ack => "complete".to_owned(),
-            Action::DeadLettered { reason } => format!("dead-letter ({reason})"),
+            Verb::DeadLetter { reason } => format!("dead-letter ({reason})"),
             Action::Retry { .. } => "abandon".to_owned(),
             _ => "release".to_owned(),
         };

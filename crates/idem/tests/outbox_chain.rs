@@ -13,7 +13,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxMessage, OutboxStore, Outgoing, Publisher, Relay};
 use idem::sqlx::{self, AssertSqlSafe};
@@ -129,13 +129,13 @@ async fn run_relay<P: Publisher>(store: &PostgresStore, publisher: P) {
 }
 
 /// Runs consumer 1 or 2 on its queue until stdin closes.
-async fn consume<C: idem::driver::SourceConfig>(
+async fn consume<C: idem::consumer::SourceConfig>(
     config: C,
     role: &str,
     spec: &Spec,
     store: &PostgresStore,
 ) {
-    let consumer = idem::Driver::builder(config)
+    let consumer = idem::Consumer::builder(config)
         .inbox(store.inbox(WEEK))
         .scope(role)
         .batch(32)
@@ -200,9 +200,9 @@ async fn chain<B: Broker>(broker: B, name: &str) {
     let messages: Vec<OutboxMessage> = ids
         .iter()
         .map(|id| {
-            Outgoing::new(spec.a.clone(), id.clone()).id(idem::outbox::MessageId::new(id).unwrap())
+            Outgoing::new(spec.a.clone(), id.clone()).id(idem::outbox::OutboxId::new(id).unwrap())
         })
-        .map(|m| m.into_message(idem::outbox::MessageId::random))
+        .map(|m| m.into_message(idem::outbox::OutboxId::random))
         .collect();
     for chunk in messages.chunks(500) {
         for r in broker.publisher().await.publish(chunk).await {

@@ -7,11 +7,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use idem::consumer::{HandlerError, Prepared};
-use idem::driver::MemoryQueue;
+use idem::engine::{HandlerError, Prepared};
+use idem::consumer::MemoryQueue;
 use idem::extract::Message;
 use idem::time::ManualClock;
-use idem::{Claim, DedupStore, Driver, MemoryStore};
+use idem::{Claim, DedupStore, Consumer, MemoryStore};
 use idem_testkit::faults::{FaultyStore, Op};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -26,7 +26,7 @@ async fn scrape_after_known_traffic_shows_exact_counts() {
     let clock = ManualClock::new();
     let store = FaultyStore::new(MemoryStore::with_clock(clock.clone()));
     let queue = MemoryQueue::new();
-    let driver = Driver::builder(queue.clone())
+    let driver = Consumer::builder(queue.clone())
         .store(store.clone())
         .scope("billing")
         .batch(4)

@@ -11,7 +11,7 @@ use idem_amqp::lapin::options::{
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem_amqp::{AmqpMessage, Topology};
-use idem_core::driver::{Action, Settlement, headers};
+use idem_core::consumer::{Action, Settlement, headers};
 use tokio::sync::mpsc;
 
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";

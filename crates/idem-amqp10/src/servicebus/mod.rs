@@ -18,7 +18,7 @@ use std::time::Duration;
 use fe2o3_amqp::link::Receiver;
 use fe2o3_amqp::types::definitions::{self, ErrorCondition, Fields};
 use fe2o3_amqp::types::primitives::{Symbol, Value};
-use idem_core::driver::{DeadLetter, Opening, SourceConfig};
+use idem_core::consumer::{DeadLetter, Opening, SourceConfig};
 
 pub use auth::{AccessToken, BoxError, TokenKind, TokenSource};
 pub(crate) use auth::{Credential, authorize};

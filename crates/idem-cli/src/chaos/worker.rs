@@ -7,12 +7,12 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use idem::consumer::{Context, HandlerError};
-use idem::driver::{Source, SourceConfig};
+use idem::engine::{Context, HandlerError};
+use idem::consumer::{Source, SourceConfig};
 use idem::extract::Envelope;
 use idem::redis::redis::AsyncCommands as _;
 use idem::sqlx::{self, AssertSqlSafe};
-use idem::{Consumer, Driver, MySqlStore, PostgresStore, SqliteStore, Tx};
+use idem::{Engine, Consumer, MySqlStore, PostgresStore, SqliteStore, Tx};
 
 use super::broker::{self, BrokerUrl, NATS_CONSUMER};
 use super::store::{self, Names, StoreUrl};
@@ -135,12 +135,12 @@ where
 {
     let outside = args.fault == Some(Fault::EffectOutsideTx);
     let ledger = names.ledger_table(store);
-    let builder = Driver::builder(config).batch(32).idle_wait(Duration::from_millis(100));
+    let builder = Consumer::builder(config).batch(32).idle_wait(Duration::from_millis(100));
     match store {
         StoreUrl::Postgres(url) => {
             let pool = store::pg_pool(url, 4).await?;
             let inbox = PostgresStore::new(pool.clone()).with_schema(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let engine = Engine::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
             let driver = builder.engine(engine).build().await?;
             ready()?;
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES ($1, $2)");
@@ -149,7 +149,7 @@ where
         StoreUrl::MySql(url) => {
             let pool = store::my_pool(url, 4).await?;
             let inbox = MySqlStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let engine = Engine::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
             let driver = builder.engine(engine).build().await?;
             ready()?;
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
@@ -158,7 +158,7 @@ where
         StoreUrl::Sqlite(path) => {
             let pool = store::sqlite_pool(path).await?;
             let inbox = SqliteStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
+            let engine = Engine::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
             let driver = builder.engine(engine).build().await?;
             ready()?;
             // SQLite has one connection per worker, held by the batch: a write "outside" it
@@ -176,7 +176,7 @@ where
                 Ok(builder.namespace(&names.base)?.response_timeout(Duration::from_secs(2)))
             })
             .await?;
-            let engine = Consumer::builder(dedup).scope(SCOPE).lease(args.lease).build()?;
+            let engine = Engine::builder(dedup).scope(SCOPE).lease(args.lease).build()?;
             let driver = builder.engine(engine).build().await?;
             let conn = connect::redis_manager(url).await?;
             let key = names.redis_ledger();

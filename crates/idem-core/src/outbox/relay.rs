@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use super::{Failure, OutboxMessage, OutboxStore, PublishError, Publisher, Ticket};
+use super::{PublishFailure, OutboxMessage, OutboxStore, PublishError, Publisher, Ticket};
 use crate::StoreError;
 use crate::telemetry::{OUTBOX_FAILURES_TOTAL, OUTBOX_PUBLISH_SECONDS, OUTBOX_PUBLISHED_TOTAL};
 
@@ -442,7 +442,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         failed_before: u32,
         m: &OutboxMessage,
         e: &PublishError,
-    ) -> Failure {
+    ) -> PublishFailure {
         let s = &self.settings;
         let attempts = failed_before + 1;
         let reason = error_chain(e);
@@ -456,7 +456,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 tracing::error!(id = %m.id(), attempts, error = %reason, "publish failed; row parked")
             }
         }
-        Failure { ticket, reason, retry_in }
+        PublishFailure { ticket, reason, retry_in }
     }
 }
 

@@ -9,10 +9,10 @@ use std::future::Future;
 use std::time::Duration;
 
 use azure_data_cosmos::clients::ContainerClient;
-use idem_core::consumer::{Cause, Conflict, FailureKind, HandlerError, Outcome, Prepared};
+use idem_core::engine::{Cause, Conflict, FailureKind, HandlerError, Outcome, Prepared};
 use idem_core::extract::Envelope;
 use idem_core::time::{Clock, SystemClock};
-use idem_core::{Consumer, DedupKey, Fingerprint, RecordState, StoreError};
+use idem_core::{Engine, DedupKey, Fingerprint, RecordState, StoreError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -48,14 +48,14 @@ use commit::Committed;
 ///   before the request (permanent failures: the batch can never commit).
 ///
 /// ```no_run
-/// use idem_core::consumer::HandlerError;
-/// use idem_core::{Consumer, RetentionWindow};
+/// use idem_core::engine::HandlerError;
+/// use idem_core::{Engine, RetentionWindow};
 /// use idem_cosmos::{BatchDocs, CosmosInbox};
 ///
 /// # async fn f(orders: azure_data_cosmos::clients::ContainerClient,
 /// #            msg: idem_core::extract::Message) -> Result<(), Box<dyn std::error::Error>> {
 /// let inbox = CosmosInbox::new(orders, "/orderId")?;
-/// let consumer = Consumer::builder(inbox).scope("orders").build()?;
+/// let consumer = Engine::builder(inbox).scope("orders").build()?;
 /// let handler = |docs: BatchDocs, m: idem_core::extract::Message| async move {
 ///     let order: serde_json::Value =
 ///         serde_json::from_slice(&m.payload).map_err(|e| HandlerError::Permanent(e.to_string()))?;
@@ -132,18 +132,18 @@ impl CosmosInbox {
 impl idem_core::Backend for CosmosInbox {
     type Ctx = BatchDocs;
 
-    fn retention(consumer: &Consumer<Self>) -> Duration {
+    fn retention(consumer: &Engine<Self>) -> Duration {
         consumer.store().retention
     }
 
-    fn lease(_: &Consumer<Self>) -> Option<Duration> {
+    fn lease(_: &Engine<Self>) -> Option<Duration> {
         None
     }
 
     // The trait's signature, spelled out: its `Send` bound is the contract.
     #[allow(clippy::manual_async_fn)]
     fn decide<'a, M, H, Fut, T, E>(
-        consumer: &'a Consumer<Self>,
+        consumer: &'a Engine<Self>,
         batch: &'a [M],
         handler: &'a H,
     ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
@@ -164,7 +164,7 @@ impl idem_core::Backend for CosmosInbox {
     }
 }
 
-async fn decide_one<M, H, Fut, T, E>(c: &Consumer<CosmosInbox>, m: &M, handler: &H) -> Outcome<T, E>
+async fn decide_one<M, H, Fut, T, E>(c: &Engine<CosmosInbox>, m: &M, handler: &H) -> Outcome<T, E>
 where
     M: Envelope + Clone + Send + Sync + 'static,
     H: Fn(BatchDocs, M) -> Fut + Sync,
@@ -210,7 +210,7 @@ where
 }
 
 /// A message without a key (processed without dedup): its documents commit without a marker.
-async fn unkeyed<M, H, Fut, T, E>(c: &Consumer<CosmosInbox>, m: &M, handler: &H) -> Outcome<T, E>
+async fn unkeyed<M, H, Fut, T, E>(c: &Engine<CosmosInbox>, m: &M, handler: &H) -> Outcome<T, E>
 where
     M: Envelope + Clone + Send + Sync + 'static,
     H: Fn(BatchDocs, M) -> Fut + Sync,

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use idem_core::RetentionWindow;
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::consumer::{Opening, SourceConfig};
 use redis::streams::StreamInfoGroupsReply;
 use redis::{Client, RedisError};
 
@@ -14,7 +14,7 @@ use crate::{Error, RedisConnection};
 
 /// A Redis stream's settings for the driver: the stream, the consumer group, this consumer's
 /// name, and what is specific to Redis. Batch size and idle wait (the `XREADGROUP` block time)
-/// are the driver's ([`Builder`](idem_core::driver::Builder)).
+/// are the driver's ([`Builder`](idem_core::consumer::Builder)).
 ///
 /// Defaults: dead letters to `<stream>:dead-letter`; entries idle for 30 s are taken over with
 /// `XAUTOCLAIM`; no delivery limit; payload in the field `payload`, message id in `message_id`;

@@ -2,7 +2,7 @@
 //! `XACK`, dead-letter entries, or entries left pending for `XAUTOCLAIM`.
 //!
 //! [`StreamConfig`] holds what is specific to Redis and opens a [`StreamSource`]; the
-//! [`Driver`](idem_core::Driver) does the rest (claims or the inbox transaction, handlers,
+//! [`Consumer`](idem_core::Consumer) does the rest (claims or the inbox transaction, handlers,
 //! the order of verbs, shutdown). `StreamConsumer<B>` names that driver. The outcome → verb
 //! table, the retry delay, the redelivery window and the failure modes are in the
 //! [crate docs](crate); here is how they come about.
@@ -16,7 +16,7 @@
 //! - **Settle**: one `XACK` for the batch's acknowledged and dead-lettered entries; retries and
 //!   releases are left pending, which is all Redis offers: `XAUTOCLAIM` is the redelivery, and
 //!   `reclaim_idle` the retry delay.
-//! - **Delivery limit**: [`give_up`](idem_core::driver::Source::give_up) answers once an entry's
+//! - **Delivery limit**: [`give_up`](idem_core::consumer::Source::give_up) answers once an entry's
 //!   delivery count reached [`max_deliveries`](StreamConfig::max_deliveries), so the driver
 //!   dead-letters the retry that would have been one delivery too many.
 

@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use idem_core::RetentionWindow;
-use idem_core::driver::{Action, DeadLetter, Source, headers};
+use idem_core::consumer::{Action, DeadLetter, Source, headers};
 use redis::streams::{StreamAutoClaimReply, StreamReadReply};
 use redis::{RedisError, RedisResult};
 
@@ -13,7 +13,7 @@ use crate::store::Deployment;
 use crate::{Error, RedisConnection};
 
 /// The dead-letter copy's field naming the consumer group that gave up on the entry, beside
-/// the shared [`headers`](idem_core::driver::headers).
+/// the shared [`headers`](idem_core::consumer::headers).
 pub const GROUP_FIELD: &str = "idem-group";
 
 /// How long a blocking read may take beyond its block time before its connection is taken for
@@ -343,7 +343,7 @@ impl Source for StreamSource {
     async fn settle(&self, items: Vec<(StreamEntry, Action)>) -> Result<u64, Error> {
         let ids: Vec<&str> = items
             .iter()
-            .filter(|(_, a)| matches!(a, Action::Ack | Action::DeadLettered { .. }))
+            .filter(|(_, a)| matches!(a, Action::Ack | Verb::DeadLetter { .. }))
             .map(|(e, _)| e.id())
             .collect();
         if ids.is_empty() {

@@ -18,7 +18,7 @@ use idem_core::{
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
-pub use entity::{EntityMark, EntityTable};
+pub use entity::EntityTable;
 pub use inbox::PostgresInbox;
 pub use outbox::PostgresOutbox;
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
 };
 use idem_core::time::{Clock, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -197,7 +197,7 @@ impl SqliteOutbox {
         &self,
         to: &mut impl Enqueue<Sqlite>,
         msg: Outgoing,
-    ) -> Result<MessageId, OutboxError> {
+    ) -> Result<OutboxId, OutboxError> {
         let m = prepare(to, msg)?;
         sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.enqueue)))
             .bind(m.id().as_str())
@@ -242,7 +242,7 @@ impl SqliteOutbox {
 type Query = sqlx::query::Query<'static, Sqlite, <Sqlite as sqlx::Database>::Arguments>;
 
 impl OutboxStore for SqliteOutbox {
-    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox send", e))?;
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
@@ -274,9 +274,9 @@ impl OutboxStore for SqliteOutbox {
         self.each_in_tx("outbox remove_sent", tickets.iter().map(stmt).collect()).await
     }
 
-    async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, failures: &[PublishFailure]) -> Result<u64, StoreError> {
         let now = self.now();
-        let stmt = |f: &Failure| {
+        let stmt = |f: &PublishFailure| {
             self.stmt(&self.sql.failed)
                 .bind(f.ticket.row)
                 .bind(f.ticket.token)

@@ -2,15 +2,14 @@
 
 use std::ops::AddAssign;
 
-use super::Action;
-use crate::consumer::OutcomeKind;
+use crate::engine::{OutcomeKind, Verb};
 
 /// What happened to the messages of a batch, or, summed, of a whole run: the same counts for
 /// every broker, and the first store error met, so that a consumer whose every message fails
 /// on its store (a table never created) says why even where no log is collected.
 ///
 /// ```
-/// use idem_core::driver::Report;
+/// use idem_core::consumer::Report;
 /// use idem_core::OutcomeKind;
 ///
 /// let r = Report::default();
@@ -86,12 +85,12 @@ impl Report {
     }
 
     /// Counts one verb.
-    pub fn count_action(&mut self, action: &Action) {
-        match action {
-            Action::Ack => self.acked += 1,
-            Action::DeadLettered { .. } => self.dead_lettered += 1,
-            Action::Retry { .. } => self.retried += 1,
-            Action::Release => self.released += 1,
+    pub fn count_verb(&mut self, verb: &Verb) {
+        match verb {
+            Verb::Ack => self.acked += 1,
+            Verb::DeadLetter { .. } => self.dead_lettered += 1,
+            Verb::Retry { .. } => self.retried += 1,
+            Verb::Release => self.released += 1,
         }
     }
 

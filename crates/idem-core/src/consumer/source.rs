@@ -1,29 +1,29 @@
-//! The broker side of a [`Driver`](super::Driver): what an adapter implements.
+//! The broker side of a [`Consumer`](super::Consumer): what an adapter implements.
 
 use std::future::Future;
 use std::time::Duration;
 
 use crate::DedupKey;
-use crate::consumer::OutcomeKind;
+use crate::engine::{OutcomeKind, Verb};
 use crate::extract::Envelope;
 
-/// A broker as the driver sees it: fetch a batch, copy a message to the dead-letter
+/// A broker as the consumer sees it: fetch a batch, copy a message to the dead-letter
 /// destination, settle a batch. Everything else — claiming, running handlers, committing,
-/// choosing verbs, the order of verbs, shutdown — is the driver's, written once.
+/// choosing verbs, the order of verbs, shutdown — is the consumer's, written once.
 ///
 /// # Contract
 /// - `fetch` returns messages the broker will redeliver unless they are settled (manual acks).
 /// - `dead_letter` returns `Ok` for a copy only once the broker has confirmed it is stored.
-/// - `settle` sends the verbs in `items` and nothing else; the driver calls it only after every
+/// - `settle` sends the verbs in `items` and nothing else; the consumer calls it only after every
 ///   effect and dead-letter copy it acknowledges is durable.
-/// - No method waits forever on its own: the driver bounds each call with the consumer's broker
+/// - No method waits forever on its own: the consumer bounds each call with the consumer's broker
 ///   timeout, and a call that runs out ends the run (unsettled messages are redelivered).
 ///
 /// The conformance suite in `idem-testkit` checks an implementation against a real broker.
 pub trait Source: Send + Sync + Sized + 'static {
     /// One delivery as handlers and key extractors see it. Cloned into each handler: keep it
     /// cheap to clone (reference-counted).
-    type Message: Envelope + Clone + Send + Sync + 'static;
+    type Delivery: Envelope + Clone + Send + Sync + 'static;
     /// What the broker client reports.
     type Error: std::error::Error + Send + Sync + 'static;
 
@@ -31,16 +31,16 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// together with those ready right after it. Empty when nothing arrived.
     ///
     /// # Errors
-    /// The broker's error; the driver retries per its fetch-failure policy unless
+    /// The broker's error; the consumer retries per its fetch-failure policy unless
     /// [`is_fatal`](Self::is_fatal) says the source cannot recover.
     ///
     /// # Cancel safety
-    /// Need not be cancel safe: the driver never drops a fetch in progress.
+    /// Need not be cancel safe: the consumer never drops a fetch in progress.
     fn fetch(
         &self,
         max: usize,
         wait: Duration,
-    ) -> impl Future<Output = Result<Vec<Self::Message>, Self::Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<Self::Delivery>, Self::Error>> + Send;
 
     /// Whether `error` means the source cannot go on (its channel or connection is gone), so
     /// the run ends at once instead of retrying. Default: no error is fatal.
@@ -54,16 +54,16 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// Never returns. Default: does nothing.
     fn keep_alive<'a>(
         &'a self,
-        batch: &'a [Self::Message],
+        batch: &'a [Self::Delivery],
     ) -> impl Future<Output = ()> + Send + 'a {
         let _ = batch;
         std::future::pending()
     }
 
     /// `Some(why)` when a retry of `msg` would exceed the broker's delivery limit, after which
-    /// the broker would drop it without a trace: the driver then dead-letters it instead.
+    /// the broker would drop it without a trace: the consumer then dead-letters it instead.
     /// Default: no limit.
-    fn give_up(&self, msg: &Self::Message) -> Option<String> {
+    fn give_up(&self, msg: &Self::Delivery) -> Option<String> {
         let _ = msg;
         None
     }
@@ -73,7 +73,7 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// `idem_source_lag_messages` gauge. Implement it only where it costs no broker round trip
     /// (JetStream's delivery metadata carries it); a lag that needs a query per batch is
     /// better left to the broker's own exporter. Default: unknown.
-    fn lag(&self, batch: &[Self::Message]) -> Option<u64> {
+    fn lag(&self, batch: &[Self::Delivery]) -> Option<u64> {
         let _ = batch;
         None
     }
@@ -86,10 +86,11 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// Need not be cancel safe: a copy made twice is harmless (dead letters are at least once).
     fn dead_letter<'a>(
         &'a self,
-        items: &'a [(&'a Self::Message, DeadLetter)],
+        items: &'a [(&'a Self::Delivery, DeadLetter)],
     ) -> impl Future<Output = Vec<Result<(), Self::Error>>> + Send + 'a;
 
-    /// Sends each message's final verb ([`Action`]). Returns how many verbs could not be sent
+    /// Sends each message's final verb ([`Verb`]; `DeadLetter` means the copy is confirmed:
+    /// remove the original). Returns how many verbs could not be sent
     /// while the source can go on (those messages come back: the broker redelivers them).
     ///
     /// # Errors
@@ -97,10 +98,10 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// redelivers what was not acknowledged.
     fn settle(
         &self,
-        items: Vec<(Self::Message, Action)>,
+        items: Vec<(Self::Delivery, Verb)>,
     ) -> impl Future<Output = Result<u64, Self::Error>> + Send;
 
-    /// Called once when the run ends: gives back what the broker delivered but the driver never
+    /// Called once when the run ends: gives back what the broker delivered but the consumer never
     /// fetched, makes final commits, closes channels. Returns how many messages it gave back.
     ///
     /// # Errors
@@ -139,31 +140,11 @@ pub struct Opening<'a> {
     pub lease: Option<Duration>,
     /// The engine's lease heartbeat, for a source that keeps deliveries alive on the same beat.
     pub heartbeat: Option<Duration>,
-    /// The most messages the driver fetches at once.
+    /// The most messages the consumer fetches at once.
     pub batch: usize,
-    /// How many batches the driver keeps in flight at once (a source with a prefetch wants
+    /// How many batches the consumer keeps in flight at once (a source with a prefetch wants
     /// room for `batch × concurrency` unsettled messages).
     pub concurrency: usize,
-}
-
-/// The verb the driver asks for, once the outcome is durable.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Action {
-    /// Acknowledge: processed, or a duplicate.
-    Ack,
-    /// The dead-letter copy is confirmed; remove the original (ack, term, commit).
-    DeadLettered {
-        /// Why it was dead-lettered.
-        reason: String,
-    },
-    /// Redeliver later: after `after` where the broker can delay, else as it does.
-    Retry {
-        /// Suggested delay (the other lease's remaining time).
-        after: Option<Duration>,
-    },
-    /// Give it back untouched (fetched while the consumer was shutting down).
-    Release,
 }
 
 /// What a dead-letter copy carries beside the message itself.
@@ -184,7 +165,7 @@ impl DeadLetter {
     /// at most 1 KiB), outcome, scope — beside its own location headers.
     ///
     /// ```
-    /// use idem_core::driver::{DeadLetter, headers};
+    /// use idem_core::consumer::{DeadLetter, headers};
     /// use idem_core::OutcomeKind;
     ///
     /// let dl = DeadLetter::new(OutcomeKind::Conflict, "key o-7 reused\nwith other content", "billing");
@@ -218,5 +199,5 @@ pub struct Settlement<'a, M> {
     /// Its outcome.
     pub outcome: OutcomeKind,
     /// The verb about to be sent.
-    pub action: &'a Action,
+    pub verb: &'a Verb,
 }

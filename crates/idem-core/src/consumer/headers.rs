@@ -21,7 +21,7 @@ pub const ORIGINAL_MESSAGE_ID: &str = "idem-original-message-id";
 /// on a character boundary.
 ///
 /// ```
-/// use idem_core::driver::headers::header_safe;
+/// use idem_core::consumer::headers::header_safe;
 ///
 /// assert_eq!(header_safe("a\r\nb"), "a  b");
 /// assert_eq!(header_safe(&"é".repeat(1000)).len(), 1024);

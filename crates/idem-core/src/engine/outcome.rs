@@ -32,7 +32,7 @@ pub enum Outcome<T, E> {
 /// headers name.
 ///
 /// ```
-/// use idem_core::consumer::OutcomeKind;
+/// use idem_core::engine::OutcomeKind;
 ///
 /// assert_eq!(OutcomeKind::InProgressElsewhere.as_str(), "in_progress_elsewhere");
 /// assert_eq!(OutcomeKind::ALL.len(), 6);
@@ -192,36 +192,41 @@ impl<E: fmt::Display> fmt::Display for Cause<E> {
     }
 }
 
-/// What a broker adapter should do with the delivery.
+/// What the broker is told about a delivery: the one verb enum, from an outcome to the source.
+///
+/// [`Outcome::verb`] answers `Ack`, `Retry` or `DeadLetter`; a consumer hands a source
+/// `DeadLetter` only once the dead-letter copy is confirmed (the source then removes the
+/// original), and `Release` for a message fetched while shutting down.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Disposition {
+pub enum Verb {
     /// Acknowledge: the effect is committed (or was already).
     Ack,
-    /// Do not ack; redeliver, after `after` if given.
+    /// Do not ack; redeliver, after `after` where the broker can delay.
     Retry {
-        /// Suggested delay.
+        /// Suggested delay (the other lease's remaining time).
         after: Option<Duration>,
     },
-    /// Send to the dead-letter queue with this reason, then ack the original.
+    /// Dead-letter with this reason: copy it to the dead-letter destination, then remove the
+    /// original (ack, term, commit). A source receives it once the copy is confirmed.
     DeadLetter {
         /// Why, for the dead-letter headers.
         reason: String,
     },
+    /// Give it back untouched (fetched while the consumer was shutting down).
+    Release,
 }
 
 impl<T, E: fmt::Display> Outcome<T, E> {
-    /// The broker verb this outcome calls for.
-    pub fn disposition(&self) -> Disposition {
+    /// The broker verb this outcome calls for: `Ack`, `Retry` or `DeadLetter`.
+    pub fn verb(&self) -> Verb {
         match self {
-            Self::Processed(_) | Self::Duplicate(_) => Disposition::Ack,
-            Self::Conflict(c) => Disposition::DeadLetter { reason: format!("conflict: {c}") },
-            Self::InProgressElsewhere { retry_after } => {
-                Disposition::Retry { after: Some(*retry_after) }
-            }
+            Self::Processed(_) | Self::Duplicate(_) => Verb::Ack,
+            Self::Conflict(c) => Verb::DeadLetter { reason: format!("conflict: {c}") },
+            Self::InProgressElsewhere { retry_after } => Verb::Retry { after: Some(*retry_after) },
             Self::Failed(f) => match f.kind {
-                FailureKind::Transient => Disposition::Retry { after: None },
-                FailureKind::Permanent => Disposition::DeadLetter { reason: f.cause.to_string() },
+                FailureKind::Transient => Verb::Retry { after: None },
+                FailureKind::Permanent => Verb::DeadLetter { reason: f.cause.to_string() },
             },
         }
     }
@@ -274,7 +279,7 @@ impl<E> HandlerError<E> {
     /// error and an outbox error alike.
     ///
     /// ```
-    /// use idem_core::consumer::HandlerError;
+    /// use idem_core::engine::HandlerError;
     /// type BoxError = Box<dyn std::error::Error + Send + Sync>;
     ///
     /// fn parse(s: &str) -> Result<u32, HandlerError<BoxError>> {

@@ -8,18 +8,19 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Action, DeadLetter, Opening, Source, SourceConfig};
+use super::{DeadLetter, Opening, Source, SourceConfig};
+use crate::engine::Verb;
 use crate::extract::Envelope;
 
 /// A queue held in memory, with a broker's manners: a fetched message is redelivered unless it
 /// is acknowledged, retries wait their delay, dead letters are kept aside. Clones share the
-/// queue, so a test keeps one to push messages and look at the results while a [`Driver`]
+/// queue, so a test keeps one to push messages and look at the results while a [`Consumer`]
 /// consumes another.
 ///
-/// [`Driver`]: super::Driver
+/// [`Consumer`]: super::Consumer
 ///
 /// ```
-/// use idem_core::driver::{MemoryQueue, Source};
+/// use idem_core::consumer::{MemoryQueue, Source};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let q = MemoryQueue::new();
@@ -38,11 +39,11 @@ pub struct MemoryQueue {
 #[derive(Default)]
 struct State {
     next_seq: u64,
-    ready: VecDeque<QueueMessage>,
-    delayed: Vec<(Instant, QueueMessage)>,
+    ready: VecDeque<MemoryDelivery>,
+    delayed: Vec<(Instant, MemoryDelivery)>,
     in_flight: usize,
-    acked: Vec<QueueMessage>,
-    dead: Vec<(QueueMessage, DeadLetter)>,
+    acked: Vec<MemoryDelivery>,
+    dead: Vec<(MemoryDelivery, DeadLetter)>,
     max_deliveries: Option<u32>,
     fail_dead_letters: bool,
 }
@@ -55,7 +56,7 @@ impl std::fmt::Debug for MemoryQueue {
 
 /// One message of a [`MemoryQueue`]: cheap to clone.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QueueMessage {
+pub struct MemoryDelivery {
     inner: Arc<Inner>,
     deliveries: u32,
 }
@@ -68,7 +69,7 @@ struct Inner {
     headers: Vec<(String, String)>,
 }
 
-impl QueueMessage {
+impl MemoryDelivery {
     /// Its position in the queue (never a dedup key: a producer's retry gets a new one).
     pub fn seq(&self) -> u64 {
         self.inner.seq
@@ -85,7 +86,7 @@ impl QueueMessage {
     }
 }
 
-impl Envelope for QueueMessage {
+impl Envelope for MemoryDelivery {
     fn payload(&self) -> &[u8] {
         &self.inner.payload
     }
@@ -130,7 +131,7 @@ impl MemoryQueue {
             st.next_seq += 1;
             let seq = st.next_seq;
             let inner = Arc::new(Inner { seq, id: message_id, payload: payload.into(), headers });
-            st.ready.push_back(QueueMessage { inner, deliveries: 0 });
+            st.ready.push_back(MemoryDelivery { inner, deliveries: 0 });
             seq
         };
         self.changed.notify_waiters();
@@ -157,12 +158,12 @@ impl MemoryQueue {
     }
 
     /// The messages acknowledged so far, in order.
-    pub fn acked(&self) -> Vec<QueueMessage> {
+    pub fn acked(&self) -> Vec<MemoryDelivery> {
         self.state().acked.clone()
     }
 
     /// The dead-lettered messages with what their copies carry.
-    pub fn dead_letters(&self) -> Vec<(QueueMessage, DeadLetter)> {
+    pub fn dead_letters(&self) -> Vec<(MemoryDelivery, DeadLetter)> {
         self.state().dead.clone()
     }
 
@@ -180,7 +181,7 @@ impl MemoryQueue {
         }
     }
 
-    fn take_ready(&self, max: usize) -> Vec<QueueMessage> {
+    fn take_ready(&self, max: usize) -> Vec<MemoryDelivery> {
         let mut st = self.state();
         let now = Instant::now();
         let mut i = 0;
@@ -193,7 +194,7 @@ impl MemoryQueue {
             }
         }
         let n = max.min(st.ready.len());
-        let batch: Vec<QueueMessage> = st
+        let batch: Vec<MemoryDelivery> = st
             .ready
             .drain(..n)
             .map(|mut m| {
@@ -207,10 +208,10 @@ impl MemoryQueue {
 }
 
 impl Source for MemoryQueue {
-    type Message = QueueMessage;
+    type Delivery = MemoryDelivery;
     type Error = std::convert::Infallible;
 
-    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<QueueMessage>, Self::Error> {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<MemoryDelivery>, Self::Error> {
         let until = Instant::now() + wait;
         loop {
             let changed = self.changed.notified();
@@ -224,14 +225,14 @@ impl Source for MemoryQueue {
         }
     }
 
-    fn give_up(&self, msg: &QueueMessage) -> Option<String> {
+    fn give_up(&self, msg: &MemoryDelivery) -> Option<String> {
         let max = self.state().max_deliveries?;
         (msg.deliveries >= max).then(|| format!("gave up after {} deliveries", msg.deliveries))
     }
 
     async fn dead_letter(
         &self,
-        items: &[(&QueueMessage, DeadLetter)],
+        items: &[(&MemoryDelivery, DeadLetter)],
     ) -> Vec<Result<(), Self::Error>> {
         let mut st = self.state();
         if st.fail_dead_letters {
@@ -244,15 +245,15 @@ impl Source for MemoryQueue {
         items.iter().map(|_| Ok(())).collect()
     }
 
-    async fn settle(&self, items: Vec<(QueueMessage, Action)>) -> Result<u64, Self::Error> {
+    async fn settle(&self, items: Vec<(MemoryDelivery, Verb)>) -> Result<u64, Self::Error> {
         {
             let mut st = self.state();
             for (m, action) in items {
                 st.in_flight = st.in_flight.saturating_sub(1);
                 match action {
-                    Action::Ack => st.acked.push(m),
-                    Action::DeadLettered { .. } => {}
-                    Action::Retry { after: Some(d) } => st.delayed.push((Instant::now() + d, m)),
+                    Verb::Ack => st.acked.push(m),
+                    Verb::DeadLetter { .. } => {}
+                    Verb::Retry { after: Some(d) } => st.delayed.push((Instant::now() + d, m)),
                     _ => st.ready.push_back(m),
                 }
             }

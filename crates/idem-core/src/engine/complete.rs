@@ -5,14 +5,14 @@ use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Consumer, Decision, Outcome, Ran};
-use crate::consumer::{Cause, FailureKind};
-use crate::extract::Envelope;
+use super::batch::Decided;
+use super::two_phase::{Decision, Ran, close};
+use super::{Cause, Engine, FailureKind, Outcome};
 use crate::store::Completion;
 use crate::telemetry::{self, COMPLETE_RETRIES_TOTAL};
-use crate::{ClaimRequest, DedupKey, DedupStore, Lease, StoreError};
+use crate::{DedupStore, Lease, StoreError};
 
-impl<S: DedupStore> Consumer<S> {
+impl<S: DedupStore> Engine<S> {
     /// Completes a lease, trying again while the store fails for a retryable reason, for up to
     /// the configured completion retry (the effect has run: giving up would leave the key
     /// leased and its redelivered copy would run the handler again once the lease ran out).
@@ -115,16 +115,15 @@ impl<S: DedupStore> Consumer<S> {
             .collect()
     }
 
-    /// Records the completions of a batch's decisions in one `complete_many` (group commit),
+    /// Records the completions of a round's decisions in one `complete_many` (group commit),
     /// then closes each decision with its outcome.
-    pub(super) async fn complete_all<M: Envelope, T, E: Display>(
+    pub(super) async fn complete_all<T, E: Display>(
         &self,
-        decided: Vec<(usize, ClaimRequest, Decision<T, E>)>,
-        msgs: &[M],
-    ) -> Vec<(usize, DedupKey, Outcome<T, E>)> {
+        decided: Vec<(usize, Decision<T, E>)>,
+    ) -> Vec<Decided<T, E>> {
         let mut completions = Vec::new();
         let mut waiting = Vec::with_capacity(decided.len());
-        for (i, req, Decision { span, attempt, ran }) in decided {
+        for (i, Decision { span, attempt, ran }) in decided {
             let state = match ran {
                 Ran::Complete { lease, value, stored } => {
                     completions.push(Completion {
@@ -136,24 +135,23 @@ impl<S: DedupStore> Consumer<S> {
                 }
                 Ran::Done(o) => Ok(o),
             };
-            waiting.push((i, req, span, attempt, state));
+            waiting.push((i, span, attempt, state));
         }
-        let n = completions.len();
-        let mut answers = match n {
+        let mut answers = match completions.len() {
             0 => Vec::new().into_iter(),
             _ => self.complete_many_retrying(completions).await.into_iter(),
         };
         waiting
             .into_iter()
-            .map(|(i, req, span, attempt, state)| {
+            .map(|(index, span, attempt, state)| {
                 let outcome = state.unwrap_or_else(|value| {
                     let done = answers.next().unwrap_or_else(|| {
                         Err(StoreError::backend("complete_many", true, WrongCount))
                     });
                     completed(value, done)
                 });
-                let o = self.finish(span, attempt, outcome, &req.key, msgs[i].correlation_id());
-                (i, req.key, o)
+                close(&span, attempt, &outcome);
+                Decided { index, outcome, attempt }
             })
             .collect()
     }

@@ -8,12 +8,17 @@
 //!   the driver): every mode through the same builder calls on a real broker.
 //! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
 //!   leases, fencing, ordering keys, retries and parking, purge.
+//! - `crash_conformance!` (feature `source`): the crash suite every broker adapter runs —
+//!   abort between commit and ack, SIGKILL mid-handler, a connection cut mid-handler — in inbox
+//!   and two-phase mode, over the same harness as the source suite plus [`crash::CrashHarness`].
 //! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
 //!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
 pub mod cases;
+#[cfg(feature = "source")]
+pub mod crash;
 pub mod faults;
 pub mod inbox;
 pub mod outbox;

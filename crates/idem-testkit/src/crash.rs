@@ -1,0 +1,398 @@
+//! The crash suite, run against every broker adapter by
+//! [`crash_conformance!`](crate::crash_conformance) over the broker-source harness
+//! ([`SourceHarness`] and [`CrashHarness`]), in inbox mode (the ledger commits with the marker,
+//! SQLite) and two-phase mode (the ledger is an effect outside the store, which is SQLite too).
+//!
+//! One destination gets 1,000 orders, 100 producer retries of them and one order id reused with
+//! another body. Then, in turn:
+//! 1. **abort between commit and ack**: a child process (this test binary run again) consumes
+//!    and calls `std::process::abort()` from the settle hook once 8 of its deliveries are
+//!    durable — effects committed, nothing acknowledged;
+//! 2. **SIGKILL mid-handler**: a child process consuming one message at a time hangs inside its
+//!    third handler, before the effect, and is killed;
+//! 3. **connection cut mid-handler**: a consumer of this process is dropped — its connection
+//!    closed with nothing acknowledged — while one of its handlers is inside its effect;
+//! 4. two consumers drain the destination.
+//!
+//! Passes when every order's effect is in the ledger (a table with no unique constraint)
+//! exactly once, the aborted deliveries came back and were found done (duplicates), the key
+//! hung on was processed afterwards (in two-phase mode as a takeover of the dead consumer's
+//! lease, with the same downstream key), the reused id was dead-lettered (twice at most: a crash
+//! between the copy and the ack repeats the copy, never loses it), and nothing is left unsettled.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure is the test failing
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::consumer::{Builder, Consumer, Report, Settlement, Source, SourceConfig, headers};
+use idem_core::engine::{Context, HandlerError};
+use idem_core::extract::Envelope;
+use idem_core::inbox::Tx;
+use idem_core::OutcomeKind;
+use idem_sqlx::{SqliteInbox, SqliteStore};
+
+use crate::source::{BoxFuture, SourceHarness};
+
+/// A broker harness a child process can attach to: the crash suite's children consume the
+/// destination the parent made.
+pub trait CrashHarness: SourceHarness + 'static {
+    /// What a child needs to reach the same destination (its names), on one line.
+    fn spec(&self) -> String;
+
+    /// The harness for `spec`, in a child process: the same destination, which the child never
+    /// deletes.
+    fn attach(spec: &str) -> BoxFuture<'static, Self>;
+}
+
+type DeliveryOf<H> = <<H as SourceHarness>::Source as Source>::Delivery;
+type Hook<M> = Box<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
+/// Told each handler run's key and number before its effect; `true` makes that handler hang.
+type Started = Arc<dyn Fn(&str, usize) -> bool + Send + Sync>;
+
+const ORDERS: usize = 1_000;
+const RETRIES: usize = 100;
+const REUSED: &str = "o-7";
+/// The aborting child stops once this many of its deliveries are durable.
+const ABORT_AFTER: usize = 8;
+/// The hanging child hangs in its this-many-th handler run, before the effect.
+const HANG_AT: usize = 3;
+/// The cut consumer is dropped inside its this-many-th handler run.
+const CUT_AT: usize = 5;
+const LEASE: Duration = Duration::from_secs(2);
+const DAY: Duration = Duration::from_secs(86_400);
+const LIMIT: Duration = Duration::from_secs(120);
+/// The child's instructions: `<role>|<mode>|<sqlite file>|<harness spec>`.
+pub const CHILD_ENV: &str = "IDEM_CRASH_CHILD";
+
+/// Inbox mode (the ledger row commits with the marker) or two-phase mode (the ledger row is an
+/// external effect; the store records the completion after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The SQLite transactional inbox.
+    Inbox,
+    /// Two-phase over `SqliteStore`, the ledger in another database file.
+    TwoPhase,
+}
+
+/// How one consumer of the scenario behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Abort,
+    Hang,
+    Cut,
+    Survivor,
+}
+
+/// Where the scenario keeps its records and its ledger.
+#[derive(Debug, Clone)]
+struct Files {
+    /// The store's SQLite file (inbox mode: the ledger too).
+    store: String,
+    /// The ledger's SQLite file (two-phase mode).
+    ledger: String,
+}
+
+impl Files {
+    fn in_dir(dir: &std::path::Path) -> Self {
+        let p = |f: &str| dir.join(f).to_string_lossy().into_owned();
+        Self { store: p("idem.sqlite"), ledger: p("ledger.sqlite") }
+    }
+
+    async fn ledger_pool(&self, mode: Mode) -> sqlx::SqlitePool {
+        let file = if mode == Mode::Inbox { &self.store } else { &self.ledger };
+        let url = format!("sqlite://{file}?mode=rwc");
+        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+        sqlx::query("PRAGMA busy_timeout = 30000").execute(&pool).await.unwrap();
+        pool
+    }
+}
+
+/// Consumes the harness's destination in `mode` as `role` until `shutdown`; `hook` sees every
+/// settlement; `started` is told each handler run's key and number, before its effect, and
+/// answers whether that handler hangs there (never returns).
+async fn consume<H: CrashHarness>(
+    h: &H,
+    mode: Mode,
+    files: &Files,
+    role: Role,
+    hook: Hook<DeliveryOf<H>>,
+    started: Started,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Report {
+    let batch = if matches!(role, Role::Hang | Role::Cut) { 1 } else { 32 };
+    let builder = |b: Builder<H::Config<'_>>| {
+        b.scope("crash").batch(batch).idle_wait(Duration::from_millis(100)).on_settle(hook)
+    };
+    let runs = Arc::new(AtomicUsize::new(0));
+    let ledger = files.ledger_pool(mode).await;
+    match mode {
+        Mode::Inbox => {
+            let store = SqliteStore::open(&files.store).await.unwrap();
+            let consumer = builder(Consumer::builder(h.config()))
+                .inbox(store.inbox(DAY))
+                .build()
+                .await
+                .expect("inbox consumer");
+            let handler = |mut tx: Tx<SqliteInbox>, m: DeliveryOf<H>| {
+                let key = m.message_id().unwrap_or_default().to_owned();
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let started = Arc::clone(&started);
+                let hang = started(&key, run);
+                async move {
+                    if hang {
+                        std::future::pending::<()>().await;
+                    }
+                    sqlx::query("INSERT INTO ledger (k, took_over) VALUES (?, 0)")
+                        .bind(key)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    Ok::<_, HandlerError<String>>(())
+                }
+            };
+            consumer.run(handler, shutdown).await.expect("run")
+        }
+        Mode::TwoPhase => {
+            let store = SqliteStore::open(&files.store).await.unwrap();
+            let consumer = builder(Consumer::builder(h.config()))
+                .store(store)
+                .lease(LEASE)
+                .retain(DAY)
+                .build()
+                .await
+                .expect("two-phase consumer");
+            let handler = |ctx: Context, m: DeliveryOf<H>| {
+                let key = m.message_id().unwrap_or_default().to_owned();
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let ledger = ledger.clone();
+                let hang = started(&key, run);
+                async move {
+                    if hang {
+                        std::future::pending::<()>().await;
+                    }
+                    // The external effect: counted, never deduplicated.
+                    sqlx::query("INSERT INTO ledger (k, took_over) VALUES (?, ?)")
+                        .bind(key)
+                        .bind(i64::from(ctx.took_over_expired()))
+                        .execute(&ledger)
+                        .await
+                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                    Ok::<_, HandlerError<String>>(())
+                }
+            };
+            consumer.run(handler, shutdown).await.expect("run")
+        }
+    }
+}
+
+/// The child process's entry: aborts after its commits, or hangs in a handler until killed.
+pub async fn child<H: CrashHarness>() {
+    let spec = std::env::var(CHILD_ENV).expect("started by a crash test, with its instructions");
+    let mut parts = spec.splitn(5, '|');
+    let (Some(role), Some(mode), Some(store), Some(ledger), Some(harness)) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        panic!("bad child instructions {spec}")
+    };
+    let role = if role == "abort" { Role::Abort } else { Role::Hang };
+    let mode = if mode == "inbox" { Mode::Inbox } else { Mode::TwoPhase };
+    let files = Files { store: store.to_owned(), ledger: ledger.to_owned() };
+    let h = H::attach(harness).await;
+    let durable = AtomicUsize::new(0);
+    let hook: Hook<DeliveryOf<H>> = Box::new(move |s| {
+        if role != Role::Abort || s.outcome != OutcomeKind::Processed {
+            return;
+        }
+        println!("COMMITTED {}", s.message.message_id().unwrap_or_default());
+        if durable.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AFTER {
+            // Every effect so far is durable; no acknowledgement has been sent.
+            std::process::abort();
+        }
+    });
+    let started: Started = Arc::new(move |key, run| {
+        let hang = role == Role::Hang && run == HANG_AT;
+        if hang {
+            println!("HUNG {key}"); // the parent kills the process on this line
+        }
+        hang
+    });
+    consume(&h, mode, &files, role, hook, started, std::future::pending()).await;
+}
+
+/// Runs this test binary's child `entry` in `role` until it prints a line starting with
+/// `until` (then kills it) or exits; returns its lines.
+async fn run_child<H: CrashHarness>(
+    entry: &str,
+    h: &H,
+    role: &str,
+    mode: Mode,
+    files: &Files,
+    until: Option<&str>,
+) -> Vec<String> {
+    let mode = if mode == Mode::Inbox { "inbox" } else { "two-phase" };
+    let spec = format!("{role}|{mode}|{}|{}|{}", files.store, files.ledger, h.spec());
+    crate::process::run_child(entry, (CHILD_ENV, &spec), until, LIMIT).await
+}
+
+/// The scenario (see the module docs) on a fresh destination of `h`; `entry` is the name of the
+/// test that runs [`child`] in this binary.
+pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, entry: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Files::in_dir(dir.path());
+    SqliteStore::open(&files.store).await.unwrap(); // creates the records table
+    let ledger = files.ledger_pool(mode).await;
+    // No unique constraint: a second effect for one key would be a second row.
+    sqlx::query("CREATE TABLE ledger (k TEXT NOT NULL, took_over INTEGER NOT NULL)")
+        .execute(&ledger)
+        .await
+        .unwrap();
+    for i in 0..ORDERS {
+        h.publish(&format!("o-{i}"), format!(r#"{{"order":{i}}}"#).as_bytes()).await;
+    }
+    for i in (0..ORDERS).step_by(ORDERS / RETRIES) {
+        h.publish(&format!("o-{i}"), format!(r#"{{"order":{i}}}"#).as_bytes()).await;
+    }
+    h.publish(REUSED, br#"{"order":"other"}"#).await;
+
+    // 1. Abort between commit and ack.
+    let aborted = run_child(entry, &h, "abort", mode, &files, None).await;
+    let committed: HashSet<String> =
+        aborted.iter().filter_map(|l| l.strip_prefix("COMMITTED ")).map(str::to_owned).collect();
+    assert_eq!(committed.len(), ABORT_AFTER, "{aborted:?}");
+    // 2. SIGKILL mid-handler.
+    let hung = run_child(entry, &h, "hang", mode, &files, Some("HUNG ")).await;
+    let hung_key = hung.last().and_then(|l| l.strip_prefix("HUNG ")).expect("hung key").to_owned();
+    // 3. A connection cut mid-handler: the consumer is dropped while a handler is inside it,
+    //    before its effect (a cut after the effect would be the two-phase rerun case).
+    let (cut_tx, cut_rx) = tokio::sync::oneshot::channel::<String>();
+    let cut_tx = Mutex::new(Some(cut_tx));
+    let started: Started = Arc::new(move |key, run| {
+        let cut = run == CUT_AT;
+        if cut && let Some(tx) = cut_tx.lock().unwrap().take() {
+            let _ = tx.send(key.to_owned());
+        }
+        cut
+    });
+    let cut = consume(&h, mode, &files, Role::Cut, Box::new(|_| {}), started, std::future::pending());
+    let cut_key = tokio::select! {
+        _ = cut => panic!("the cut consumer stopped on its own"),
+        key = cut_rx => key.expect("cut key"),
+    };
+
+    // 4. Two survivors drain; their hooks record every outcome.
+    let outcomes: Arc<Mutex<Vec<(String, OutcomeKind)>>> = Arc::default();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let survivor = || {
+        let (outcomes, mut stopped) = (Arc::clone(&outcomes), stopped.clone());
+        let hook: Hook<DeliveryOf<H>> = Box::new(move |s| {
+            let key = s.message.message_id().unwrap_or_default().to_owned();
+            outcomes.lock().unwrap().push((key, s.outcome));
+        });
+        let shutdown = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        consume(&h, mode, &files, Role::Survivor, hook, Arc::new(|_, _| false), shutdown)
+    };
+    let watch = async {
+        let deadline = tokio::time::Instant::now() + LIMIT;
+        loop {
+            let (distinct, rows): (i64, i64) =
+                sqlx::query_as("SELECT COUNT(DISTINCT k), COUNT(*) FROM ledger")
+                    .fetch_one(&ledger)
+                    .await
+                    .unwrap();
+            if distinct == ORDERS as i64 && h.settled().await {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not drained within {LIMIT:?}: {distinct} orders, {rows} rows"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        stop.send(true).unwrap();
+    };
+    let (a, b, ()) = tokio::join!(survivor(), survivor(), watch);
+    let report = {
+        let mut r = Report::default();
+        r += a;
+        r += b;
+        r
+    };
+
+    // Exactly once: one effect per order, the hung and the cut orders included.
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT k, COUNT(*) FROM ledger GROUP BY k")
+        .fetch_all(&ledger)
+        .await
+        .unwrap();
+    let effects: HashMap<String, i64> = rows.into_iter().collect();
+    assert_eq!(effects.len(), ORDERS, "{report}");
+    let twice: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "effects not exactly once: {twice:?}; {report}");
+
+    // The aborted deliveries came back and were found done.
+    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    for key in &committed {
+        let kinds: Vec<_> = outcomes.iter().filter(|(k, _)| k == key).map(|o| o.1).collect();
+        assert!(!kinds.contains(&OutcomeKind::Processed), "{key} processed twice: {kinds:?}");
+    }
+    let duplicates_of_aborted =
+        outcomes.iter().filter(|(k, o)| committed.contains(k) && *o == OutcomeKind::Duplicate);
+    assert!(duplicates_of_aborted.count() >= 1, "no aborted delivery came back as a duplicate");
+    // The hung and the cut keys were processed afterwards: in two-phase mode the hung one as a
+    // takeover of the dead consumer's lease.
+    for key in [&hung_key, &cut_key] {
+        assert_eq!(effects.get(key), Some(&1), "{key}");
+        if mode == Mode::TwoPhase {
+            let took_over: i64 = sqlx::query_scalar("SELECT took_over FROM ledger WHERE k = ?")
+                .bind(key)
+                .fetch_one(&ledger)
+                .await
+                .unwrap();
+            assert_eq!(took_over, 1, "{key} was not taken over after its lease");
+        }
+    }
+
+    // The reused id is dead-lettered, once or twice, with the shared headers.
+    let dead = h.dead_letters().await;
+    assert!((1..=2).contains(&dead.len()), "{} dead letters: {dead:?}", dead.len());
+    assert!(dead.iter().all(|d| d.message_id.as_deref() == Some(REUSED)), "{dead:?}");
+    assert_eq!(dead[0].headers.get(headers::OUTCOME).map(String::as_str), Some("conflict"));
+    assert!(h.settled().await, "something was left unsettled");
+    h.cleanup().await;
+}
+
+/// Defines the crash suite in the calling test file: `crash_inbox_mode` and
+/// `crash_two_phase_mode` on fresh harnesses from `$make` (an async closure taking the case's
+/// name and returning `Option<harness>`, as for
+/// [`source_conformance!`](crate::source_conformance)), and the `crash_child` entry their child
+/// processes run (ignored when run alone). The harness type must implement [`CrashHarness`].
+///
+/// ```ignore
+/// idem_testkit::crash_conformance!(MyBroker, |name: &'static str| async move { MyBroker::new(name).await });
+/// ```
+#[macro_export]
+macro_rules! crash_conformance {
+    ($harness:ty, $make:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_inbox_mode() {
+            let Some(h) = ($make)("crash_inbox").await else { return };
+            $crate::crash::scenario::<$harness>(h, $crate::crash::Mode::Inbox, "crash_child").await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_two_phase_mode() {
+            let Some(h) = ($make)("crash_2p").await else { return };
+            $crate::crash::scenario::<$harness>(h, $crate::crash::Mode::TwoPhase, "crash_child").await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "a crash test's child process; run by the crash tests, not alone"]
+        async fn crash_child() {
+            $crate::crash::child::<$harness>().await;
+        }
+    };
+}

@@ -18,7 +18,7 @@ use std::time::Duration;
 use idem::amqp::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use idem::amqp::lapin::types::FieldTable;
 use idem::amqp::lapin::{Connection, ConnectionProperties};
-use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, AmqpPublisher};
+use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, AmqpPublisher};
 use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxId, OutboxStore, Outgoing, Publisher, Relay};
@@ -72,7 +72,7 @@ async fn main() -> Result<(), Error> {
         .build()
         .await?;
     let insert = format!("INSERT INTO {orders_table} (id) VALUES ($1)");
-    let write_order = |mut tx: Tx<sqlx::Postgres>, msg: AmqpMessage| {
+    let write_order = |mut tx: Tx<idem::PostgresInbox>, msg: Delivery| {
         let (insert, outbox, accepted_q) = (insert.clone(), outbox.clone(), accepted_q.clone());
         async move {
             let id = msg.message_id().unwrap_or_default().to_owned();
@@ -116,7 +116,7 @@ async fn main() -> Result<(), Error> {
         .build()
         .await?;
     let sent = std::sync::atomic::AtomicU64::new(0);
-    let send_mail = |ctx: idem::engine::Context, msg: AmqpMessage| {
+    let send_mail = |ctx: idem::engine::Context, msg: Delivery| {
         let sent = &sent;
         async move {
             let body = String::from_utf8_lossy(msg.payload()).into_owned();

@@ -24,7 +24,7 @@ use idem::amqp::lapin::options::{
 };
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, RabbitWindow};
+use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, RabbitWindow};
 use idem::engine::HandlerError;
 use idem::consumer::{Action, Settlement, headers};
 use idem::sqlx::{self, AssertSqlSafe};
@@ -93,7 +93,7 @@ async fn main() -> Result<(), Error> {
     .execute(store.pool())
     .await?;
     let insert = format!("INSERT INTO {orders_table} (id, body) VALUES ($1, $2)");
-    let handler = |mut tx: idem::Tx<sqlx::Postgres>, msg: AmqpMessage| {
+    let handler = |mut tx: idem::Tx<idem::PostgresInbox>, msg: Delivery| {
         let insert = insert.clone();
         async move {
             let id = idem::extract::Envelope::message_id(&msg).unwrap_or_default().to_owned();
@@ -164,8 +164,8 @@ async fn main() -> Result<(), Error> {
 }
 
 /// Each delivery's fate, once its outcome is committed and before the broker is told.
-fn print_settlement(s: &Settlement<'_, AmqpMessage>) {
-    let verb = match s.action {
+fn print_settlement(s: &Settlement<'_, Delivery>) {
+    let verb = match s.verb {
         Action::Ack => "ack".to_owned(),
         Action::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
         Verb::DeadLetter { reason } => format!("dead-lettered ({reason}), then ack"),

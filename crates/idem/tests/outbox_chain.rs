@@ -74,7 +74,7 @@ async fn stores(spec: &Spec) -> (PostgresStore, PostgresStore) {
 fn order_writer<M: Envelope>(
     spec: &Spec,
     store: &PostgresStore,
-) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     let insert = format!("INSERT INTO \"{}\".orders (id) VALUES ($1)", spec.schema);
     let (outbox, dest) = (store.outbox(), spec.b.clone());
     move |mut tx, m| {
@@ -100,7 +100,7 @@ fn order_writer<M: Envelope>(
 /// an order is a duplicated effect).
 fn ledger_writer<M: Envelope>(
     spec: &Spec,
-) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     let insert = format!("INSERT INTO \"{}\".ledger (order_id) VALUES ($1)", spec.schema);
     move |mut tx, m| {
         let insert = insert.clone();
@@ -405,7 +405,7 @@ mod amqp {
 mod nats {
     use super::*;
     use idem::nats::async_nats::{self, jetstream};
-    use idem::nats::{JetStream, JetStreamPublisher};
+    use idem::nats::{JetStreamConfig, JetStreamPublisher};
 
     fn url() -> Option<String> {
         idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
@@ -497,7 +497,7 @@ mod nats {
                 let (subject, store) =
                     if role == "consumer1" { (&spec.a, one) } else { (&spec.b, two) };
                 let pull = js.get_consumer_from_stream(role, &stream(subject)).await.unwrap();
-                let source = JetStream::new(js.clone(), pull, format!("{subject}.dlq"));
+                let source = JetStreamConfig::new(js.clone(), pull, format!("{subject}.dlq"));
                 consume(source, role, spec, store).await;
             }
         }

@@ -250,7 +250,7 @@ async fn my_pool(url: &str) -> Result<sqlx::MySqlPool, sqlx::Error> {
         .await
 }
 
-fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES ($1)");
         let id = m.message_id().unwrap_or_default().to_owned();
@@ -265,7 +265,7 @@ fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::Postgres>, M) -> Ha
     }
 }
 
-fn my_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::MySql>, M) -> HandlerFuture + Sync {
+fn my_writer<M: Envelope>(table: String) -> impl Fn(Tx<idem::MySqlInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES (?)");
         let id = m.message_id().unwrap_or_default().to_owned();
@@ -364,11 +364,11 @@ async fn consume_once(
                 .get_consumer_from_stream("restarts", &stream(subject))
                 .await
                 .map_err(|e| chain(&e))?;
-            let source = idem::nats::JetStream::new(js, pull, format!("{subject}.dlq"));
+            let source = idem::nats::JetStreamConfig::new(js, pull, format!("{subject}.dlq"));
             run_once(source, store, stop).await
         }
         BrokerSpec::Kafka { brokers, topic } => {
-            let config = idem::kafka::Kafka::new(
+            let config = idem::kafka::KafkaConfig::new(
                 &kafka::config(brokers),
                 &[topic.as_str()],
                 format!("{topic}-dlq"),

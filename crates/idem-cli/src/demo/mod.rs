@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use idem::engine::{Disposition, HandlerError};
+use idem::engine::{HandlerError, Verb};
 use idem::extract::Message;
-use idem::sqlite::{InboxOutcome, SqliteStore};
-use idem::{Engine, DedupKey, Fingerprint};
+use idem::sqlite::SqliteStore;
+use idem::{DedupKey, Engine, Fingerprint, Outcome, TxInbox as _};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
@@ -438,14 +438,19 @@ impl Worker {
                 let stored = self
                     .inbox
                     .process(&key, fp, move |mut tx| async move {
-                        insert(&mut tx, &table, &Order { id, cents }, charge).await
+                        insert(&mut tx, &table, &Order { id, cents }, charge)
+                            .await
+                            .map_err(|e| HandlerError::Transient(e.to_string()))
                     })
-                    .await
-                    .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                if let InboxOutcome::Conflict(_) = stored {
-                    return Err(HandlerError::Permanent(
-                        "order row exists with other content".to_owned(),
-                    ));
+                    .await;
+                match stored {
+                    Outcome::Processed(()) | Outcome::Duplicate(_) => {}
+                    Outcome::Conflict(_) => {
+                        return Err(HandlerError::Permanent(
+                            "order row exists with other content".to_owned(),
+                        ));
+                    }
+                    other => return Err(HandlerError::Transient(format!("{:?}", other.verb()))),
                 }
                 crash.at(CrashPoint::AfterCommit).await;
                 Ok::<u64, HandlerError<String>>(charge)

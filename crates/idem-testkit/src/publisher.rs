@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Report, Source, SourceConfig};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
 use idem_core::outbox::{
     MemoryOutbox, OutboxId, OutboxMessage, OutboxStore, Outgoing, Publisher, Relay,
@@ -88,7 +88,7 @@ async fn consume<H: PublisherHarness>(
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let hook = {
         let seen = Arc::clone(&seen);
-        move |s: &idem_core::consumer::Settlement<'_, <H::Source as Source>::Message>| {
+        move |s: &idem_core::consumer::Settlement<'_, <H::Source as Source>::Delivery>| {
             seen.lock().unwrap().push(Seen {
                 key: s.key.map(|k| k.id().to_owned()),
                 outcome: s.outcome,

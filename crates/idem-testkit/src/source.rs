@@ -16,17 +16,18 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use idem_core::consumer::{Builder, Consumer, Report, Source, SourceConfig, headers};
 use idem_core::engine::HandlerError;
-use idem_core::consumer::{Consumer, Report, Source, SourceConfig, headers};
 use idem_core::extract::Envelope;
-use idem_core::{Backend, Engine, DedupStore};
-use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore, Tx};
+use idem_core::inbox::{Tx, TxInbox};
+use idem_core::{Backend, DedupStore};
+use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::AssertSqlSafe;
 
 pub use crate::inbox::BoxFuture;
 
-/// The message type of a harness's source.
-pub type MessageOf<H> = <<H as SourceHarness>::Source as Source>::Message;
+/// The delivery type of a harness's source.
+pub type MessageOf<H> = <<H as SourceHarness>::Source as Source>::Delivery;
 
 /// A broker under test, with a destination of its own (a queue, stream, subject or topic, and its
 /// dead-letter destination), deleted when the harness is dropped or cleaned up.
@@ -104,13 +105,20 @@ impl Flaky {
     }
 }
 
-/// Publishes the workload, runs a consumer over `backend` with `handler` until every order has
-/// its effect (`effects()`: distinct ids, rows) and the broker has nothing unsettled, then checks
-/// the report, the effects and the dead letter.
-async fn exercise<H, B, F, Fut, C, CFut>(h: &H, name: &str, backend: B, handler: F, effects: C)
-where
+/// Publishes the workload, runs a consumer in the `mode` the builder is given (`.store(s)` or
+/// `.inbox(i)`) with `handler` until every order has its effect (`effects()`: distinct ids,
+/// rows) and the broker has nothing unsettled, then checks the report, the effects and the dead
+/// letter.
+async fn exercise<'h, H, B, M, F, Fut, C, CFut>(
+    h: &'h H,
+    name: &str,
+    mode: M,
+    handler: F,
+    effects: C,
+) where
     H: SourceHarness,
     B: Backend,
+    M: FnOnce(Builder<H::Config<'h>>) -> Builder<H::Config<'h>, B>,
     F: Fn(B::Ctx, MessageOf<H>) -> Fut + Sync,
     Fut: Future<Output = Result<(), HandlerError<String>>> + Send,
     C: Fn() -> CFut,
@@ -124,8 +132,8 @@ where
     }
     h.publish(REUSED, br#"{"order":"other"}"#).await;
     // The same calls whatever the broker and the backend.
-    let consumer = Consumer::builder(h.config())
-        .engine(Engine::builder(backend).scope(name).build().expect("engine"))
+    let consumer = mode(Consumer::builder(h.config()))
+        .scope(name)
         .batch(8)
         .idle_wait(Duration::from_millis(100))
         .build()
@@ -204,7 +212,7 @@ pub async fn two_phase_on<H: SourceHarness, S: DedupStore>(h: H, store: S) {
             .await
             .unwrap()
     };
-    exercise(&h, "two-phase", store, handler, effects).await;
+    exercise(&h, "two-phase", |b| b.store(store), handler, effects).await;
     h.cleanup().await;
 }
 
@@ -277,7 +285,7 @@ async fn inbox_case<H, I, DB>(
 ) where
     H: SourceHarness,
     DB: sqlx::Database,
-    I: Backend<Ctx = Tx<DB>>,
+    I: TxInbox<Connection = DB::Connection>,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
@@ -286,7 +294,7 @@ async fn inbox_case<H, I, DB>(
 {
     let insert = format!("INSERT INTO {ledger} VALUES ({placeholder})");
     let flaky = Flaky::new();
-    let handler = |mut tx: Tx<DB>, m: MessageOf<H>| {
+    let handler = |mut tx: Tx<I>, m: MessageOf<H>| {
         let (insert, id) = (insert.clone(), id_of(&m));
         let checked = flaky.check(&id);
         async move {
@@ -304,7 +312,7 @@ async fn inbox_case<H, I, DB>(
         let (pool, count) = (pool.clone(), count.clone());
         async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.unwrap() }
     };
-    exercise(&h, name, inbox, handler, effects).await;
+    exercise(&h, name, |b| b.inbox(inbox), handler, effects).await;
     h.cleanup().await;
 }
 

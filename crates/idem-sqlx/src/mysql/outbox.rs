@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};

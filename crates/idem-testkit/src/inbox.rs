@@ -109,6 +109,10 @@ fn kinds(outs: &[Out]) -> Vec<OutcomeKind> {
 }
 
 /// A rolled back transaction leaves no marker and no writes; the redelivery is first again.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn rollback_leaves_no_marker<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let k = key("o-1");
@@ -131,6 +135,10 @@ pub async fn rollback_leaves_no_marker<H: InboxHarness>(h: H) {
 
 /// A second transaction marking a key an open one holds waits for it, then sees a duplicate
 /// (the first committed) or is first (it rolled back).
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn concurrent_mark_waits_then_sees_the_outcome<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     for commit in [true, false] {
@@ -173,6 +181,10 @@ pub async fn concurrent_mark_waits_then_sees_the_outcome<H: InboxHarness>(h: H) 
 
 /// `mark_many` answers in input order, as one `mark` per key would, over fresh, committed,
 /// conflicting and leased keys.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn mark_many_matches_single_marks<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let fp = |s: &str| Some(idem_core::Fingerprint::of_bytes(s.as_bytes()));
@@ -208,6 +220,10 @@ pub async fn mark_many_matches_single_marks<H: InboxHarness>(h: H) {
 
 /// `process` (one message, its own transaction) runs the writes once, replays their result, and
 /// rolls the marker back with writes that fail.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn process_writes_once_and_replays_the_result<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let k = key("o-1");
@@ -253,6 +269,10 @@ pub async fn process_writes_once_and_replays_the_result<H: InboxHarness>(h: H) {
 
 /// A handler's result is stored with its marker and replayed to duplicates; a batch's copies of
 /// one key run once.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn result_is_replayed_and_repeats_run_once<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c = engine(&*h);
@@ -272,6 +292,10 @@ pub async fn result_is_replayed_and_repeats_run_once<H: InboxHarness>(h: H) {
 
 /// A message whose handler fails rolls back alone: the rest of the batch commits, the failed
 /// one leaves no marker and no row (transient: retried; permanent: dead-lettered).
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn a_failing_message_rolls_back_alone<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c = engine(&*h);
@@ -307,6 +331,10 @@ pub async fn a_failing_message_rolls_back_alone<H: InboxHarness>(h: H) {
 }
 
 /// Same key, another payload: a conflict, and nothing is written.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn reused_key_with_other_content_is_a_conflict<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c = engine(&*h);
@@ -319,6 +347,10 @@ pub async fn reused_key_with_other_content_is_a_conflict<H: InboxHarness>(h: H) 
 
 /// A key a two-phase consumer of the same scope holds under a live lease is in progress
 /// elsewhere for the inbox, and nothing is written.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn a_leased_key_is_in_progress_elsewhere<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c = engine(&*h);
@@ -333,6 +365,10 @@ pub async fn a_leased_key_is_in_progress_elsewhere<H: InboxHarness>(h: H) {
 
 /// Without a key: rejected (dead-lettered) by default; processed without a marker under
 /// `ProcessWithoutDedup`.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c = engine(&*h);
@@ -351,6 +387,10 @@ pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
 
 /// A result above the consumer's limit is not stored (the duplicate carries none, the delivery
 /// still counts); the inbox's own limit refuses a result above 1 MiB with `TooLarge`.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn result_limit<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let c =
@@ -373,6 +413,10 @@ pub async fn result_limit<H: InboxHarness>(h: H) {
 
 /// 32 processors over 1,000 keys with 30 % duplicate deliveries, in batches of 8, write each
 /// business row exactly once.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn concurrent_processors_write_each_key_once<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let mut deliveries: Vec<usize> = (0..1000).collect();

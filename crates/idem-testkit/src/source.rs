@@ -179,6 +179,10 @@ async fn exercise<'h, H, B, M, F, Fut, C, CFut>(
 
 /// Two-phase mode over `SqliteStore`; the effect is a row in a ledger of its own (another
 /// SQLite file), outside the store.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn two_phase<H: SourceHarness>(h: H) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
@@ -187,6 +191,10 @@ pub async fn two_phase<H: SourceHarness>(h: H) {
 
 /// Two-phase mode over `store` (an adapter's own store, say); the effect is a row in a SQLite
 /// ledger outside it.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn two_phase_on<H: SourceHarness, S: DedupStore>(h: H, store: S) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("ledger.sqlite").display());
@@ -217,6 +225,10 @@ pub async fn two_phase_on<H: SourceHarness, S: DedupStore>(h: H, store: S) {
 }
 
 /// Inbox mode on SQLite: the ledger row commits with the marker.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn sqlite_inbox<H: SourceHarness>(h: H) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("shop.sqlite")).await.unwrap();
@@ -227,6 +239,10 @@ pub async fn sqlite_inbox<H: SourceHarness>(h: H) {
 
 /// Inbox mode on PostgreSQL (`IDEM_TEST_POSTGRES_URL`), store and ledger in a schema of their
 /// own, dropped afterwards (also when the case fails).
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn postgres_inbox<H: SourceHarness>(h: H) {
     let Some(url) = crate::service::require(
         "PostgreSQL",
@@ -251,6 +267,10 @@ pub async fn postgres_inbox<H: SourceHarness>(h: H) {
 
 /// Inbox mode on MySQL/MariaDB (`IDEM_TEST_MYSQL_URL`), store and ledger in tables of their
 /// own, dropped afterwards (also when the case fails).
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn mysql_inbox<H: SourceHarness>(h: H) {
     let Some(url) =
         crate::service::require("MySQL", "IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")

@@ -22,6 +22,9 @@ impl MySqlStore {
     /// # Errors
     /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, or
     /// the URL asks for TLS this build lacks.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped before it returns, the pool it was opening is dropped with it.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = MySqlPoolOptions::new()
             .max_connections(16)
@@ -35,6 +38,11 @@ impl MySqlStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: MySQL commits each DDL statement on its own, so a dropped call
+    /// may leave part of it done; every statement is `IF NOT EXISTS`, so running it again
+    /// finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -59,6 +67,9 @@ impl MySqlStore {
     ///
     /// # Errors
     /// [`StoreError::NotMigrated`]; backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
         let columns: Vec<(String, String)> = sqlx::query_as(
             "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR) \

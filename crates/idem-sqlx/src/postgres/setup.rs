@@ -24,6 +24,9 @@ impl PostgresStore {
     /// [`StoreError::Backend`] when the server cannot be reached, the TLS handshake fails, or
     /// the URL asks for TLS this build lacks ([`TlsUnavailable`](crate::TlsUnavailable) as the
     /// source).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropped before it returns, the pool it was opening is dropped with it.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
             .max_connections(16)
@@ -38,6 +41,9 @@ impl PostgresStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the DDL runs in one transaction, rolled back if it is dropped.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("migrate", e))?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
@@ -68,6 +74,9 @@ impl PostgresStore {
     ///
     /// # Errors
     /// [`StoreError::NotMigrated`]; backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
         let columns: Vec<(String, String)> = sqlx::query_as(
             "SELECT column_name::text, data_type::text FROM information_schema.columns \

@@ -15,6 +15,9 @@ impl PostgresStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn advance_in(
         &self,
         conn: &mut PgConnection,

@@ -7,6 +7,10 @@ use crate::{Harness, TimeControl};
 
 /// `claim_many` answers in order; a repeated key acquires once, its copies see it in progress or
 /// in conflict.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn claim_many_in_order_with_repeats<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let a = unique_key("conf-batch");
     let b = unique_key("conf-batch");
@@ -37,6 +41,10 @@ pub async fn claim_many_in_order_with_repeats<S: Store, C: TimeControl>(h: Harne
 }
 
 /// A batch over keys in every state answers what single claims would, in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeControl>(
     h: Harness<S, C>,
 ) {
@@ -108,6 +116,10 @@ pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeContro
 
 /// A batch larger than any single statement a store may build (1,200 keys) still answers every
 /// key, in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn claim_many_large_batch<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let keys: Vec<DedupKey> = (0..1200).map(|_| unique_key("conf-large")).collect();
     let reqs: Vec<ClaimRequest> = keys.iter().map(|k| req(&h, k, None)).collect();

@@ -8,6 +8,10 @@ use super::{Store, acquire, fp, req, retain, unique_key};
 use crate::{Harness, TimeControl};
 
 /// A second claim of a leased key does not acquire it.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn claim_is_exclusive<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let lease = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -24,6 +28,10 @@ pub async fn claim_is_exclusive<S: Store, C: TimeControl>(h: Harness<S, C>) {
 }
 
 /// 64 concurrent claims of one key: exactly one acquires.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn concurrent_claims_have_one_winner<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let r = req(&h, &k, fp(1));
@@ -50,6 +58,10 @@ pub async fn concurrent_claims_have_one_winner<S: Store, C: TimeControl>(h: Harn
 }
 
 /// A completed key answers Completed with the stored result.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn completed_is_duplicate_with_result<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let lease = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -73,6 +85,10 @@ pub async fn completed_is_duplicate_with_result<S: Store, C: TimeControl>(h: Har
 }
 
 /// A released key is claimed again at once, with attempt + 1.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn release_allows_reclaim<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let first = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -87,6 +103,10 @@ pub async fn release_allows_reclaim<S: Store, C: TimeControl>(h: Harness<S, C>) 
 }
 
 /// After the lease runs out, the next claim takes over with attempt + 1.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn expired_lease_is_taken_over<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let first = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -107,6 +127,10 @@ pub async fn expired_lease_is_taken_over<S: Store, C: TimeControl>(h: Harness<S,
 }
 
 /// Before the lease runs out, nobody takes it over.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn live_lease_is_not_taken_over<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let first = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -121,6 +145,10 @@ pub async fn live_lease_is_not_taken_over<S: Store, C: TimeControl>(h: Harness<S
 }
 
 /// A stale lease can neither complete nor release, and changes nothing.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn stale_lease_cannot_complete_or_release<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let first = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -152,6 +180,10 @@ pub async fn stale_lease_cannot_complete_or_release<S: Store, C: TimeControl>(h:
 }
 
 /// Tokens grow with every claim of a key.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn fencing_tokens_strictly_increase<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let mut last = 0;
@@ -164,6 +196,10 @@ pub async fn fencing_tokens_strictly_increase<S: Store, C: TimeControl>(h: Harne
 }
 
 /// `extend` moves the lease end so a takeover waits longer.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn extend_keeps_the_lease<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let mut lease = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -180,6 +216,10 @@ pub async fn extend_keeps_the_lease<S: Store, C: TimeControl>(h: Harness<S, C>) 
 }
 
 /// Same key, different fingerprint: conflict, in every state.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn fingerprint_mismatch_is_conflict<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let lease = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -206,6 +246,10 @@ pub async fn fingerprint_mismatch_is_conflict<S: Store, C: TimeControl>(h: Harne
 }
 
 /// Without a fingerprint on either side there is nothing to compare.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn missing_fingerprint_never_conflicts<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let lease = acquire(&h, &req(&h, &k, None)).await;
@@ -217,6 +261,10 @@ pub async fn missing_fingerprint_never_conflicts<S: Store, C: TimeControl>(h: Ha
 }
 
 /// The same id in two scopes is two keys.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn scopes_isolate<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let a = unique_key("conf-a");
     let b = DedupKey::new("conf-b", a.id()).expect("key");

@@ -9,6 +9,10 @@ use super::{SEQ, Store, acquire, fp, req, retain, unique_key};
 use crate::{Harness, TimeControl};
 
 /// Purge removes expired records only: never a live lease, never one within retention.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn purge_removes_only_expired<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let short = unique_key("conf-purge");
     let long = unique_key("conf-purge");
@@ -37,6 +41,10 @@ pub async fn purge_removes_only_expired<S: Store, C: TimeControl>(h: Harness<S, 
 }
 
 /// `purge(limit)` deletes at most `limit`.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn purge_is_bounded<S: Store, C: TimeControl>(h: Harness<S, C>) {
     for _ in 0..5 {
         let k = unique_key("conf-bound");
@@ -50,6 +58,10 @@ pub async fn purge_is_bounded<S: Store, C: TimeControl>(h: Harness<S, C>) {
 }
 
 /// A record past its retention is claimed as new (attempt 1), with a token still above the old one.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn expired_record_is_claimed_afresh<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let l = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -63,6 +75,10 @@ pub async fn expired_record_is_claimed_afresh<S: Store, C: TimeControl>(h: Harne
 }
 
 /// A failed record is re-claimed (dead-letter resubmission runs again); an in-doubt one stays.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn failed_is_reclaimable_in_doubt_is_not<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let l = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -80,6 +96,10 @@ pub async fn failed_is_reclaimable_in_doubt_is_not<S: Store, C: TimeControl>(h: 
 }
 
 /// An operator release fences out the current holder and lets the next delivery run.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn force_release_fences_the_holder<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let l = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -96,6 +116,10 @@ pub async fn force_release_fences_the_holder<S: Store, C: TimeControl>(h: Harnes
 
 /// An operator failure fences out the current holder, replaces an in-doubt record's reason
 /// with the operator's, leaves the key re-claimable, and never touches a completed record.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn force_fail_fences_the_holder<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let l = acquire(&h, &req(&h, &k, fp(1))).await;
@@ -129,6 +153,10 @@ pub async fn force_fail_fences_the_holder<S: Store, C: TimeControl>(h: Harness<S
 }
 
 /// `count` and `list` see what was written.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn inspect_counts_and_lists<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let scope = format!("conf-inspect-{}", SEQ.fetch_add(1, Ordering::Relaxed));
     let k1 = DedupKey::new(scope.clone(), "1").expect("key");
@@ -153,6 +181,10 @@ pub async fn inspect_counts_and_lists<S: Store, C: TimeControl>(h: Harness<S, C>
 /// `count` and `list` filtered by scope match the scope byte for byte: scopes differing only
 /// by case or a trailing space are counted and listed apart (a text comparison under a
 /// case-insensitive or space-padding collation would merge them).
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn inspect_scope_filter_is_exact<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let base = format!("conf-scope-{}-{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed));
     // 1, 2 and 3 records, so a merge of any two shows in the numbers.
@@ -175,6 +207,10 @@ pub async fn inspect_scope_filter_is_exact<S: Store, C: TimeControl>(h: Harness<
 
 /// A result above the store's limit is refused with `TooLarge`, and the lease is not consumed
 /// in the store (the key stays in progress).
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
 pub async fn oversized_result_is_refused<S: Store, C: TimeControl>(h: Harness<S, C>) {
     let k = unique_key("conf");
     let l = acquire(&h, &req(&h, &k, None)).await;

@@ -63,16 +63,16 @@ fn check_mysql(opts: &sqlx::mysql::MySqlConnectOptions, tls: bool) -> Result<(),
 
 #[cfg(test)]
 mod tests {
-    /// The error and its causes, as a report shows them.
+    /// An error and its causes, joined by `: ` (what a report prints).
     fn chain(e: &dyn std::error::Error) -> String {
-        let mut s = e.to_string();
-        let mut source = e.source();
-        while let Some(e) = source {
-            s.push_str(": ");
-            s.push_str(&e.to_string());
-            source = e.source();
+        let mut out = e.to_string();
+        let mut next = e.source();
+        while let Some(cause) = next {
+            out.push_str(": ");
+            out.push_str(&cause.to_string());
+            next = cause.source();
         }
-        s
+        out
     }
 
     #[cfg(feature = "postgres")]

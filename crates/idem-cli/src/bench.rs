@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use idem::engine::HandlerError;
 use idem::extract::Message;
 use idem::sqlite::SqliteStore;
-use idem::{Claim, ClaimRequest, Engine, DedupKey, DedupStore, Outcome};
+use idem::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };

@@ -302,7 +302,10 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
                 async move {
                     let mut tx = p.begin().await?;
                     let key = DedupKey::new(&run, format!("m-{i}"))?;
-                    anyhow::ensure!(matches!(ib.mark(&mut tx, &key, None).await?, Claim::Acquired(_)));
+                    anyhow::ensure!(matches!(
+                        ib.mark(&mut tx, &key, None).await?,
+                        Claim::Acquired(_)
+                    ));
                     sqlx::query(sqlx::AssertSqlSafe(ord)).bind("x").execute(&mut *tx).await?;
                     tx.commit().await?;
                     Ok(())
@@ -408,7 +411,10 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
                 async move {
                     let mut tx = p.begin().await?;
                     let key = DedupKey::new(&run, format!("m-{i}"))?;
-                    anyhow::ensure!(matches!(ib.mark(&mut tx, &key, None).await?, Claim::Acquired(_)));
+                    anyhow::ensure!(matches!(
+                        ib.mark(&mut tx, &key, None).await?,
+                        Claim::Acquired(_)
+                    ));
                     sqlx::query(sqlx::AssertSqlSafe(ord)).bind("x").execute(&mut *tx).await?;
                     tx.commit().await?;
                     Ok(())

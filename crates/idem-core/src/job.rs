@@ -83,6 +83,10 @@ impl<S: DedupStore> Job<S> {
     ///
     /// The handler's [`Context`] carries the attempt number, whether it took over a crashed run
     /// ([`Context::took_over_expired`]) and a downstream idempotency key for external calls.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped after its claim, the period stays in progress until the lease
+    /// runs out, and the next run then takes it over.
     pub async fn run<T, E, F, Fut>(&self, period: &str, handler: F) -> Outcome<T, E>
     where
         T: Serialize + DeserializeOwned,

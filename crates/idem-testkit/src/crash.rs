@@ -27,11 +27,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_core::OutcomeKind;
 use idem_core::consumer::{Builder, Consumer, Report, Settlement, Source, SourceConfig, headers};
 use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Envelope;
 use idem_core::inbox::Tx;
-use idem_core::OutcomeKind;
 use idem_sqlx::{SqliteInbox, SqliteStore};
 
 use crate::source::{BoxFuture, SourceHarness};
@@ -104,10 +104,20 @@ impl Files {
     async fn ledger_pool(&self, mode: Mode) -> sqlx::SqlitePool {
         let file = if mode == Mode::Inbox { &self.store } else { &self.ledger };
         let url = format!("sqlite://{file}?mode=rwc");
-        let pool = sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+        let pool =
+            sqlx::sqlite::SqlitePoolOptions::new().max_connections(1).connect(&url).await.unwrap();
         sqlx::query("PRAGMA busy_timeout = 30000").execute(&pool).await.unwrap();
         pool
     }
+}
+
+/// The settings every consumer of the scenario shares.
+fn configure<C: SourceConfig>(
+    b: Builder<C>,
+    batch: usize,
+    hook: Hook<<C::Source as Source>::Delivery>,
+) -> Builder<C> {
+    b.scope("crash").batch(batch).idle_wait(Duration::from_millis(100)).on_settle(hook)
 }
 
 /// Consumes the harness's destination in `mode` as `role` until `shutdown`; `hook` sees every
@@ -123,15 +133,12 @@ async fn consume<H: CrashHarness>(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
     let batch = if matches!(role, Role::Hang | Role::Cut) { 1 } else { 32 };
-    let builder = |b: Builder<H::Config<'_>>| {
-        b.scope("crash").batch(batch).idle_wait(Duration::from_millis(100)).on_settle(hook)
-    };
     let runs = Arc::new(AtomicUsize::new(0));
     let ledger = files.ledger_pool(mode).await;
     match mode {
         Mode::Inbox => {
             let store = SqliteStore::open(&files.store).await.unwrap();
-            let consumer = builder(Consumer::builder(h.config()))
+            let consumer = configure(Consumer::builder(h.config()), batch, hook)
                 .inbox(store.inbox(DAY))
                 .build()
                 .await
@@ -157,7 +164,7 @@ async fn consume<H: CrashHarness>(
         }
         Mode::TwoPhase => {
             let store = SqliteStore::open(&files.store).await.unwrap();
-            let consumer = builder(Consumer::builder(h.config()))
+            let consumer = configure(Consumer::builder(h.config()), batch, hook)
                 .store(store)
                 .lease(LEASE)
                 .retain(DAY)
@@ -276,7 +283,8 @@ pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, entry: &str) {
         }
         cut
     });
-    let cut = consume(&h, mode, &files, Role::Cut, Box::new(|_| {}), started, std::future::pending());
+    let cut =
+        consume(&h, mode, &files, Role::Cut, Box::new(|_| {}), started, std::future::pending());
     let cut_key = tokio::select! {
         _ = cut => panic!("the cut consumer stopped on its own"),
         key = cut_rx => key.expect("cut key"),
@@ -386,7 +394,8 @@ macro_rules! crash_conformance {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn crash_two_phase_mode() {
             let Some(h) = ($make)("crash_2p").await else { return };
-            $crate::crash::scenario::<$harness>(h, $crate::crash::Mode::TwoPhase, "crash_child").await;
+            $crate::crash::scenario::<$harness>(h, $crate::crash::Mode::TwoPhase, "crash_child")
+                .await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

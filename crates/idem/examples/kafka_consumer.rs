@@ -15,8 +15,8 @@
 
 use std::time::Duration;
 
-use idem::engine::HandlerError;
 use idem::consumer::Action;
+use idem::engine::HandlerError;
 use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;

@@ -15,8 +15,8 @@
 use std::time::Duration;
 
 use idem::PostgresStore;
-use idem::engine::HandlerError;
 use idem::consumer::headers;
+use idem::engine::HandlerError;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::nats::{JetStreamConfig, JetStreamConsumer};
 

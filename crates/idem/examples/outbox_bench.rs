@@ -31,7 +31,7 @@ use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::nats::JetStreamPublisher;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::outbox::{
-    Failure, OutboxId, OutboxCounts, OutboxError, OutboxMessage, OutboxStore, Outgoing, Pending,
+    Failure, OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
     PublishError, Publisher, Relay, Ticket,
 };
 use idem::sqlx::{self, AssertSqlSafe};

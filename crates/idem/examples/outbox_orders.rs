@@ -18,7 +18,7 @@ use std::time::Duration;
 use idem::amqp::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use idem::amqp::lapin::types::FieldTable;
 use idem::amqp::lapin::{Connection, ConnectionProperties};
-use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, AmqpPublisher};
+use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, Delivery};
 use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxId, OutboxStore, Outgoing, Publisher, Relay};

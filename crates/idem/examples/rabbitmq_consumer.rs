@@ -25,8 +25,8 @@ use idem::amqp::lapin::options::{
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, RabbitWindow};
-use idem::engine::HandlerError;
 use idem::consumer::{Action, Settlement, headers};
+use idem::engine::HandlerError;
 use idem::sqlx::{self, AssertSqlSafe};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;

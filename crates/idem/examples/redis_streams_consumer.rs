@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::redis::redis::{self as client, AsyncCommands};
-use idem::redis::{StreamConfig, StreamConsumer, Delivery};
+use idem::redis::{Delivery, StreamConfig, StreamConsumer};
 use idem::{PostgresStore, sqlx};
 
 #[tokio::main]

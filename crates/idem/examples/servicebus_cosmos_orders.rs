@@ -27,10 +27,10 @@ use idem::amqp::lapin;
 use idem::amqp10::fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId, Properties};
 use idem::amqp10::fe2o3_amqp::types::primitives::{Binary, Value};
 use idem::amqp10::fe2o3_amqp::{Connection, Receiver, Sender, Session};
-use idem::amqp10::{Amqp10Config, Amqp10Consumer, Delivery, DeadLetters, ServiceBus};
-use idem::engine::HandlerError;
-use idem::cosmos::{BatchDocs, CosmosInbox};
+use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, ServiceBus};
 use idem::consumer::{Action, Settlement};
+use idem::cosmos::{BatchDocs, CosmosInbox};
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use serde_json::json;
 

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idem::engine::HandlerError;
 use idem::extract::Message;
-use idem::{Claim, ClaimRequest, Engine, DedupKey, DedupStore, Outcome, PostgresStore};
+use idem::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome, PostgresStore};
 use idem_testkit::process::spawn_child;
 use rand::Rng;
 use tokio::io::AsyncBufReadExt;

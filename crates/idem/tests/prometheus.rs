@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use idem::engine::HandlerError;
 use idem::consumer::MemoryQueue;
+use idem::engine::HandlerError;
 use idem::extract::Message;
 use idem::time::ManualClock;
 use idem::{Claim, ClaimRequest, Consumer, DedupStore, MemoryStore};

@@ -27,8 +27,8 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::engine::HandlerError;
 use idem::consumer::{Report, SourceConfig};
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxId, OutboxMessage, Outgoing, Publisher};
 use idem::sqlx::{self, AssertSqlSafe};
@@ -250,7 +250,9 @@ async fn my_pool(url: &str) -> Result<sqlx::MySqlPool, sqlx::Error> {
         .await
 }
 
-fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
+fn pg_writer<M: Envelope>(
+    table: String,
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES ($1)");
         let id = m.message_id().unwrap_or_default().to_owned();
@@ -265,7 +267,9 @@ fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<idem::PostgresInbox>, M) 
     }
 }
 
-fn my_writer<M: Envelope>(table: String) -> impl Fn(Tx<idem::MySqlInbox>, M) -> HandlerFuture + Sync {
+fn my_writer<M: Envelope>(
+    table: String,
+) -> impl Fn(Tx<idem::MySqlInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES (?)");
         let id = m.message_id().unwrap_or_default().to_owned();

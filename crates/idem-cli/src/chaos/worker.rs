@@ -7,8 +7,8 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use idem::engine::{Context, HandlerError};
 use idem::consumer::{Source, SourceConfig};
+use idem::engine::{Context, HandlerError};
 use idem::extract::Envelope;
 use idem::redis::redis::AsyncCommands as _;
 use idem::sqlx::{self, AssertSqlSafe};
@@ -44,8 +44,9 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
                 .get_consumer_from_stream(NATS_CONSUMER, &BrokerUrl::stream(tag))
                 .await
                 .with_context(|| format!("opening consumer {NATS_CONSUMER} of the run's stream"))?;
-            let source = idem::nats::JetStreamConfig::new(js, pull, BrokerUrl::dead_letter_subject(tag))
-                .retry_delay(Duration::from_millis(200));
+            let source =
+                idem::nats::JetStreamConfig::new(js, pull, BrokerUrl::dead_letter_subject(tag))
+                    .retry_delay(Duration::from_millis(200));
             consume(source, &store, &names, args).await
         }
         BrokerUrl::Redis(url) => {
@@ -147,7 +148,9 @@ where
             let driver = builder.inbox(inbox).build().await?;
             ready()?;
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES ($1, $2)");
-            driver.run(sql_writer!(idem::PostgresInbox, pool, sql, outside), stdin_closed()).await?;
+            driver
+                .run(sql_writer!(idem::PostgresInbox, pool, sql, outside), stdin_closed())
+                .await?;
         }
         StoreUrl::MySql(url) => {
             let pool = store::my_pool(url, 4).await?;
@@ -181,19 +184,20 @@ where
             let conn = connect::redis_manager(url).await?;
             let key = names.redis_ledger();
             ready()?;
-            let handler = move |ctx: Context, m: <C::Source as Source>::Delivery| -> HandlerFuture {
-                let read = read(&m);
-                let (mut conn, key) = (conn.clone(), key.clone());
-                Box::pin(async move {
-                    let (id, body) = read?;
-                    let entry = format!("{id}:{}:{body}", ctx.attempt());
-                    let _: i64 = conn
-                        .rpush(key, entry)
-                        .await
-                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                    Ok(())
-                })
-            };
+            let handler =
+                move |ctx: Context, m: <C::Source as Source>::Delivery| -> HandlerFuture {
+                    let read = read(&m);
+                    let (mut conn, key) = (conn.clone(), key.clone());
+                    Box::pin(async move {
+                        let (id, body) = read?;
+                        let entry = format!("{id}:{}:{body}", ctx.attempt());
+                        let _: i64 = conn
+                            .rpush(key, entry)
+                            .await
+                            .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                        Ok(())
+                    })
+                };
             driver.run(handler, stdin_closed()).await?;
         }
     }

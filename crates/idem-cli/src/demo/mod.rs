@@ -459,9 +459,7 @@ impl Worker {
         crash.at(CrashPoint::BeforeAck).await;
         match outcome.verb() {
             Verb::Ack => self.queue.ack(d),
-            Verb::Retry { after } => {
-                self.queue.nack(d, after.unwrap_or(Duration::from_millis(20)))
-            }
+            Verb::Retry { after } => self.queue.nack(d, after.unwrap_or(Duration::from_millis(20))),
             Verb::DeadLetter { reason } => self.queue.dead_letter(d, reason),
             _ => self.queue.nack(d, Duration::from_millis(20)),
         }

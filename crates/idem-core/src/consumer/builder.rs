@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{BuildError, Consumer, Hook, Opening, Settlement, Source, SourceConfig};
+use crate::DedupStore;
 use crate::engine::{Backend, Settings as EngineSettings, engine_setters};
 use crate::inbox::{Inbox, TxInbox};
-use crate::DedupStore;
 
 /// What to do when fetching fails.
 ///

@@ -42,7 +42,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-
 pub use builder::{Builder, FetchFailures};
 pub use error::{BuildError, Error};
 pub use memory::{MemoryDelivery, MemoryQueue};
@@ -125,6 +124,11 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     /// [`Error::Fetch`] when the fetch-failure policy gives up, [`Error::Settle`] when the
     /// broker can no longer be told, [`Error::BrokerTimeout`] when a broker call hangs. The
     /// source is closed in every case; unacknowledged messages are redelivered.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; stop it with `shutdown` instead. Dropped midway, nothing is lost (no
+    /// message is acknowledged before its outcome is durable, so the broker redelivers the
+    /// rest), but the source is not closed and in-progress claims wait for their leases.
     pub async fn run<H>(
         &self,
         handler: H,
@@ -171,6 +175,10 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     ///
     /// # Errors
     /// The source's error ([`Error::Settle`]), or [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, some messages may not be given back (the broker
+    /// redelivers them once the connection closes).
     pub async fn close(&self) -> Result<u64, Error<S::Error>> {
         self.bounded("closing the source", self.source.close()).await?.map_err(Error::Settle)
     }
@@ -180,6 +188,10 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     ///
     /// # Errors
     /// As [`run`](Self::run), except that a failed fetch is returned at once.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`run`](Self::run): nothing is lost, but a fetched batch dropped
+    /// before it is settled waits for the broker's redelivery.
     pub async fn poll<H>(&self, handler: H) -> Result<Report, Error<S::Error>>
     where
         H: Handler<B::Ctx, S::Delivery>,
@@ -276,6 +288,10 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     ///
     /// # Errors
     /// [`Error::Fetch`] with the source's error, [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Only as cancel safe as the source's fetch; the broker redelivers what a dropped fetch
+    /// had taken.
     pub async fn fetch(&self) -> Result<Vec<S::Delivery>, Error<S::Error>> {
         self.fetch_bounded().await.map_err(|e| match e {
             Ok(source) => Error::Fetch { attempts: 1, source },
@@ -289,6 +305,11 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     ///
     /// # Errors
     /// [`Error::BrokerTimeout`] when the dead-letter copies hang.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, claims stay in progress until their leases run out
+    /// (two-phase) or the transaction is rolled back (inbox). Nothing is acknowledged, so the
+    /// broker redelivers the batch.
     pub async fn decide<H>(
         &self,
         batch: Vec<S::Delivery>,
@@ -374,7 +395,12 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         if let Some(hook) = &self.hook {
             for ((m, o), action) in batch.iter().zip(&outcomes).zip(&actions) {
                 let key = self.engine.key_of(m).ok();
-                hook(&Settlement { message: m, key: key.as_ref(), outcome: o.kind(), verb: action });
+                hook(&Settlement {
+                    message: m,
+                    key: key.as_ref(),
+                    outcome: o.kind(),
+                    verb: action,
+                });
             }
         }
         for a in &actions {
@@ -387,6 +413,10 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     ///
     /// # Errors
     /// [`Error::Settle`] when the source can no longer settle, [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, some verbs may not be sent; those messages come back
+    /// and are found done.
     pub async fn settle(&self, decided: Decided<S::Delivery>) -> Result<Report, Error<S::Error>> {
         let Decided { items, mut report } = decided;
         report.settle_failures += self.send_verbs(items).await?;

@@ -52,6 +52,9 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// Runs beside the handlers of `batch` and tells the broker, on its own beat, that they
     /// are still being worked on (JetStream's `+WPI`), so it does not redeliver them meanwhile.
     /// Never returns. Default: does nothing.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: the consumer drops it once the batch is decided.
     fn keep_alive<'a>(
         &'a self,
         batch: &'a [Self::Delivery],
@@ -96,6 +99,10 @@ pub trait Source: Send + Sync + Sized + 'static {
     /// # Errors
     /// When the source cannot go on (its channel is gone); the run ends and the broker
     /// redelivers what was not acknowledged.
+    ///
+    /// # Cancel safety
+    /// Need not be cancel safe: the consumer never drops it midway (it bounds it with the
+    /// broker timeout and then ends the run).
     fn settle(
         &self,
         items: Vec<(Self::Delivery, Verb)>,
@@ -106,6 +113,9 @@ pub trait Source: Send + Sync + Sized + 'static {
     ///
     /// # Errors
     /// The broker's error (logged by the driver; the run's report is still returned).
+    ///
+    /// # Cancel safety
+    /// Need not be cancel safe: a close cut short leaves the broker to redeliver.
     fn close(&self) -> impl Future<Output = Result<u64, Self::Error>> + Send {
         async { Ok(0) }
     }
@@ -122,6 +132,9 @@ pub trait SourceConfig: Send + Sized {
     ///
     /// # Errors
     /// The source's error, naming the check or the broker call that failed.
+    ///
+    /// # Cancel safety
+    /// Need not be cancel safe: a dropped open leaves nothing but what it declared.
     fn open(
         self,
         opening: Opening<'_>,

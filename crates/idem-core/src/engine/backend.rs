@@ -50,10 +50,16 @@ pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
     fn lease(engine: &Engine<Self>) -> Option<Duration>;
 
     /// The store's startup check ([`DedupStore::check`], [`TxInbox::check`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
     #[doc(hidden)]
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Decides `batch`; see the contract above.
+    ///
+    /// # Cancel safety
+    /// As [`Engine::decide_batch`].
     #[doc(hidden)]
     fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,
@@ -120,11 +126,11 @@ impl<I: TxInbox> Backend for Inbox<I> {
         async move { checked.await.map(drop) }
     }
 
-    fn decide<'a, M, H, Fut, T, E>(
+    async fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
         handler: &'a H,
-    ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
+    ) -> Vec<Outcome<T, E>>
     where
         M: Envelope + Clone + Send + Sync + 'static,
         H: Fn(Self::Ctx, M) -> Fut + Sync,
@@ -132,9 +138,7 @@ impl<I: TxInbox> Backend for Inbox<I> {
         T: Serialize + DeserializeOwned + Send + 'a,
         E: Display + Send + 'a,
     {
-        async move {
-            let mode = InboxRound { engine, handler, msgs: batch };
-            engine.decide_in_rounds(batch, &mode).await
-        }
+        let mode = InboxRound { engine, handler, msgs: batch };
+        engine.decide_in_rounds(batch, &mode).await
     }
 }

@@ -36,7 +36,11 @@ impl<B> Engine<B> {
     /// decided here), then rounds of distinct keys — a key repeated in the batch waits until
     /// the round of its first copy is durable, and is then a duplicate of it — then every
     /// outcome observed. Outcomes are in message order.
-    pub(crate) async fn decide_in_rounds<M, T, E, R>(&self, msgs: &[M], mode: &R) -> Vec<Outcome<T, E>>
+    pub(crate) async fn decide_in_rounds<M, T, E, R>(
+        &self,
+        msgs: &[M],
+        mode: &R,
+    ) -> Vec<Outcome<T, E>>
     where
         M: Envelope,
         E: Display,
@@ -64,7 +68,12 @@ impl<B> Engine<B> {
                 .into_iter()
                 .partition(|(_, r)| r.as_ref().is_none_or(|r| seen.insert(r.key.hash())));
             for d in mode.decide(round).await {
-                self.observe(keys[d.index].as_ref(), msgs[d.index].correlation_id(), &d.outcome, d.attempt);
+                self.observe(
+                    keys[d.index].as_ref(),
+                    msgs[d.index].correlation_id(),
+                    &d.outcome,
+                    d.attempt,
+                );
                 out[d.index] = Some(d.outcome);
             }
             todo = later;

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use backend::Backend;
-pub(crate) use builder::{Settings, engine_setters};
 pub use builder::{ConfigError, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
+pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;
 pub use handler::Handler;
 pub use outcome::{
@@ -130,7 +130,11 @@ impl<B: Backend> Engine<B> {
     /// Not cancel safe: dropped midway, claims stay in progress until their leases run out
     /// (two-phase) or the transaction is rolled back (inbox). Nothing is lost either way; the
     /// broker redelivers what was not acknowledged.
-    pub async fn decide_batch<M, H>(&self, batch: &[M], handler: &H) -> Vec<Outcome<H::Value, H::Error>>
+    pub async fn decide_batch<M, H>(
+        &self,
+        batch: &[M],
+        handler: &H,
+    ) -> Vec<Outcome<H::Value, H::Error>>
     where
         M: Envelope + Clone + Send + Sync + 'static,
         H: Handler<B::Ctx, M>,

@@ -272,6 +272,9 @@ where
     H: Fn(Context, usize) -> Fut + Sync,
     Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
 {
+    // The trait's future is `Send + '_` over the handler's types; an `async fn` here would
+    // need those types to outlive the borrow, which they need not.
+    #[allow(clippy::manual_async_fn)]
     fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             let (engine, handler, msgs) = (self.engine, self.handler, self.msgs);
@@ -296,7 +299,8 @@ where
                 let claims = engine.claim_all(&reqs).await;
                 let runs = keyed.into_iter().zip(claims).map(|((i, req), claim)| async move {
                     let m = &msgs[i];
-                    let d = engine.decide(claim, &req, |ctx| handler(ctx, i), m.correlation_id()).await;
+                    let d =
+                        engine.decide(claim, &req, |ctx| handler(ctx, i), m.correlation_id()).await;
                     (i, d)
                 });
                 let decided = futures_util::future::join_all(runs).await;

@@ -36,6 +36,9 @@ where
     T: Serialize + DeserializeOwned + Send,
     E: Display + Send,
 {
+    // The trait's future is `Send + '_` over the handler's types; an `async fn` here would
+    // need those types to outlive the borrow, which they need not.
+    #[allow(clippy::manual_async_fn)]
     fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             if !I::ANSWERS_AT_COMMIT {
@@ -78,7 +81,11 @@ where
                 let rest: Vec<Item> = round.iter().filter(|(i, _)| *i != at).cloned().collect();
                 let mut decided =
                     if rest.is_empty() { Vec::new() } else { self.one_by_one(&rest).await };
-                decided.push(Decided { index: at, outcome: Outcome::from_handler_error(error), attempt: 1 });
+                decided.push(Decided {
+                    index: at,
+                    outcome: Outcome::from_handler_error(error),
+                    attempt: 1,
+                });
                 decided
             }
         }
@@ -89,8 +96,10 @@ where
     async fn fast(&self, round: &[Item]) -> Fast<T, E> {
         let inbox = self.inbox();
         let all_failed = |e: StoreError| Fast::Done(failed_round(round, e));
-        let keyed: Vec<(DedupKey, Option<Fingerprint>)> =
-            round.iter().filter_map(|(_, r)| r.as_ref().map(|r| (r.key.clone(), r.fingerprint))).collect();
+        let keyed: Vec<(DedupKey, Option<Fingerprint>)> = round
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().map(|r| (r.key.clone(), r.fingerprint)))
+            .collect();
         let mut attempt = 0;
         let (tx, marks) = loop {
             attempt += 1;
@@ -157,7 +166,9 @@ where
             match (self.handler)(tx, self.msgs[*i].clone()).await {
                 Ok(v) => {
                     if let Some(key) = &key {
-                        if let Some(bytes) = self.engine.encode_result(key, &v).filter(|b| b != b"null") {
+                        if let Some(bytes) =
+                            self.engine.encode_result(key, &v).filter(|b| b != b"null")
+                        {
                             results.push((key.clone(), bytes));
                         }
                         ran.push(decided.len());
@@ -216,7 +227,9 @@ where
                     Some(req) => {
                         let item = [(req.key.clone(), req.fingerprint)];
                         let claims = inbox.mark_many(I::connection(&mut tx), &item).await;
-                        Some(claims.and_then(|mut c| c.pop().ok_or_else(|| StoreError::backend("mark", true, WrongCount))))
+                        Some(claims.and_then(|mut c| {
+                            c.pop().ok_or_else(|| StoreError::backend("mark", true, WrongCount))
+                        }))
                     }
                     None => None,
                 },
@@ -279,7 +292,9 @@ where
         });
         let Some(mut tx) = lender.take() else { return Err((transient(kept()), 1)) };
         let kept_result = match &stored {
-            Some(item) => self.inbox().set_results(I::connection(&mut tx), std::slice::from_ref(item)).await,
+            Some(item) => {
+                self.inbox().set_results(I::connection(&mut tx), std::slice::from_ref(item)).await
+            }
             None => Ok(()),
         };
         lender.put(tx);
@@ -292,14 +307,11 @@ where
     /// After a failed commit nothing processed is durable: those become failures (transient,
     /// or permanent when the inbox says the commit can never succeed). Duplicates and conflicts
     /// were read from committed markers and stand.
-    fn commit_failed(
-        &self,
-        decided: Vec<Decided<T, E>>,
-        e: StoreError,
-    ) -> Vec<Decided<T, E>> {
+    fn commit_failed(&self, decided: Vec<Decided<T, E>>, e: StoreError) -> Vec<Decided<T, E>> {
         self.engine.observe_store_error("commit", &e);
         tracing::warn!(target: "idem", error = %e, "inbox commit failed; nothing of the batch is committed");
-        let kind = if I::is_permanent(&e) { FailureKind::Permanent } else { FailureKind::Transient };
+        let kind =
+            if I::is_permanent(&e) { FailureKind::Permanent } else { FailureKind::Transient };
         let shared = Arc::new(e);
         decided
             .into_iter()

@@ -174,7 +174,10 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    fn rollback(&self, tx: Self::Transaction) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn rollback(
+        &self,
+        tx: Self::Transaction,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Whether a failure to commit can never succeed (an entity too large to store): the
     /// message is then dead-lettered instead of retried. Default: none is.

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::{
-    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, Publisher, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
+    PublishError, PublishFailure, Publisher, Ticket,
 };
 use crate::time::{Clock, SystemClock};
 use crate::{StoreError, Timestamp};

@@ -31,9 +31,9 @@ mod store;
 pub use memory::{MemoryOutbox, RecordingPublisher};
 pub use message::{
     MAX_DESTINATION_BYTES, MAX_HEADER_BYTES, MAX_HEADER_NAME_BYTES, MAX_HEADERS, MAX_ID_BYTES,
-    MAX_PAYLOAD_BYTES, OutboxId, OutboxError, OutboxMessage, Outgoing, decode_headers,
+    MAX_PAYLOAD_BYTES, OutboxError, OutboxId, OutboxMessage, Outgoing, decode_headers,
     encode_headers,
 };
 pub use publish::{PublishError, Publisher};
 pub use relay::{Builder, Relay, RelayError, RelayReport};
-pub use store::{PublishFailure, OutboxCounts, OutboxStore, Pending, Ticket};
+pub use store::{OutboxCounts, OutboxStore, Pending, PublishFailure, Ticket};

@@ -337,16 +337,16 @@ async fn inbox_case<H, I, DB>(
 }
 
 /// A random suffix for the case's schema or tables.
-fn rand_u64() -> u64 {
+pub(crate) fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// Runs one statement on its own connection when dropped (from a thread with a runtime of its
 /// own: the test's runtime may be unwinding), to drop what a case created.
-struct DropSql {
-    url: String,
-    sql: String,
+pub(crate) struct DropSql {
+    pub(crate) url: String,
+    pub(crate) sql: String,
 }
 
 impl Drop for DropSql {

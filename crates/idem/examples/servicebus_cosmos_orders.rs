@@ -28,9 +28,10 @@ use idem::amqp10::fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId,
 use idem::amqp10::fe2o3_amqp::types::primitives::{Binary, Value};
 use idem::amqp10::fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, ServiceBus};
-use idem::consumer::{Action, Settlement};
-use idem::cosmos::{BatchDocs, CosmosInbox};
-use idem::engine::HandlerError;
+use idem::Tx;
+use idem::consumer::Settlement;
+use idem::cosmos::CosmosInbox;
+use idem::engine::{HandlerError, Verb};
 use idem::extract::Envelope;
 use serde_json::json;
 
@@ -41,7 +42,7 @@ const WEEK: Duration = Duration::from_secs(7 * 86_400);
 /// The handler: the order and one document per line, in the order's partition. Cosmos DB
 /// commits them with the dedup marker in one transactional batch once this returns `Ok`; a
 /// redelivery meets the marker (409 on the batch) and is completed as a duplicate.
-async fn write_order(docs: BatchDocs, msg: Delivery) -> Result<u64, HandlerError<String>> {
+async fn write_order(mut docs: Tx<CosmosInbox>, msg: Delivery) -> Result<u64, HandlerError<String>> {
     let permanent = |e: &dyn std::fmt::Display| HandlerError::Permanent(e.to_string());
     let order: serde_json::Value =
         serde_json::from_slice(msg.payload()).map_err(|e| permanent(&e))?;
@@ -65,9 +66,9 @@ fn printer(seen: Seen) -> impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'st
     move |s| {
         let id = s.message.message_id().unwrap_or("-").to_owned();
         let verb = match s.verb {
-            Action::Ack => "complete".to_owned(),
+            Verb::Ack => "complete".to_owned(),
             Verb::DeadLetter { reason } => format!("dead-letter ({reason})"),
-            Action::Retry { .. } => "abandon".to_owned(),
+            Verb::Retry { .. } => "abandon".to_owned(),
             _ => "release".to_owned(),
         };
         println!("  {id:<10} {:<18} → {verb}", s.outcome.as_str());

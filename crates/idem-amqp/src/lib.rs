@@ -1,4 +1,4 @@
-//! RabbitMQ for **idem**, on [`lapin`]: a queue as a source for the shared consumer driver
+//! RabbitMQ for **idem**, on [`lapin`]: a queue as a source for the shared consumer
 //! ([`AmqpConsumer`]).
 //!
 //! [`AmqpConfig`] names the queue and what is RabbitMQ's own (prefetch, delay queue,
@@ -68,7 +68,7 @@
 //! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
 //!   again: the dead-letter queue is at least once.
 //! - No broker verb waits forever: a fetch, an ack, nack or copy that has not finished within
-//!   the driver's [`broker_timeout`](idem_core::consumer::Builder::broker_timeout) (30 s) ends
+//!   the consumer's [`broker_timeout`](idem_core::consumer::Builder::broker_timeout) (30 s) ends
 //!   the run with [`BrokerTimeout`](idem_core::consumer::Error::BrokerTimeout) (lapin was seen to
 //!   leave an ack pending forever after its connection failed), and a fetch that finds the
 //!   consuming channel disconnected ends it at once ([`Error::ChannelClosed`]).
@@ -76,22 +76,22 @@
 //!   messages are redelivered by the broker; the store turns them into duplicates.
 
 mod config;
+mod delivery;
 mod error;
-mod message;
 mod publish;
 mod source;
 pub mod topology;
 mod window;
 
 pub use config::AmqpConfig;
+pub use delivery::Delivery;
 pub use error::Error;
-pub use message::AmqpMessage;
 pub use publish::{AmqpPublisher, Refused};
 pub use source::AmqpSource;
 pub use topology::Topology;
 pub use window::{DEFAULT_CONSUMER_TIMEOUT, RabbitWindow};
 
-/// A RabbitMQ consumer made idempotent: the shared driver over an [`AmqpSource`], in two-phase
+/// A RabbitMQ consumer made idempotent: the shared consumer over an [`AmqpSource`], in two-phase
 /// mode (`B` a store) or inbox mode (`B` a SQL inbox).
 pub type AmqpConsumer<B> = idem_core::Consumer<AmqpSource, B>;
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{Broker, PgSchema, reporter, wait_for};
 use idem_amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, Topology};
 use idem_core::MemoryStore;
-use idem_core::engine::HandlerError;
 use idem_core::consumer::Action;
+use idem_core::engine::HandlerError;
 use idem_sqlx::{SqliteStore, Tx};
 use tokio::sync::oneshot;
 

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::{Broker, Seen, reporter, wait_for};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{self, Action, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Header;
 use idem_core::{Engine, MemoryStore};
 use tokio::sync::{Notify, oneshot};

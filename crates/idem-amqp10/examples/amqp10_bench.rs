@@ -193,7 +193,7 @@ async fn bare(
     Ok((elapsed, closing.elapsed()))
 }
 
-/// The source on the shared driver, polled batch by batch until `n` messages are settled
+/// The source on the shared consumer, polled batch by batch until `n` messages are settled
 /// (timed from the build; the close is timed apart).
 async fn drive<B: Backend + 'static>(
     config: Amqp10Config,

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters};
-use idem_core::engine::{Context, HandlerError};
 use idem_core::consumer::{Builder, Report, Settlement};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Envelope;
 use idem_core::{Engine, OutcomeKind};
 use idem_sqlx::{SqliteStore, Tx};

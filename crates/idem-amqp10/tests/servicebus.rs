@@ -25,8 +25,8 @@ use idem_amqp10::{
     Amqp10Consumer, Amqp10Message, ServiceBus, ServiceBusConfig, SessionFilter, fe2o3_amqp,
 };
 use idem_core::MemoryStore;
-use idem_core::engine::{Context, HandlerError};
 use idem_core::consumer::Report;
+use idem_core::engine::{Context, HandlerError};
 use tokio::sync::{Notify, mpsc};
 
 const QUEUE: &str = "orders";

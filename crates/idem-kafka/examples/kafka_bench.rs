@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Action, Settlement};
+use idem_core::engine::HandlerError;
 use idem_core::{Backend, Engine, MemoryStore};
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
@@ -118,11 +118,8 @@ async fn driven<B: Backend + 'static>(
     batch: usize,
     backend: B,
 ) -> Duration {
-    let engine = Engine::builder(backend)
-        .scope(group)
-        .retain(Duration::from_secs(86_400))
-        .build()
-        .unwrap();
+    let engine =
+        Engine::builder(backend).scope(group).retain(Duration::from_secs(86_400)).build().unwrap();
     let kafka = Kafka::new(&config(brokers, group), &[topic], format!("{topic}-dlq"));
     timed(n, move |done, first, stopped| async move {
         let c = KafkaConsumer::builder(kafka)

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{PgSchema, Topics};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Report, Settlement};
+use idem_core::engine::HandlerError;
 use idem_kafka::{Delivery, Kafka, KafkaConsumer};
 use idem_sqlx::{PostgresInbox, PostgresStore, Tx};
 use rand::seq::{IndexedRandom, SliceRandom};

@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Action, Report};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Backend, ClaimRequest, Engine, DedupKey, DedupStore};
+use idem_core::{Backend, ClaimRequest, DedupKey, DedupStore, Engine};
 use idem_kafka::{Delivery, Kafka, KafkaConsumer};
 use idem_sqlx::SqliteStore;
 use tokio::sync::{mpsc, oneshot};
@@ -67,7 +67,7 @@ fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
 
 type Seen = mpsc::UnboundedReceiver<(i64, &'static str, &'static str)>;
 
-/// What the driver does with a settled message, in words the tests compare.
+/// What the consumer does with a settled message, in words the tests compare.
 fn verb(a: &Action) -> &'static str {
     match a {
         Action::Ack => "commit",

@@ -25,10 +25,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Decided, Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Engine, DedupStore, InspectStore};
+use idem_core::{DedupStore, Engine, InspectStore};
 use idem_nats::{Delivery, JetStream, JetStreamConsumer};
 use idem_sqlx::{PostgresStore, SqliteInbox, SqliteStore};
 use idem_testkit::wait_for;

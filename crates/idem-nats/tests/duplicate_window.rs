@@ -10,8 +10,8 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::publish::PublishAck;
 use common::{Env, nats_url};
 use idem_core::MemoryStore;
-use idem_core::engine::HandlerError;
 use idem_core::consumer::Report;
+use idem_core::engine::HandlerError;
 use idem_nats::{JetStream, JetStreamConsumer};
 
 async fn publish(env: &Env, id: &str, body: &'static [u8]) -> PublishAck {

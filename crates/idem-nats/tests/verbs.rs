@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Env, header, nats_url};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Claim, ClaimRequest, Engine, DedupStore, FingerprintSpec};
+use idem_core::{Claim, ClaimRequest, DedupStore, Engine, FingerprintSpec};
 use idem_nats::{Error, JetStream, JetStreamConsumer};
 use idem_sqlx::SqliteStore;
 use idem_testkit::wait_for;

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::{JsonPointer, Message};
-use idem_core::{Claim, ClaimRequest, Engine, DedupKey, DedupStore, Outcome};
+use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome};
 use idem_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 

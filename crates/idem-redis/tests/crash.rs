@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::group_state;
-use idem_core::engine::{Context, HandlerError};
 use idem_core::consumer::{Builder, Report, Settlement, headers};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Envelope;
 use idem_core::{Engine, OutcomeKind};
 use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};

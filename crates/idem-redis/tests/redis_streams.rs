@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::group_state;
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
 use idem_core::{Engine, MemoryStore};
 use idem_redis::{Error, GROUP_FIELD, StreamConfig, StreamConsumer, StreamEntry};

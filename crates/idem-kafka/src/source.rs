@@ -102,6 +102,10 @@ impl KafkaSource {
     /// # Errors
     /// [`Error::Kafka`] when the brokers cannot be asked (10 s limit), [`Error::Broker`] when a
     /// topic's configs carry no usable `retention.ms`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads. Dropped while it waits for the brokers, it destroys its
+    /// admin client on the dropping thread, which librdkafka may block for a moment.
     pub async fn retention_gaps(&self) -> Result<Vec<RetentionGap>, Error> {
         let retain = self.retention;
         let admin: AdminClient<DefaultClientContext> =

@@ -14,10 +14,11 @@ use crate::{Error, Namespace};
 /// A shift added to Redis' `TIME` in every script: lets a test move the store's clock forward
 /// (leases run out, retention passes) without sleeping. **For tests only.**
 ///
-/// Why an offset and not a fake clock: the store must read the server's clock (R6), so tests
-/// cannot replace it; they can only add to it. Records the offset makes expire early are not
-/// yet deleted by Redis' TTL (which runs on the real clock), so a store with an offset treats
-/// them as expired in its scripts and [`DedupStore::purge`] deletes them with a bounded scan.
+/// Why an offset and not a fake clock: the store must read the server's clock, never the
+/// consumer's, so tests cannot replace it; they can only add to it. Records the offset makes
+/// expire early are not yet deleted by Redis' TTL (which runs on the real clock), so a store
+/// with an offset treats them as expired in its scripts and
+/// [`DedupStore::purge`](idem_core::DedupStore::purge) deletes them with a bounded scan.
 #[doc(hidden)]
 pub type ClockOffset = idem_core::time::ClockSkew;
 
@@ -144,6 +145,10 @@ impl RedisStoreBuilder {
     /// # Errors
     /// [`Error::Redis`] when the server cannot be reached; [`Error::EvictingPolicy`];
     /// [`Error::ClusterNode`] naming the cluster master that failed a check.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it writes nothing to the server, and the connections it opened close when
+    /// the call is dropped.
     pub async fn connect(self) -> Result<RedisStore, Error> {
         crate::tls::ensure_crypto_provider();
         let (conn, all_support_fast) = match self.target {
@@ -276,6 +281,9 @@ impl RedisStore {
     ///
     /// # Errors
     /// As [`RedisStoreBuilder::connect`].
+    ///
+    /// # Cancel safety
+    /// As [`RedisStoreBuilder::connect`]: cancel safe.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::builder(url)?.connect().await
     }

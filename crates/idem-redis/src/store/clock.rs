@@ -101,6 +101,9 @@ impl RedisStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a read; the shared connection discards the reply of a dropped call.
     pub async fn now(&self) -> Result<Timestamp, StoreError> {
         Ok(Timestamp::from_micros(self.server_time(self.offset_us()).await?))
     }

@@ -1,5 +1,5 @@
 //! The Lua scripts. Each runs atomically on the server, so every read-decide-write of a record
-//! is one step: no other command interleaves (R3: no check-then-set).
+//! is one step: no other command interleaves (no check-then-set).
 //!
 //! A record is one string value, packed with Redis' built-in `struct` library (see
 //! [`super::codec`] for the layout), written with `SET … PX` so the write and the native TTL

@@ -6,9 +6,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_core::consumer::{BuildError, MemoryQueue};
 use idem_core::engine::HandlerError;
-use idem_core::consumer::{Error, MemoryQueue};
-use idem_core::{Claim, ClaimRequest, DedupStore, Consumer, FailKind, Lease, StoreError};
+use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FailKind, Lease, StoreError};
 
 const MISSING: &str = "relation \"shop\".\"idem_records\" does not exist";
 
@@ -64,7 +64,7 @@ async fn the_builder_refuses_a_store_whose_check_fails_and_names_the_migration()
         .build()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Store(StoreError::NotMigrated { .. })), "{e:?}");
+    assert!(matches!(e, BuildError::Store(StoreError::NotMigrated { .. })), "{e:?}");
     assert_eq!(
         e.to_string(),
         "the store is not ready: table \"shop\".\"idem_records\" does not exist: run \

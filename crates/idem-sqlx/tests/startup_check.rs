@@ -7,27 +7,33 @@ mod common;
 
 use std::time::Duration;
 
+use idem_core::consumer::{BuildError, MemoryQueue};
 use idem_core::engine::HandlerError;
-use idem_core::consumer::{Error, MemoryQueue};
-use idem_core::{Backend, Consumer, StoreError};
+use idem_core::inbox::{Inbox, TxInbox};
+use idem_core::{Backend, Consumer, DedupStore, StoreError};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
-/// Builds a consumer over `backend` on an in-process queue.
-async fn build<B: Backend>(
-    backend: B,
-) -> Result<Consumer<MemoryQueue, B>, Error<std::convert::Infallible>> {
-    Consumer::builder(MemoryQueue::new()).inbox(backend).scope("orders").build().await
+type Built<B> = Result<Consumer<MemoryQueue, B>, BuildError<std::convert::Infallible>>;
+
+/// Builds a two-phase consumer over `store` on an in-process queue.
+async fn build<S: DedupStore>(store: S) -> Built<S> {
+    Consumer::builder(MemoryQueue::new()).store(store).scope("orders").build().await
+}
+
+/// Builds an inbox consumer over `inbox` on an in-process queue.
+async fn build_inbox<I: TxInbox>(inbox: I) -> Built<Inbox<I>> {
+    Consumer::builder(MemoryQueue::new()).inbox(inbox).scope("orders").build().await
 }
 
 /// The refusal of a store whose table is missing: its message names `table` and `migrate`.
 fn assert_unmigrated<T>(
-    built: Result<T, Error<std::convert::Infallible>>,
+    built: Result<T, BuildError<std::convert::Infallible>>,
     table: &str,
     migrate: &str,
 ) {
     let Err(e) = built else { panic!("built without the table {table}") };
-    assert!(matches!(e, Error::Store(StoreError::NotMigrated { .. })), "{e:?}");
+    assert!(matches!(e, BuildError::Store(StoreError::NotMigrated { .. })), "{e:?}");
     let text = e.to_string();
     assert!(
         text.contains(&format!("table {table} does not exist")) && text.contains(migrate),
@@ -115,13 +121,13 @@ mod postgres {
             "PostgresStore::migrate()",
         );
         assert_unmigrated(
-            build(shop.inbox(DAY)).await,
+            build_inbox(shop.inbox(DAY)).await,
             "\"shop\".\"idem_records\"",
             "PostgresStore::migrate()",
         );
         shop.migrate().await.unwrap();
         build(shop.clone()).await.expect("two-phase after migrate");
-        build(shop.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(shop.inbox(DAY)).await.expect("inbox after migrate");
         let default_schema: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM information_schema.schemata WHERE schema_name = 'idem'",
         )
@@ -222,10 +228,14 @@ mod mysql {
 
         let orders = store.clone().with_table_name("orders_keys").unwrap();
         assert_unmigrated(build(orders.clone()).await, "`orders_keys`", "MySqlStore::migrate()");
-        assert_unmigrated(build(orders.inbox(DAY)).await, "`orders_keys`", "MySqlStore::migrate()");
+        assert_unmigrated(
+            build_inbox(orders.inbox(DAY)).await,
+            "`orders_keys`",
+            "MySqlStore::migrate()",
+        );
         orders.migrate().await.unwrap();
         build(orders.clone()).await.expect("two-phase after migrate");
-        build(orders.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(orders.inbox(DAY)).await.expect("inbox after migrate");
         store.pool().close().await;
     }
 
@@ -264,11 +274,11 @@ mod sqlite {
         let other = SqliteStore::new(opened.pool().clone()).with_table_name("orders_keys").unwrap();
         assert_unmigrated(build(other.clone()).await, "\"orders_keys\"", "SqliteStore::migrate()");
         assert_unmigrated(
-            build(other.inbox(DAY)).await,
+            build_inbox(other.inbox(DAY)).await,
             "\"orders_keys\"",
             "SqliteStore::migrate()",
         );
         other.migrate().await.unwrap();
-        build(other.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(other.inbox(DAY)).await.expect("inbox after migrate");
     }
 }

@@ -38,6 +38,9 @@ use idem_core::time::ManualClock;
 /// Moves a store's clock forward.
 pub trait TimeControl: Send + Sync {
     /// Returns once the store's clock reads at least `d` later than when called.
+    ///
+    /// # Cancel safety
+    /// Implementations must be: dropped, the clock has moved by at most `d`.
     fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send;
 }
 

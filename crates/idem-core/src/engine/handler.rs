@@ -22,7 +22,7 @@ use super::HandlerError;
 /// fn takes<H: Handler<Context, Message>>(h: H) -> H { h }
 /// let charge = takes(|ctx, msg| async move {
 ///     let _ = (ctx.downstream_key(), msg.payload.len()); // types inferred
-///     Ok::<_, HandlerError<String>>("charged")
+///     Ok::<_, HandlerError<String>>("charged".to_owned())
 /// });
 /// ```
 pub trait Handler<C, M>: Fn(C, M) -> Self::Fut + Sync {

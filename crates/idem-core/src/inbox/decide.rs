@@ -379,7 +379,7 @@ struct BatchFailed(#[source] Arc<StoreError>);
 
 #[derive(Debug, thiserror::Error)]
 #[error("the inbox answered with the wrong number of marks")]
-struct WrongCount;
+pub(super) struct WrongCount;
 
 /// One message in its own transaction: what [`TxInbox::process`] does.
 pub(super) async fn process_one<I, T, E, F, Fut>(

@@ -101,6 +101,31 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
         items: &'a [(DedupKey, Option<Fingerprint>)],
     ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send + 'a;
 
+    /// Marks one key inside the transaction: [`mark_many`](Self::mark_many) with one item.
+    /// What a caller with a transaction of its own uses: mark, write if the claim is
+    /// [`Claim::Acquired`], commit.
+    ///
+    /// # Errors
+    /// As [`mark_many`](Self::mark_many).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the transaction commits.
+    fn mark<'a>(
+        &'a self,
+        conn: &'a mut Self::Connection,
+        key: &'a DedupKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send + 'a {
+        async move {
+            let item = [(key.clone(), fingerprint)];
+            let mut claims = self.mark_many(conn, &item).await?;
+            match (claims.pop(), claims.is_empty()) {
+                (Some(claim), true) => Ok(claim),
+                _ => Err(StoreError::backend("mark", true, decide::WrongCount)),
+            }
+        }
+    }
+
     /// Stores handler results with their markers, inside the transaction.
     ///
     /// # Errors
@@ -171,7 +196,7 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
     ///     let outcome = inbox
     ///         .process(&key, Some(Fingerprint::of_bytes(b"o-1")), |_tx| async move {
     ///             // write through `&mut *tx`
-    ///             Ok::<_, HandlerError<String>>("stored")
+    ///             Ok::<_, HandlerError<String>>("stored".to_owned())
     ///         })
     ///         .await;
     ///     assert!(matches!(outcome, Outcome::Processed(_) | Outcome::Duplicate(_)));

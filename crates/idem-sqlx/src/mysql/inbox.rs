@@ -160,7 +160,8 @@ impl TxInbox for MySqlInbox {
     ) -> Result<(), StoreError> {
         for (key, result) in items {
             StoreError::check_len("result", result.len(), MAX_RESULT_BYTES)?;
-            let b = self.store.binds().bytes("hash", Some(&key.hash().0)).bytes("result", Some(result));
+            let b =
+                self.store.binds().bytes("hash", Some(&key.hash().0)).bytes("result", Some(result));
             self.store
                 .sql
                 .set_result
@@ -173,7 +174,11 @@ impl TxInbox for MySqlInbox {
     }
 
     /// MySQL takes one statement per round trip: a release-and-set is two.
-    async fn savepoint(&self, conn: &mut MySqlConnection, step: Savepoint) -> Result<(), StoreError> {
+    async fn savepoint(
+        &self,
+        conn: &mut MySqlConnection,
+        step: Savepoint,
+    ) -> Result<(), StoreError> {
         let run = |sql: &'static str| sqlx::raw_sql(sql);
         for sql in step.sql().split("; ") {
             run(sql).execute(&mut *conn).await.map_err(|e| backend("savepoint", e))?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -168,6 +168,11 @@ impl MySqlOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: MySQL commits each DDL statement on its own, so a dropped call
+    /// may leave part of it done; every statement is `IF NOT EXISTS`, so running it again
+    /// finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -190,6 +195,9 @@ impl MySqlOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<MySql>,

@@ -24,9 +24,9 @@
 )]
 
 use idem_core::StoreError;
-use idem_core::outbox::{OutboxId, OutboxError, OutboxMessage, Outgoing, Pending, Ticket};
-
 use idem_core::inbox::{Tx, TxInbox};
+use idem_core::outbox::{OutboxError, OutboxId, OutboxMessage, Outgoing, Pending, Ticket};
+
 use crate::row::{nullable, required};
 
 /// Default outbox table name.

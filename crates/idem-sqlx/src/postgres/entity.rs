@@ -1,4 +1,4 @@
-//! Entity as marker (R5): the business row keyed by its business id is the dedup record.
+//! Entity as marker: the business row keyed by its business id is the dedup record.
 
 use std::sync::Arc;
 
@@ -73,6 +73,9 @@ impl EntityTable {
     ///
     /// # Errors
     /// Backend errors; [`StoreError::Corrupt`] when the conflicting row cannot be found.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (it reads, on the caller's transaction).
     pub async fn classify(
         &self,
         conn: &mut PgConnection,

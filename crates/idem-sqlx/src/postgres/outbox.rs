@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -244,6 +244,9 @@ impl PostgresOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the DDL runs in one transaction, rolled back if it is dropped.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox migrate", e))?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
@@ -271,6 +274,9 @@ impl PostgresOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<Postgres>,

@@ -175,8 +175,7 @@ impl TxInbox for SqliteInbox {
                 }
                 for i in lost {
                     let (key, fp) = &items[i];
-                    let mark =
-                        recs.remove(&key.hash().0).and_then(|r| claim_of(r, *fp, now));
+                    let mark = recs.remove(&key.hash().0).and_then(|r| claim_of(r, *fp, now));
                     // Claimable again, or purged, by the time it was read: decide it alone.
                     out[i] = Some(match mark {
                         Some(m) => m,
@@ -213,7 +212,11 @@ impl TxInbox for SqliteInbox {
     }
 
     /// SQLite takes several statements in one call.
-    async fn savepoint(&self, conn: &mut SqliteConnection, step: Savepoint) -> Result<(), StoreError> {
+    async fn savepoint(
+        &self,
+        conn: &mut SqliteConnection,
+        step: Savepoint,
+    ) -> Result<(), StoreError> {
         sqlx::raw_sql(step.sql()).execute(conn).await.map(drop).map_err(|e| backend("savepoint", e))
     }
 

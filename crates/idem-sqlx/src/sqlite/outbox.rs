@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    PublishFailure, OutboxId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{Clock, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -172,6 +172,10 @@ impl SqliteOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
+    /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -193,6 +197,9 @@ impl SqliteOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<Sqlite>,

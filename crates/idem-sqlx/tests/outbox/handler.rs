@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use idem_core::consumer::{MemoryDelivery, MemoryQueue};
 use idem_core::engine::HandlerError;
-use idem_core::consumer::{MemoryQueue, MemoryDelivery};
 use idem_core::extract::Envelope;
 use idem_core::outbox::{OutboxId, OutboxStore, Outgoing};
-use idem_core::{DedupKey, Consumer};
+use idem_core::{Consumer, DedupKey};
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
 
@@ -58,7 +58,7 @@ macro_rules! handler_case {
                 .await
                 .unwrap();
             let failed_once = Arc::new(AtomicBool::new(false));
-            let handler = |mut tx: idem_sqlx::Tx<$db>, m: MemoryDelivery| {
+            let handler = |mut tx: idem_core::Tx<$db>, m: MemoryDelivery| {
                 let (outbox, failed_once) = (outbox.clone(), Arc::clone(&failed_once));
                 async move {
                     let id = m.message_id().unwrap_or_default().to_owned();
@@ -113,7 +113,7 @@ macro_rules! handler_case {
 #[cfg(feature = "sqlite")]
 handler_case!(
     sqlite_handler_enqueues_with_its_writes,
-    sqlx::Sqlite,
+    idem_sqlx::SqliteInbox,
     async {
         let dir = tempfile::tempdir().unwrap();
         let store = idem_sqlx::SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
@@ -125,7 +125,7 @@ handler_case!(
 #[cfg(feature = "postgres")]
 handler_case!(
     postgres_handler_enqueues_with_its_writes,
-    sqlx::Postgres,
+    idem_sqlx::PostgresInbox,
     async {
         let url = common::pg_url()?;
         let schema = common::unique("idem_obh");
@@ -143,7 +143,7 @@ handler_case!(
 #[cfg(feature = "mysql")]
 handler_case!(
     mysql_handler_enqueues_with_its_writes,
-    sqlx::MySql,
+    idem_sqlx::MySqlInbox,
     async {
         let url = common::mysql_url()?;
         let table = common::unique("obh");

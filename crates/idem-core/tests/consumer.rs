@@ -1,4 +1,4 @@
-//! The driver's logic on the in-process queue: verbs per outcome, dead letters before removal,
+//! The consumer loop on the in-process queue: verbs per outcome, dead letters before removal,
 //! a failed copy never acked, the delivery limit, hooks before verbs, shutdown, fetch failures.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{
-    Action, DeadLetter, Error, FetchFailures, MemoryQueue, Opening, MemoryDelivery, Source,
+    BuildError, DeadLetter, Error, FetchFailures, MemoryDelivery, MemoryQueue, Opening, Source,
     SourceConfig, headers,
 };
+use idem_core::engine::{HandlerError, Verb};
 use idem_core::extract::Envelope;
-use idem_core::{Engine, DedupStore, Consumer, MemoryStore, OutcomeKind};
+use idem_core::{Consumer, DedupStore, MemoryStore, OutcomeKind};
 
 async fn consumer(q: &MemoryQueue) -> Consumer<MemoryQueue, MemoryStore> {
     Consumer::builder(q.clone())
@@ -48,9 +48,10 @@ async fn each_outcome_gets_its_verb_and_dead_letters_carry_the_headers() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&seen);
     let c = Consumer::builder(q.clone())
-        .engine(Engine::builder(MemoryStore::new()).scope("orders").build().unwrap())
+        .store(MemoryStore::new())
+        .scope("orders")
         .idle_wait(Duration::from_millis(20))
-        .on_settle(move |s| log.lock().unwrap().push((s.outcome, s.action.clone())))
+        .on_settle(move |s| log.lock().unwrap().push((s.outcome, s.verb.clone())))
         .build()
         .await
         .unwrap();
@@ -113,24 +114,20 @@ async fn a_key_in_progress_elsewhere_is_retried_after_the_lease() {
     let store = MemoryStore::new();
     let q = MemoryQueue::new();
     q.push("o-1", "{}");
-    let engine = Engine::builder(store.clone())
-        .scope("orders")
-        .lease(Duration::from_millis(50))
-        .build()
-        .unwrap();
     // Another consumer holds the key.
-    let other = Engine::builder(store).scope("orders").build().unwrap();
     let req = idem_core::ClaimRequest::new(
         idem_core::DedupKey::new("orders", "o-1").unwrap(),
         None,
         Duration::from_millis(50),
         Duration::from_secs(60),
     );
-    let idem_core::Claim::Acquired(_held) = other.store().claim(&req).await.unwrap() else {
+    let idem_core::Claim::Acquired(_held) = store.claim(&req).await.unwrap() else {
         panic!("fresh key")
     };
     let c = Consumer::builder(q.clone())
-        .engine(engine)
+        .store(store)
+        .scope("orders")
+        .lease(Duration::from_millis(50))
         .idle_wait(Duration::from_millis(20))
         .build()
         .await
@@ -175,10 +172,11 @@ async fn the_hook_runs_after_the_effect_and_before_the_verb() {
 
 #[tokio::test]
 async fn the_builder_names_what_is_missing() {
-    // Without .store / .inbox / .engine there is no `build` at all (a compile error).
+    // Without .store / .inbox there is no `build` at all (a compile error); a scope set on an
+    // engine and again on the consumer cannot happen either: there is one builder.
     let no_scope =
         Consumer::builder(MemoryQueue::new()).store(MemoryStore::new()).build().await.unwrap_err();
-    assert!(matches!(no_scope, Error::Config(_)), "{no_scope}");
+    assert!(matches!(no_scope, BuildError::Config(_)), "{no_scope}");
     assert!(no_scope.to_string().contains(".scope("), "{no_scope}");
     let long = Consumer::builder(MemoryQueue::new())
         .store(MemoryStore::new())
@@ -188,13 +186,6 @@ async fn the_builder_names_what_is_missing() {
         .unwrap_err()
         .to_string();
     assert!(long.contains("scope") && long.contains("512"), "{long}");
-    let twice = Consumer::builder(MemoryQueue::new())
-        .scope("a")
-        .engine(Engine::builder(MemoryStore::new()).scope("b").build().unwrap())
-        .build()
-        .await
-        .unwrap_err();
-    assert!(twice.to_string().contains("scope"), "{twice}");
 }
 
 /// A source whose fetch fails `fails` times, then serves a memory queue.
@@ -210,7 +201,7 @@ struct Flaky {
 struct Down;
 
 impl Source for Flaky {
-    type Message = MemoryDelivery;
+    type Delivery = MemoryDelivery;
     type Error = Down;
 
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<MemoryDelivery>, Down> {
@@ -229,7 +220,7 @@ impl Source for Flaky {
         items.iter().map(|_| Ok(())).collect()
     }
 
-    async fn settle(&self, items: Vec<(MemoryDelivery, Action)>) -> Result<u64, Down> {
+    async fn settle(&self, items: Vec<(MemoryDelivery, Verb)>) -> Result<u64, Down> {
         Ok(self.queue.settle(items).await.unwrap_or_else(|e: Infallible| match e {}))
     }
 }
@@ -268,8 +259,12 @@ async fn fetch_failures_follow_the_policy() {
     let err = c.run(|_, m| handle(m), std::future::pending()).await.unwrap_err();
     assert!(matches!(err, Error::Fetch { attempts: 3, .. }), "{err}");
     // A fatal error ends it at once.
-    let c =
-        Consumer::builder(flaky(1, true)).store(MemoryStore::new()).scope("o").build().await.unwrap();
+    let c = Consumer::builder(flaky(1, true))
+        .store(MemoryStore::new())
+        .scope("o")
+        .build()
+        .await
+        .unwrap();
     let err = c.run(|_, m| handle(m), std::future::pending()).await.unwrap_err();
     assert!(matches!(err, Error::Fetch { attempts: 1, .. }), "{err}");
 }

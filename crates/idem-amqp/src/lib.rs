@@ -92,7 +92,8 @@ pub use topology::Topology;
 pub use window::{DEFAULT_CONSUMER_TIMEOUT, RabbitWindow};
 
 /// A RabbitMQ consumer made idempotent: the shared consumer over an [`AmqpSource`], in two-phase
-/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
+/// mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
 pub type AmqpConsumer<B> = idem_core::Consumer<AmqpSource, B>;
 
 pub use lapin;

@@ -83,7 +83,8 @@ pub use source::Amqp10Source;
 pub use tls::Tls;
 
 /// An AMQP 1.0 or Service Bus consumer made idempotent: the shared consumer over an
-/// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
+/// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` an
+/// [`Inbox`](idem_core::Inbox) over a SQL inbox: `Inbox<PostgresInbox>`).
 pub type Amqp10Consumer<B> = idem_core::Consumer<Amqp10Source, B>;
 
 pub use fe2o3_amqp;

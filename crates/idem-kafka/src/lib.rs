@@ -132,6 +132,7 @@ pub use rdkafka;
 pub use retention::RetentionGap;
 pub use source::KafkaSource;
 
-/// A Kafka consumer made idempotent: the shared consumer over a [`KafkaSource`], in two-phase
-/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
+/// A Kafka consumer made idempotent: the shared consumer over a [`KafkaSource`], in two-phase mode
+/// (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
 pub type KafkaConsumer<B> = idem_core::Consumer<KafkaSource, B>;

@@ -46,6 +46,7 @@ pub(crate) fn detached<T: Send + 'static>(
     rx
 }
 
+/// What the source keeps between calls, under one lock.
 #[derive(Default)]
 pub(crate) struct State {
     pub(crate) tracker: Tracker,

@@ -120,5 +120,6 @@ pub use publish::{JetStreamPublisher, Refused};
 pub use source::JetStreamSource;
 
 /// A JetStream pull consumer made idempotent: the shared consumer over a [`JetStreamSource`], in
-/// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
+/// two-phase mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
 pub type JetStreamConsumer<B> = idem_core::Consumer<JetStreamSource, B>;

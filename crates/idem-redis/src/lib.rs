@@ -158,7 +158,8 @@ pub use stream::{Delivery, GROUP_FIELD, StreamConfig, StreamSource};
 pub use tls::install_crypto_provider;
 
 /// A Redis stream consumer made idempotent: the shared consumer over a [`StreamSource`], in
-/// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
+/// two-phase mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
 pub type StreamConsumer<B> = idem_core::Consumer<StreamSource, B>;
 
 /// The Redis client crate this adapter is built on (for `Client` and your own commands).

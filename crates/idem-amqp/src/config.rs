@@ -115,7 +115,7 @@ impl SourceConfig for AmqpConfig<'_> {
     type Source = AmqpSource;
 
     /// Checks the settings, the [topology](Topology#dead-letters-that-would-come-back) and the
-    /// retention window, opens a consuming channel (with the prefetch) and a publishing channel
+    /// redelivery window, opens a consuming channel (with the prefetch) and a publishing channel
     /// (with publisher confirms), checks the work queue exists, declares the delay queue and
     /// dead-letter exchange, and starts consuming.
     async fn open(self, opening: Opening<'_>) -> Result<AmqpSource, Error> {

@@ -2,7 +2,7 @@
 //! ([`AmqpConsumer`]).
 //!
 //! [`AmqpConfig`] names the queue and what is RabbitMQ's own (prefetch, delay queue,
-//! dead-letter exchange, retention window); the [`Consumer`](idem_core::Consumer) does the rest —
+//! dead-letter exchange, redelivery window); the [`Consumer`](idem_core::Consumer) does the rest —
 //! batches, one claim or one transaction per batch, handlers, the order of the verbs — in
 //! two-phase mode over any store or in inbox mode over a SQL inbox. Manual acks only, and the
 //! ack is always the last step: after the effect is committed (or was already), after a

@@ -105,15 +105,14 @@ async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::engine::Context>>(
 }
 
 /// Waits until the message at `offset` has settled `n` more times, each (when given) with
-/// `expect` as its outcome and action.
+/// `expect` as its outcome and verb.
 async fn settles(seen: &mut Seen, offset: i64, n: usize, expect: Option<(&str, &str)>) {
     let mut got = 0;
     while got < n {
-        let (off, outcome, action) =
-            tokio::time::timeout(LIMIT, seen.recv()).await.unwrap().unwrap();
+        let (off, outcome, verb) = tokio::time::timeout(LIMIT, seen.recv()).await.unwrap().unwrap();
         if off == offset {
             if let Some(e) = expect {
-                assert_eq!((outcome, action), e, "offset {offset}");
+                assert_eq!((outcome, verb), e, "offset {offset}");
             }
             got += 1;
         }

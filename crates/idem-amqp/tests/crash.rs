@@ -30,11 +30,13 @@ use std::time::Duration;
 use common::{Broker, DEFAULT_URL, PG_DEFAULT_URL, PgSchema};
 use idem_amqp::lapin::options::BasicPublishOptions;
 use idem_amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem_amqp::{AmqpConfig, AmqpConsumer, AmqpMessage};
+use idem_amqp::{AmqpConfig, AmqpConsumer, Delivery};
 use idem_core::OutcomeKind;
+use idem_core::consumer::{self, Report, Settlement};
+use idem_core::engine::Verb;
 use idem_core::engine::{Context, HandlerError};
-use idem_core::consumer::{self, Action, Report, Settlement};
-use idem_sqlx::{PostgresInbox, PostgresStore, SqliteInbox, SqliteStore, Tx};
+use idem_core::{Inbox, Tx};
+use idem_sqlx::{PostgresInbox, PostgresStore, SqliteInbox, SqliteStore};
 use rand::seq::{IndexedRandom, SliceRandom};
 use sqlx::postgres::PgPoolOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -64,8 +66,8 @@ fn body(i: usize) -> Vec<u8> {
 /// Each delivery's effect in inbox mode on SQLite: one ledger row (no unique constraint, so a
 /// second effect shows), written in the batch's transaction.
 async fn sqlite_ledger_write(
-    mut tx: Tx<sqlx::Sqlite>,
-    m: AmqpMessage,
+    mut tx: Tx<SqliteInbox>,
+    m: Delivery,
     who: &'static str,
     cut: Cut,
 ) -> Result<(), HandlerError<String>> {
@@ -83,8 +85,8 @@ async fn sqlite_ledger_write(
 
 /// The same effect on PostgreSQL, in `<schema>.ledger`, inside the inbox's batch transaction.
 async fn pg_ledger_write(
-    mut tx: Tx<sqlx::Postgres>,
-    m: AmqpMessage,
+    mut tx: Tx<PostgresInbox>,
+    m: Delivery,
     schema: String,
     who: &'static str,
     cut: Cut,
@@ -280,12 +282,12 @@ impl Db {
     }
 }
 
-type Hook = Box<dyn Fn(&Settlement<'_, AmqpMessage>) + Send + Sync>;
+type Hook = Box<dyn Fn(&Settlement<'_, Delivery>) + Send + Sync>;
 
 /// A connected consumer in one of the modes, on one of the stores.
 enum Started {
-    SqliteInbox(AmqpConsumer<SqliteInbox>),
-    PgInbox(AmqpConsumer<PostgresInbox>),
+    SqliteInbox(AmqpConsumer<Inbox<SqliteInbox>>),
+    PgInbox(AmqpConsumer<Inbox<PostgresInbox>>),
     SqliteTwoPhase(AmqpConsumer<SqliteStore>),
     PgTwoPhase(AmqpConsumer<PostgresStore>),
 }
@@ -295,8 +297,8 @@ fn two_phase_handler(
     db: Db,
     who: &'static str,
     cut: Cut,
-) -> impl Fn(Context, AmqpMessage) -> BoxedRun + Send + Sync {
-    move |_ctx, m: AmqpMessage| {
+) -> impl Fn(Context, Delivery) -> BoxedRun + Send + Sync {
+    move |_ctx, m: Delivery| {
         let (db, cut) = (db.clone(), cut.clone());
         Box::pin(async move {
             let key = m.properties().message_id().as_ref().map(|s| s.to_string()).unwrap();
@@ -342,7 +344,7 @@ async fn run_consumer(
 }
 
 fn seen_hook(who: &'static str, tx: mpsc::UnboundedSender<Seen>) -> Hook {
-    Box::new(move |r: &Settlement<'_, AmqpMessage>| {
+    Box::new(move |r: &Settlement<'_, Delivery>| {
         let _ = tx.send(Seen {
             who,
             key: r.key.map(|k| k.id().to_owned()).unwrap_or_default(),
@@ -771,12 +773,12 @@ async fn child_main(url: &str, queue: &str, spec: &str, mode: Mode) {
     let store = Db::open(spec).await;
     let conn = Connection::connect(url, ConnectionProperties::default()).await.unwrap();
     let processed = AtomicUsize::new(0);
-    let hook = move |r: &Settlement<'_, AmqpMessage>| {
+    let hook = move |r: &Settlement<'_, Delivery>| {
         let key = r.key.map(|k| k.id()).unwrap_or_default();
         eprintln!("SEEN\t{key}\t{}\t{}", r.outcome, r.message.redelivered());
         // The hook runs after the commit and before the ack: the crash window.
         if r.outcome == OutcomeKind::Processed
-            && r.action == &Action::Ack
+            && r.verb == &Verb::Ack
             && processed.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AT
         {
             eprintln!("ABORT_KEY\t{key}");

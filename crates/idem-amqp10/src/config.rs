@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use idem_core::RetentionWindow;
 use idem_core::consumer::{Opening, SourceConfig};
 
 use crate::connect::Endpoint;
@@ -157,19 +158,16 @@ impl Amqp10Config {
         if self.verb_timeout.is_zero() {
             return Err(Error::config("verb_timeout", "must be above zero"));
         }
-        if let Some((window, why)) = self.window()
-            && opening.retention < window
-        {
-            return Err(Error::RetentionTooShort { retention: opening.retention, window, why });
+        if let Some(window) = self.window() {
+            window.check(opening.retention)?;
         }
         Ok(())
     }
 
-    fn window(&self) -> Option<(Duration, String)> {
+    fn window(&self) -> Option<RetentionWindow> {
         match &self.dialect {
-            Dialect::Generic => {
-                self.redelivery_window.map(|w| (w, "the configured redelivery window".into()))
-            }
+            // One delivery may come back once, after the stated window.
+            Dialect::Generic => self.redelivery_window.map(|w| RetentionWindow::new(1, w)),
             Dialect::ServiceBus(sb) => Some(sb.window()),
         }
     }

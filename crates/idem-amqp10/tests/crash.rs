@@ -18,12 +18,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::Broker;
-use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters};
-use idem_core::engine::{Context, HandlerError};
+use idem_amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery};
+use idem_core::OutcomeKind;
+use idem_core::Tx;
 use idem_core::consumer::{Builder, Report, Settlement};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Envelope;
-use idem_core::{Engine, OutcomeKind};
-use idem_sqlx::{SqliteStore, Tx};
+use idem_sqlx::{SqliteInbox, SqliteStore};
 
 const ORDERS: usize = 500;
 const DUPLICATES: usize = 50;
@@ -73,7 +74,7 @@ enum Role {
     Survivor,
 }
 
-type Hook = Box<dyn Fn(&Settlement<'_, Amqp10Message>) + Send + Sync>;
+type Hook = Box<dyn Fn(&Settlement<'_, Delivery>) + Send + Sync>;
 
 async fn consume(
     setup: &Setup,
@@ -112,7 +113,7 @@ async fn consume(
             .build()
             .await
             .expect("inbox consumer");
-        let handler = |mut tx: Tx<sqlx::Sqlite>, m: Amqp10Message| {
+        let handler = |mut tx: Tx<SqliteInbox>, m: Delivery| {
             let key = m.message_id().unwrap_or_default().to_owned();
             let hung = hang(&key);
             async move {
@@ -127,18 +128,15 @@ async fn consume(
         };
         c.run(handler, shutdown).await.expect("run")
     } else {
-        let engine = Engine::builder(store)
+        let c = builder(Amqp10Consumer::builder(config))
+            .store(store)
             .scope("crash")
             .lease(Duration::from_secs(2))
             .retain(Duration::from_secs(86_400))
             .build()
-            .expect("engine");
-        let c = builder(Amqp10Consumer::builder(config))
-            .engine(engine)
-            .build()
             .await
             .expect("consumer");
-        let handler = |_ctx: Context, m: Amqp10Message| {
+        let handler = |_ctx: Context, m: Delivery| {
             let key = m.message_id().unwrap_or_default().to_owned();
             let hung = hang(&key);
             let ledger = ledger.clone();

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::Broker;
-use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, Error, Tls};
+use idem_amqp10::{Amqp10Config, Amqp10Consumer, Delivery, Error, Tls};
 use idem_core::engine::{Context, HandlerError};
 use idem_core::{MemoryStore, consumer};
 use idem_testkit::tls::{Pki, WRONG_HOST};
@@ -22,11 +22,13 @@ fn tls_url() -> Option<(String, Pki)> {
     Some((url, Pki::require()?))
 }
 
-async fn ok(_: Context, _: Amqp10Message) -> Result<(), HandlerError<String>> {
+async fn ok(_: Context, _: Delivery) -> Result<(), HandlerError<String>> {
     Ok(())
 }
 
-async fn open(config: Amqp10Config) -> Result<Amqp10Engine<MemoryStore>, consumer::Error<Error>> {
+async fn open(
+    config: Amqp10Config,
+) -> Result<Amqp10Consumer<MemoryStore>, consumer::BuildError<Error>> {
     let building = Amqp10Consumer::builder(config)
         .idle_wait(Duration::from_millis(200))
         .store(MemoryStore::new())
@@ -42,7 +44,7 @@ fn with_host(url: &str, host: &str) -> String {
 }
 
 /// Whether `e` is a refused TLS handshake (not a timeout, not some other failure).
-fn is_tls_refusal(e: &consumer::Error<Error>) -> bool {
+fn is_tls_refusal(e: &consumer::BuildError<Error>) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
         if matches!(s.downcast_ref::<Error>(), Some(Error::Tls { .. })) {

@@ -22,10 +22,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{PgSchema, Topics};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Report, Settlement};
-use idem_kafka::{Delivery, Kafka, KafkaConsumer};
-use idem_sqlx::{PostgresInbox, PostgresStore, Tx};
+use idem_core::engine::HandlerError;
+use idem_core::{Inbox, Tx};
+use idem_kafka::{Delivery, KafkaConfig, KafkaConsumer};
+use idem_sqlx::{PostgresInbox, PostgresStore};
 use rand::seq::{IndexedRandom, SliceRandom};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, oneshot};
@@ -60,7 +61,7 @@ fn records() -> Vec<(String, Vec<u8>)> {
 async fn ledger(
     schema: Arc<str>,
     who: &'static str,
-    mut tx: Tx<sqlx::Postgres>,
+    mut tx: Tx<PostgresInbox>,
     d: Delivery,
 ) -> Result<(), HandlerError<String>> {
     let sql = format!("INSERT INTO {schema}.ledger (key, body, who) VALUES ($1, $2, $3)");
@@ -81,7 +82,7 @@ struct Seen {
     who: &'static str,
     key: String,
     outcome: &'static str,
-    action: idem_core::consumer::Action,
+    verb: idem_core::engine::Verb,
     at: (i32, i64),
 }
 
@@ -99,9 +100,10 @@ async fn consumer(
     env: &Env,
     store: &PostgresStore,
     hook: impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'static,
-) -> KafkaConsumer<PostgresInbox> {
-    let config = Kafka::new(&common::config(&env.brokers, &env.group), &[&env.topic], &env.dlq)
-        .retry_delay(Duration::from_millis(200));
+) -> KafkaConsumer<Inbox<PostgresInbox>> {
+    let config =
+        KafkaConfig::new(&common::config(&env.brokers, &env.group), &[&env.topic], &env.dlq)
+            .retry_delay(Duration::from_millis(200));
     KafkaConsumer::builder(config)
         .inbox(store.inbox(RETAIN))
         .scope("orders")
@@ -125,7 +127,7 @@ async fn start(
             who,
             key: key.to_owned(),
             outcome: s.outcome.as_str(),
-            action: s.action.clone(),
+            verb: s.verb.clone(),
             at: (s.message.partition(), s.message.offset()),
         });
     })
@@ -257,7 +259,7 @@ async fn three_consumers_an_aborted_process_and_a_rebalance_give_exactly_once_ef
             (0..UNIQUE).map(|i| format!("order-{i:04}")).filter(|k| !keys.contains(k)).collect();
         let mut by: std::collections::HashMap<(&str, &str, String), usize> = Default::default();
         for s in &seen {
-            *by.entry((s.who, s.outcome, format!("{:?}", s.action))).or_default() += 1;
+            *by.entry((s.who, s.outcome, format!("{:?}", s.verb))).or_default() += 1;
         }
         eprintln!("outcomes {by:?}");
         eprintln!("{} missing, e.g. {:?}", missing.len(), &missing[..missing.len().min(5)]);

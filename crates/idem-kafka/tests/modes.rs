@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::Topics;
 use idem_kafka::rdkafka::producer::FutureProducer;
-use idem_kafka::{Kafka, KafkaSource};
+use idem_kafka::{KafkaConfig, KafkaSource};
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 const PARTITIONS: i32 = 2;
@@ -28,7 +28,7 @@ struct Harness {
 
 impl SourceHarness for Harness {
     type Source = KafkaSource;
-    type Config<'a> = Kafka;
+    type Config<'a> = KafkaConfig;
 
     fn publish<'a>(&'a self, id: &'a str, body: &'a [u8]) -> BoxFuture<'a, ()> {
         Box::pin(async move {
@@ -42,9 +42,13 @@ impl SourceHarness for Harness {
         })
     }
 
-    fn config(&self) -> Kafka {
-        Kafka::new(&common::config(&self.brokers, &self.group), &[self.topic.as_str()], &self.dlq)
-            .retry_delay(Duration::from_millis(100))
+    fn config(&self) -> KafkaConfig {
+        KafkaConfig::new(
+            &common::config(&self.brokers, &self.group),
+            &[self.topic.as_str()],
+            &self.dlq,
+        )
+        .retry_delay(Duration::from_millis(100))
     }
 
     /// The group's commits reached every partition's end.

@@ -13,7 +13,7 @@ use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use idem_kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
-use idem_kafka::{Error, Kafka, KafkaPublisher, KafkaSource};
+use idem_kafka::{Error, KafkaConfig, KafkaPublisher, KafkaSource};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 
 /// The publisher's settings for the test broker.
@@ -49,7 +49,7 @@ impl Harness {
 impl PublisherHarness for Harness {
     type Publisher = KafkaPublisher;
     type Source = KafkaSource;
-    type Config<'a> = Kafka;
+    type Config<'a> = KafkaConfig;
 
     fn publisher(&self) -> KafkaPublisher {
         self.publisher.clone()
@@ -59,8 +59,12 @@ impl PublisherHarness for Harness {
         &self.topic
     }
 
-    fn config(&self) -> Kafka {
-        Kafka::new(&common::config(&self.brokers, &self.group), &[self.topic.as_str()], &self.dlq)
+    fn config(&self) -> KafkaConfig {
+        KafkaConfig::new(
+            &common::config(&self.brokers, &self.group),
+            &[self.topic.as_str()],
+            &self.dlq,
+        )
     }
 
     fn cleanup(self) -> BoxFuture<'static, ()> {

@@ -31,7 +31,7 @@ pub(crate) fn check_server(version: &str) -> Result<(), Error> {
 /// sends, after the message waited up to the stream's `max_age`. A `max_age` of 0 (unlimited)
 /// adds nothing here, but a producer's late duplicate may then wait in the stream for ever:
 /// the consumer refuses such a stream unless told how long to assume
-/// ([`JetStream::assume_max_age`](crate::JetStream::assume_max_age)).
+/// ([`JetStreamConfig::assume_max_age`](crate::JetStreamConfig::assume_max_age)).
 ///
 /// ```
 /// use std::time::Duration;

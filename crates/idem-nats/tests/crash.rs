@@ -25,11 +25,11 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use common::{DUP_WINDOW, Env, PgSchema, header, nats_url, pg_url};
-use idem_core::engine::HandlerError;
 use idem_core::consumer::{Decided, Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Engine, DedupStore, InspectStore};
-use idem_nats::{Delivery, JetStream, JetStreamConsumer};
+use idem_core::{DedupStore, Inbox, InspectStore};
+use idem_nats::{Delivery, JetStreamConfig, JetStreamConsumer};
 use idem_sqlx::{PostgresStore, SqliteInbox, SqliteStore};
 use idem_testkit::wait_for;
 use sqlx::postgres::PgPoolOptions;
@@ -136,7 +136,7 @@ impl TestStore for PostgresStore {
 }
 
 enum Adapter<S> {
-    Inbox(JetStreamConsumer<SqliteInbox>),
+    Inbox(JetStreamConsumer<Inbox<SqliteInbox>>),
     TwoPhase(JetStreamConsumer<S>, SqlitePool),
 }
 
@@ -168,13 +168,13 @@ impl<S: TestStore> Adapter<S> {
         dlq: &str,
         backend: &Backend,
     ) -> Self {
-        let config = JetStream::new(js, pull, dlq);
-        let driver = |b: idem_core::consumer::Builder<JetStream>| {
+        let config = JetStreamConfig::new(js, pull, dlq);
+        let common = |b: idem_core::consumer::Builder<JetStreamConfig>| {
             b.batch(64).idle_wait(Duration::from_millis(200))
         };
         match mode {
             Mode::Inbox => Adapter::Inbox(
-                driver(JetStreamConsumer::builder(config))
+                common(JetStreamConsumer::builder(config))
                     .inbox(open_store(db).await.inbox(Duration::from_secs(86_400)))
                     .scope("crash")
                     .build()
@@ -182,16 +182,13 @@ impl<S: TestStore> Adapter<S> {
                     .expect("inbox consumer"),
             ),
             Mode::TwoPhase => {
-                let dedup = Engine::builder(S::open(db, backend).await)
+                let nats = common(JetStreamConsumer::builder(config))
+                    .store(S::open(db, backend).await)
                     .scope("crash")
                     .lease(ACK_WAIT)
                     // Lease heartbeat, and with it JetStream Progress, on the same beat.
                     .heartbeat(ACK_WAIT / 4)
                     .retain(Duration::from_secs(86_400))
-                    .build()
-                    .expect("dedup");
-                let nats = driver(JetStreamConsumer::builder(config))
-                    .engine(dedup)
                     .build()
                     .await
                     .expect("adapter");

@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PullConsumer;
 use common::{DUP_WINDOW, Env};
 use idem_core::consumer::headers;
-use idem_nats::{JetStream, JetStreamSource};
+use idem_nats::{JetStreamConfig, JetStreamSource};
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 const CONSUMER: &str = "modes";
@@ -26,7 +26,7 @@ struct Harness {
 
 impl SourceHarness for Harness {
     type Source = JetStreamSource;
-    type Config<'a> = JetStream;
+    type Config<'a> = JetStreamConfig;
 
     fn publish<'a>(&'a self, id: &'a str, body: &'a [u8]) -> BoxFuture<'a, ()> {
         Box::pin(async move {
@@ -44,8 +44,8 @@ impl SourceHarness for Harness {
         })
     }
 
-    fn config(&self) -> JetStream {
-        JetStream::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
+    fn config(&self) -> JetStreamConfig {
+        JetStreamConfig::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
             .retry_delay(Duration::from_millis(100))
     }
 

@@ -17,12 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::group_state;
-use idem_core::engine::{Context, HandlerError};
+use idem_core::OutcomeKind;
+use idem_core::Tx;
 use idem_core::consumer::{Builder, Report, Settlement, headers};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Envelope;
-use idem_core::{Engine, OutcomeKind};
-use idem_redis::{RedisStore, StreamConfig, StreamConsumer, StreamEntry};
-use idem_sqlx::{SqliteStore, Tx};
+use idem_redis::{Delivery, RedisStore, StreamConfig, StreamConsumer};
+use idem_sqlx::{SqliteInbox, SqliteStore};
 use idem_testkit::wait_for;
 use redis::AsyncCommands;
 
@@ -121,7 +122,7 @@ enum Role {
     Survivor,
 }
 
-type Hook = Box<dyn Fn(&Settlement<'_, StreamEntry>) + Send + Sync>;
+type Hook = Box<dyn Fn(&Settlement<'_, Delivery>) + Send + Sync>;
 
 /// Builds a consumer named `name` in `setup`'s mode and runs it until `shutdown`.
 async fn consume(
@@ -160,7 +161,7 @@ async fn consume(
             .build()
             .await
             .expect("inbox consumer");
-        let handler = |mut tx: Tx<sqlx::Sqlite>, e: StreamEntry| {
+        let handler = |mut tx: Tx<SqliteInbox>, e: Delivery| {
             let key = e.message_id().unwrap_or_default().to_owned();
             let hung = hang(&key);
             async move {
@@ -177,19 +178,16 @@ async fn consume(
     } else {
         let store = setup.store().await;
         let ledger = store.connection().clone();
-        let engine = Engine::builder(store)
+        let c = builder(StreamConsumer::builder(config))
+            .store(store)
             .scope("crash")
             .lease(LEASE)
             .retain(Duration::from_secs(86_400))
             .build()
-            .expect("engine");
-        let c = builder(StreamConsumer::builder(config))
-            .engine(engine)
-            .build()
             .await
             .expect("consumer");
         let (ledger_key, took_over_key) = (setup.ledger_key(), setup.took_over_key());
-        let handler = |ctx: Context, e: StreamEntry| {
+        let handler = |ctx: Context, e: Delivery| {
             let key = e.message_id().unwrap_or_default().to_owned();
             let hung = hang(&key);
             let (mut ledger, ledger_key, took_over_key) =

@@ -1,4 +1,4 @@
-//! A stream entry as an idem [`Envelope`].
+//! A stream entry as a delivery: an idem [`Envelope`].
 
 use std::sync::Arc;
 
@@ -24,9 +24,9 @@ pub(crate) struct Fields {
 ///
 /// ```
 /// use idem_core::extract::Envelope;
-/// use idem_redis::StreamEntry;
+/// use idem_redis::Delivery;
 ///
-/// let e = StreamEntry::new("1-0", vec![("message_id".into(), b"o-1".to_vec()),
+/// let e = Delivery::new("1-0", vec![("message_id".into(), b"o-1".to_vec()),
 ///                                      ("payload".into(), b"{}".to_vec())]);
 /// assert_eq!(e.message_id(), Some("o-1"));
 /// assert_eq!(e.payload(), b"{}");
@@ -34,7 +34,7 @@ pub(crate) struct Fields {
 /// assert_eq!(e.delivered(), 1);
 /// ```
 #[derive(Debug, Clone)]
-pub struct StreamEntry {
+pub struct Delivery {
     inner: Arc<Inner>,
     delivered: u64,
 }
@@ -46,7 +46,7 @@ struct Inner {
     roles: Arc<Fields>,
 }
 
-impl StreamEntry {
+impl Delivery {
     /// An entry with the default field roles (`payload`, `message_id`).
     pub fn new(id: impl Into<String>, fields: Vec<(String, Vec<u8>)>) -> Self {
         let roles = Arc::new(Fields { payload: "payload".into(), id: "message_id".into() });
@@ -102,7 +102,7 @@ impl StreamEntry {
     }
 }
 
-impl Envelope for StreamEntry {
+impl Envelope for Delivery {
     fn payload(&self) -> &[u8] {
         self.field(&self.inner.roles.payload).unwrap_or_default()
     }

@@ -11,7 +11,7 @@ use idem_core::extract::Envelope;
 pub(crate) const DELAYS: &str = "idem-delays";
 
 /// One AMQP 1.0 delivery, received unsettled: the broker keeps it locked (Service Bus
-/// PeekLock) or unacknowledged (RabbitMQ) until the driver settles it. Cheap to clone.
+/// PeekLock) or unacknowledged (RabbitMQ) until the consumer settles it. Cheap to clone.
 ///
 /// Implements [`Envelope`], so every key extractor of `idem_core::extract` reads it:
 /// - [`Envelope::message_id`] is the AMQP `message-id` property (a string as is, a `ulong` in
@@ -21,7 +21,7 @@ pub(crate) const DELAYS: &str = "idem-delays";
 ///   `cloudEvents_x`, so [`CloudEvents`](idem_core::extract::CloudEvents) works unchanged;
 /// - [`Envelope::correlation_id`] is the `correlation-id` property (logs only, never a key).
 #[derive(Clone)]
-pub struct Amqp10Message {
+pub struct Delivery {
     inner: Arc<Inner>,
 }
 
@@ -34,9 +34,9 @@ struct Inner {
     headers: Vec<(String, String)>,
 }
 
-impl std::fmt::Debug for Amqp10Message {
+impl std::fmt::Debug for Delivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Amqp10Message")
+        f.debug_struct("Delivery")
             .field("delivery_id", &self.inner.info.delivery_id())
             .field("message_id", &self.inner.message_id)
             .field("delivery_count", &self.delivery_count())
@@ -45,7 +45,7 @@ impl std::fmt::Debug for Amqp10Message {
     }
 }
 
-impl Amqp10Message {
+impl Delivery {
     pub(crate) fn new(info: DeliveryInfo, message: Message<Body<Value>>) -> Self {
         let payload = body_bytes(&message.body);
         let props = message.properties.as_ref();
@@ -158,7 +158,7 @@ fn simple_text(v: &SimpleValue) -> Option<String> {
     }
 }
 
-impl Envelope for Amqp10Message {
+impl Envelope for Delivery {
     fn payload(&self) -> &[u8] {
         &self.inner.payload
     }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use idem_core::extract::Envelope;
 use lapin::BasicProperties;
-use lapin::message::Delivery;
+use lapin::message::Delivery as LapinDelivery;
 use lapin::types::AMQPValue;
 
 /// One RabbitMQ delivery: body, properties and headers. Cheap to clone (shared).
@@ -13,13 +13,13 @@ use lapin::types::AMQPValue;
 /// `message_id` property is [`Envelope::message_id`], string-like headers are
 /// [`Envelope::header`], and the `correlation_id` property is the correlation id.
 #[derive(Clone)]
-pub struct AmqpMessage {
-    inner: Arc<Delivery>,
+pub struct Delivery {
+    inner: Arc<LapinDelivery>,
 }
 
-impl std::fmt::Debug for AmqpMessage {
+impl std::fmt::Debug for Delivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpMessage")
+        f.debug_struct("Delivery")
             .field("delivery_tag", &self.inner.delivery_tag)
             .field("message_id", &self.message_id())
             .field("redelivered", &self.inner.redelivered)
@@ -28,12 +28,12 @@ impl std::fmt::Debug for AmqpMessage {
     }
 }
 
-impl AmqpMessage {
-    pub(crate) fn new(delivery: Delivery) -> Self {
+impl Delivery {
+    pub(crate) fn new(delivery: LapinDelivery) -> Self {
         Self { inner: Arc::new(delivery) }
     }
 
-    pub(crate) fn delivery(&self) -> &Delivery {
+    pub(crate) fn lapin(&self) -> &LapinDelivery {
         &self.inner
     }
 
@@ -80,7 +80,7 @@ fn header_value<'a>(props: &'a BasicProperties, name: &str) -> Option<&'a AMQPVa
         .map(|(_, v)| v)
 }
 
-impl Envelope for AmqpMessage {
+impl Envelope for Delivery {
     fn payload(&self) -> &[u8] {
         &self.inner.data
     }
@@ -115,10 +115,10 @@ mod tests {
     use idem_core::extract::{Header, KeyExtractor, MessageId};
     use lapin::types::{FieldTable, LongString};
 
-    fn msg(props: BasicProperties) -> AmqpMessage {
-        let mut d = Delivery::mock(1, "".into(), "q".into(), false, b"{}".to_vec());
+    fn msg(props: BasicProperties) -> Delivery {
+        let mut d = LapinDelivery::mock(1, "".into(), "q".into(), false, b"{}".to_vec());
         d.properties = props;
-        AmqpMessage::new(d)
+        Delivery::new(d)
     }
 
     #[test]

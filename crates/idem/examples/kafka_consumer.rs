@@ -15,8 +15,8 @@
 
 use std::time::Duration;
 
-use idem::consumer::Action;
 use idem::engine::HandlerError;
+use idem::engine::Verb;
 use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;
@@ -105,7 +105,7 @@ async fn main() -> Result<()> {
         let mut done = 0;
         while done < total {
             match tokio::time::timeout(Duration::from_secs(60), settled_rx.recv()).await {
-                Ok(Some(Action::Retry { .. })) => {}
+                Ok(Some(Verb::Retry { .. })) => {}
                 Ok(Some(_)) => done += 1,
                 _ => return Err("not every message settled within 60 s"),
             }

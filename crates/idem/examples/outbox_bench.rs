@@ -31,8 +31,8 @@ use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::nats::JetStreamPublisher;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::outbox::{
-    Failure, OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, Publisher, Relay, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
+    PublishError, PublishFailure, Publisher, Relay, Ticket,
 };
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{PostgresOutbox, StoreError};
@@ -293,7 +293,7 @@ impl<S: OutboxStore> OutboxStore for Profiled<S> {
         Spent::add(&self.spent.mark, t.elapsed());
         r
     }
-    async fn mark_failed(&self, f: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, f: &[PublishFailure]) -> Result<u64, StoreError> {
         self.inner.mark_failed(f).await
     }
     async fn purge_sent(&self, d: Duration, limit: usize) -> Result<u64, StoreError> {
@@ -333,7 +333,7 @@ impl OutboxStore for Polling {
     async fn remove_sent(&self, t: &[Ticket]) -> Result<u64, StoreError> {
         self.0.remove_sent(t).await
     }
-    async fn mark_failed(&self, f: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, f: &[PublishFailure]) -> Result<u64, StoreError> {
         self.0.mark_failed(f).await
     }
     async fn purge_sent(&self, d: Duration, limit: usize) -> Result<u64, StoreError> {

@@ -25,8 +25,9 @@ use idem::amqp::lapin::options::{
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, RabbitWindow};
-use idem::consumer::{Action, Settlement, headers};
+use idem::consumer::{Settlement, headers};
 use idem::engine::HandlerError;
+use idem::engine::Verb;
 use idem::sqlx::{self, AssertSqlSafe};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -77,7 +78,7 @@ async fn main() -> Result<(), Error> {
     let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
     store.migrate().await?;
     let config =
-        AmqpConfig::new(&conn, &queue).retention_window(RabbitWindow::new().delivery_limit(20));
+        AmqpConfig::new(&conn, &queue).redelivery_window(RabbitWindow::new().delivery_limit(20));
     let consumer = AmqpConsumer::builder(config)
         .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
         .scope("order-writer")
@@ -166,8 +167,8 @@ async fn main() -> Result<(), Error> {
 /// Each delivery's fate, once its outcome is committed and before the broker is told.
 fn print_settlement(s: &Settlement<'_, Delivery>) {
     let verb = match s.verb {
-        Action::Ack => "ack".to_owned(),
-        Action::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
+        Verb::Ack => "ack".to_owned(),
+        Verb::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
         Verb::DeadLetter { reason } => format!("dead-lettered ({reason}), then ack"),
         _ => "nack, requeue".to_owned(),
     };

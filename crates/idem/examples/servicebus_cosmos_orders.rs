@@ -23,12 +23,12 @@ use std::time::Duration;
 
 use azure_data_cosmos::clients::ContainerClient;
 use idem::OutcomeKind;
+use idem::Tx;
 use idem::amqp::lapin;
 use idem::amqp10::fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId, Properties};
 use idem::amqp10::fe2o3_amqp::types::primitives::{Binary, Value};
 use idem::amqp10::fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, ServiceBus};
-use idem::Tx;
 use idem::consumer::Settlement;
 use idem::cosmos::CosmosInbox;
 use idem::engine::{HandlerError, Verb};
@@ -42,7 +42,10 @@ const WEEK: Duration = Duration::from_secs(7 * 86_400);
 /// The handler: the order and one document per line, in the order's partition. Cosmos DB
 /// commits them with the dedup marker in one transactional batch once this returns `Ok`; a
 /// redelivery meets the marker (409 on the batch) and is completed as a duplicate.
-async fn write_order(mut docs: Tx<CosmosInbox>, msg: Delivery) -> Result<u64, HandlerError<String>> {
+async fn write_order(
+    mut docs: Tx<CosmosInbox>,
+    msg: Delivery,
+) -> Result<u64, HandlerError<String>> {
     let permanent = |e: &dyn std::fmt::Display| HandlerError::Permanent(e.to_string());
     let order: serde_json::Value =
         serde_json::from_slice(msg.payload()).map_err(|e| permanent(&e))?;

@@ -321,7 +321,8 @@ async fn run_once<C: SourceConfig>(
             let d = builder.store(store).scope("restarts").build().await;
             let d = d.map_err(|e| err(&e))?;
             let handler =
-                |_ctx: idem::engine::Context, m: <C::Source as idem::consumer::Source>::Message| {
+                |_ctx: idem::engine::Context,
+                 m: <C::Source as idem::consumer::Source>::Delivery| {
                     let sql = format!("INSERT INTO {table} (id) VALUES ($1)");
                     let id = m.message_id().unwrap_or_default().to_owned();
                     let pool = pool.clone();

@@ -35,6 +35,19 @@ impl ConsumerContext for Ctx {
             tracing::debug!(target: "idem", ?parts, "partitions assigned");
         }
     }
+
+    /// Resumes every partition just assigned. librdkafka keeps a partition paused across its
+    /// revocation and reassignment to the same member, while the source forgets its pauses at
+    /// the revocation (the retry that paused it is no longer this member's to schedule): left
+    /// paused, the partition would never be read again.
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance
+            && tpl.count() > 0
+            && let Err(e) = consumer.resume(tpl)
+        {
+            tracing::warn!(target: "idem", error = %e, "could not resume the assigned partitions");
+        }
+    }
 }
 
 impl KafkaSource {

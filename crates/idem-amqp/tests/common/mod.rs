@@ -130,6 +130,14 @@ impl Broker {
         Some(Self { url, conn, ch, topology: Topology::for_queue(queue), cleaned: false })
     }
 
+    /// The broker of another process's `queue` (a crash test's child): never deletes it.
+    pub async fn attach(queue: &str) -> Self {
+        let url = url().expect("RabbitMQ");
+        let conn = Connection::connect(&url, ConnectionProperties::default()).await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        Self { url, conn, ch, topology: Topology::for_queue(queue), cleaned: true }
+    }
+
     pub fn queue(&self) -> &str {
         self.topology.queue()
     }

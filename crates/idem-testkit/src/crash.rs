@@ -325,6 +325,9 @@ async fn two_phase<C: SourceConfig, S: DedupStore>(
 }
 
 /// The child process's entry: aborts after its commits, or hangs in a handler until killed.
+///
+/// # Cancel safety
+/// Never returns; the process ends by abort or SIGKILL.
 pub async fn child<H: CrashHarness>() {
     let spec = std::env::var(CHILD_ENV).expect("started by a crash test, with its instructions");
     let parts: Vec<&str> = spec.splitn(6, '|').collect();
@@ -443,6 +446,10 @@ pub fn entry(module_path: &str) -> String {
 /// # Panics
 /// When a promise does not hold (the test failing), or when PostgreSQL is unreachable under
 /// `CI=true` (locally the case is skipped).
+///
+/// # Cancel safety
+/// Dropped midway, the children are killed with their handles and the PostgreSQL schema is
+/// dropped; what was published stays on the harness's destination until the harness is dropped.
 pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, records: Records, entry: &str) {
     let dir = tempfile::tempdir().unwrap();
     let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();

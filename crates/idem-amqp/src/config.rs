@@ -121,7 +121,7 @@ impl SourceConfig for AmqpConfig<'_> {
     async fn open(self, opening: Opening<'_>) -> Result<AmqpSource, Error> {
         self.topology.check()?;
         if let Some(w) = self.window {
-            w.to_retention_window().check(opening.retention)?;
+            w.to_redelivery_window().check(opening.retention)?;
         }
         if self.prefetch == 0 {
             return Err(Error::Config("prefetch must be at least 1".to_owned()));

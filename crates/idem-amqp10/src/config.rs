@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{Opening, SourceConfig};
 
 use crate::connect::Endpoint;
@@ -164,10 +164,10 @@ impl Amqp10Config {
         Ok(())
     }
 
-    fn window(&self) -> Option<RetentionWindow> {
+    fn window(&self) -> Option<RedeliveryWindow> {
         match &self.dialect {
             // One delivery may come back once, after the stated window.
-            Dialect::Generic => self.redelivery_window.map(|w| RetentionWindow::new(1, w)),
+            Dialect::Generic => self.redelivery_window.map(|w| RedeliveryWindow::new(1, w)),
             Dialect::ServiceBus(sb) => Some(sb.window()),
         }
     }

@@ -9,7 +9,7 @@
 //!   [`inbox`] whose marker commits with the handler's writes.
 //! - [`Consumer`]: a broker consumer made idempotent, the loop written once for every broker
 //!   ([`consumer::Source`] is what an adapter implements).
-//! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
+//! - [`RedeliveryWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
 //! - [`redact`]: addresses and connection strings shown without their secrets.
@@ -48,7 +48,7 @@ pub use inbox::{Inbox, Tx, TxInbox};
 pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
 pub use memory::MemoryStore;
 pub use record::{Record, RecordState};
-pub use retention::RetentionWindow;
+pub use retention::RedeliveryWindow;
 pub use store::{Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError};
 pub use telemetry::describe_metrics;
 pub use time::Timestamp;

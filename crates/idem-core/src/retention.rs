@@ -12,9 +12,9 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_core::RetentionWindow;
+/// use idem_core::RedeliveryWindow;
 ///
-/// let w = RetentionWindow::new(10, Duration::from_secs(300))
+/// let w = RedeliveryWindow::new(10, Duration::from_secs(300))
 ///     .message_ttl(Duration::from_secs(3600))
 ///     .dead_letter_allowance(Duration::from_secs(86_400));
 /// assert_eq!(w.minimum(), Duration::from_secs(10 * 300 + 3600 + 86_400));
@@ -24,14 +24,14 @@ use std::time::Duration;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
-pub struct RetentionWindow {
+pub struct RedeliveryWindow {
     max_deliveries: u32,
     redelivery_timeout: Duration,
     message_ttl: Duration,
     dead_letter_allowance: Duration,
 }
 
-impl RetentionWindow {
+impl RedeliveryWindow {
     /// A window for a broker that delivers at most `max_deliveries` times, redelivering after
     /// `redelivery_timeout` (lock duration, visibility timeout, ack wait).
     pub fn new(max_deliveries: u32, redelivery_timeout: Duration) -> Self {
@@ -86,7 +86,7 @@ pub struct RetentionTooShort {
     /// The retention that was configured.
     pub retention: Duration,
     /// The window it must cover.
-    pub window: RetentionWindow,
+    pub window: RedeliveryWindow,
 }
 
 /// Formats a duration as `1d 2h 3m 4s` (zero parts omitted; sub-second values in ms).
@@ -126,7 +126,7 @@ mod tests {
 
     #[test]
     fn shows_the_arithmetic() {
-        let w = RetentionWindow::new(5, Duration::from_secs(60))
+        let w = RedeliveryWindow::new(5, Duration::from_secs(60))
             .message_ttl(Duration::from_secs(600))
             .dead_letter_allowance(Duration::from_secs(3600));
         assert_eq!(w.minimum(), Duration::from_secs(300 + 600 + 3600));

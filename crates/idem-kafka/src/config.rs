@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{Opening, SourceConfig};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
@@ -196,7 +196,7 @@ impl SourceConfig for KafkaConfig {
         if let Some(topic_retention) = self.redelivery_window {
             // Kafka redelivers nothing on a timer: the window is how long a message may wait in
             // the log to be read again.
-            RetentionWindow::new(0, Duration::ZERO)
+            RedeliveryWindow::new(0, Duration::ZERO)
                 .message_ttl(topic_retention)
                 .check(opening.retention)?;
         }

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::consumer;
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 
 use crate::Error;
 
@@ -45,10 +45,10 @@ pub fn redelivery_window(
     cfg: &consumer::Config,
     stream_max_age: Duration,
     longest_nak: Duration,
-) -> RetentionWindow {
+) -> RedeliveryWindow {
     let step = cfg.backoff.iter().copied().fold(cfg.ack_wait.max(longest_nak), Duration::max);
     let deliveries = u32::try_from(cfg.max_deliver).unwrap_or(u32::MAX);
-    RetentionWindow::new(deliveries, step).message_ttl(stream_max_age)
+    RedeliveryWindow::new(deliveries, step).message_ttl(stream_max_age)
 }
 
 #[cfg(test)]

@@ -59,7 +59,7 @@
 //! `Nak` delay or `backoff` step counts instead of `ack_wait` for that delivery), and a producer's
 //! duplicate may wait in the stream up to `max_age`. Records must outlive
 //! `max_deliver × max(ack_wait, backoff, nak delays) + max_age + dead-letter allowance`; the
-//! source checks it with [`RetentionWindow`](idem_core::RetentionWindow) when it opens, and
+//! source checks it with [`RedeliveryWindow`](idem_core::RedeliveryWindow) when it opens, and
 //! refuses a consumer without `max_deliver` and a stream without `max_age` (unless
 //! [`JetStreamConfig::assume_max_age`] states the longest a message may wait there).
 //!

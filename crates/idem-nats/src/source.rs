@@ -6,7 +6,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context};
 use futures_util::StreamExt;
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{DeadLetter, Source, headers};
 use idem_core::engine::Verb;
 use idem_core::extract::Envelope;
@@ -24,12 +24,12 @@ pub struct JetStreamSource {
     pub(crate) batch_wait: Duration,
     pub(crate) max_deliver: i64,
     pub(crate) progress: Option<Duration>,
-    pub(crate) window: RetentionWindow,
+    pub(crate) window: RedeliveryWindow,
 }
 
 impl JetStreamSource {
     /// The redelivery window the retention was checked against.
-    pub fn redelivery_window(&self) -> RetentionWindow {
+    pub fn redelivery_window(&self) -> RedeliveryWindow {
         self.window
     }
 

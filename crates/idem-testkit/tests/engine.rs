@@ -13,7 +13,7 @@ use idem_core::engine::{
 use idem_core::extract::{JsonPointer, Message};
 use idem_core::time::{ManualClock, TokioClock};
 use idem_core::{
-    DedupKey, Engine, InspectStore, MemoryStore, Outcome, RecordState, RetentionWindow,
+    DedupKey, Engine, InspectStore, MemoryStore, Outcome, RecordState, RedeliveryWindow,
 };
 use idem_testkit::faults::{FaultyStore, Op};
 
@@ -467,7 +467,7 @@ fn retention_shorter_than_the_redelivery_window_is_rejected() {
     let err = Engine::builder(MemoryStore::new())
         .scope("orders")
         .retain(Duration::from_secs(600))
-        .retention_window(RetentionWindow::new(10, Duration::from_secs(300)))
+        .redelivery_window(RedeliveryWindow::new(10, Duration::from_secs(300)))
         .build()
         .unwrap_err();
     assert!(matches!(err, ConfigError::Retention(_)));

@@ -18,7 +18,7 @@ use std::time::Duration;
 use fe2o3_amqp::link::Receiver;
 use fe2o3_amqp::types::definitions::{self, ErrorCondition, Fields};
 use fe2o3_amqp::types::primitives::{Symbol, Value};
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{DeadLetter, Opening, SourceConfig};
 
 pub use auth::{AccessToken, BoxError, TokenKind, TokenSource};
@@ -182,8 +182,8 @@ pub(crate) struct ServiceBusSettings {
 impl ServiceBusSettings {
     /// A message can come back until its deliveries reach `MaxDeliveryCount`, each ending at
     /// the latest when its lock expires.
-    pub(crate) fn window(&self) -> RetentionWindow {
-        RetentionWindow::new(self.max_delivery_count, self.lock_duration)
+    pub(crate) fn window(&self) -> RedeliveryWindow {
+        RedeliveryWindow::new(self.max_delivery_count, self.lock_duration)
     }
 
     /// Locks are renewed on the engine's heartbeat, and at least twice per lock duration.

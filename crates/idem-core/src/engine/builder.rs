@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::Engine;
 use crate::extract::{KeyExtractor, MessageId};
-use crate::retention::{RetentionTooShort, RetentionWindow};
+use crate::retention::{RedeliveryWindow, RetentionTooShort};
 use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, KeyError};
 
 /// What to do with a message that carries no key.
@@ -102,7 +102,7 @@ pub(crate) struct Settings {
     pub(crate) scope: Option<String>,
     pub(crate) lease: Duration,
     pub(crate) retain: Duration,
-    pub(crate) window: Option<RetentionWindow>,
+    pub(crate) window: Option<RedeliveryWindow>,
     pub(crate) heartbeat: Option<Duration>,
     pub(crate) extractor: Box<dyn KeyExtractor>,
     pub(crate) fingerprint: FingerprintSpec,
@@ -159,7 +159,7 @@ macro_rules! engine_setters {
 
         /// Checks when the engine is built that the retention (the store's, or the inbox's
         /// own) covers this redelivery window.
-        pub fn retention_window(mut self, window: $crate::RetentionWindow) -> Self {
+        pub fn redelivery_window(mut self, window: $crate::RedeliveryWindow) -> Self {
             self.$settings.window = Some(window);
             self
         }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{Opening, SourceConfig};
 use redis::streams::StreamInfoGroupsReply;
 use redis::{Client, RedisError};
@@ -217,7 +217,7 @@ impl SourceConfig for StreamConfig {
         self.validate()?;
         let window = match self.max_deliveries {
             Some(n) => {
-                let window = RetentionWindow::new(
+                let window = RedeliveryWindow::new(
                     u32::try_from(n).unwrap_or(u32::MAX),
                     self.redelivery_gap(),
                 )

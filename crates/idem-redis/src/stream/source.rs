@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 use idem_core::consumer::{DeadLetter, Source, headers};
 use idem_core::engine::Verb;
 use redis::streams::{StreamAutoClaimReply, StreamReadReply};
@@ -67,7 +67,7 @@ pub struct StreamSource {
     roles: Arc<Fields>,
     reclaim_idle: Duration,
     max_deliveries: Option<u64>,
-    window: Option<RetentionWindow>,
+    window: Option<RedeliveryWindow>,
     scan: Mutex<Scan>,
 }
 
@@ -95,7 +95,7 @@ impl StreamSource {
         roles: Fields,
         reclaim_idle: Duration,
         max_deliveries: Option<u64>,
-        window: Option<RetentionWindow>,
+        window: Option<RedeliveryWindow>,
     ) -> Self {
         Self {
             client,
@@ -127,7 +127,7 @@ impl StreamSource {
 
     /// The redelivery window the retention was checked against (`None` without a
     /// [`max_deliveries`](crate::StreamConfig::max_deliveries): unbounded).
-    pub fn redelivery_window(&self) -> Option<RetentionWindow> {
+    pub fn redelivery_window(&self) -> Option<RedeliveryWindow> {
         self.window
     }
 

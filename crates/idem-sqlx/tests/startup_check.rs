@@ -43,6 +43,7 @@ fn assert_unmigrated<T>(
 
 /// Five messages against a table dropped after the consumer was built: every one fails
 /// (transiently, so it is retried), and the report says which store error.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn fails_with_the_reason<B: Backend>(
     consumer: Consumer<MemoryQueue, B>,
     queue: &MemoryQueue,

@@ -184,12 +184,8 @@ impl Ledger {
     /// Whether `key`'s effect was made by a takeover of an expired lease.
     async fn took_over(&self, key: &str) -> bool {
         let Self::Sqlite(p) = self else { return false };
-        let n: i64 = sqlx::query_scalar("SELECT took_over FROM ledger WHERE k = ?")
-            .bind(key)
-            .fetch_one(p)
-            .await
-            .unwrap();
-        n == 1
+        let sql = "SELECT took_over FROM ledger WHERE k = ?";
+        sqlx::query_scalar::<_, i64>(sql).bind(key).fetch_one(p).await.unwrap() == 1
     }
 }
 
@@ -424,10 +420,9 @@ async fn drain<H: CrashHarness>(
         stop.send(true).unwrap();
     };
     let (reports, ()) = tokio::join!(futures_util::future::join_all(survivors), watch);
-    reports.into_iter().fold(Report::default(), |mut all, r| {
-        all += r;
-        all
-    })
+    let mut all = Report::default();
+    reports.into_iter().for_each(|r| all += r);
+    all
 }
 
 /// The name of the child entry [`crash_conformance!`](crate::crash_conformance) defines in the

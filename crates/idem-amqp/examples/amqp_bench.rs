@@ -21,8 +21,9 @@ use idem_amqp::lapin::options::{
 use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Topology};
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::consumer::Builder;
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, MemoryStore};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -76,32 +77,34 @@ async fn main() -> Result<()> {
         let t = Instant::now();
         let done = match mode {
             "ack-only" | "ack-only (again)" => ack_only(&conn, &queue, n, batch, prefetch).await?,
-            "two-phase MemoryStore" => run.driven(config, MemoryStore::new()).await?,
+            "two-phase MemoryStore" => {
+                run.driven(AmqpConsumer::builder(config).store(MemoryStore::new())).await?
+            }
             "two-phase SqliteStore" => {
                 let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await?;
-                run.driven(config, store).await?
+                run.driven(AmqpConsumer::builder(config).store(store)).await?
             }
             "two-phase PostgresStore" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_a"))?;
                 store.migrate().await?;
-                run.driven(config, store).await?
+                run.driven(AmqpConsumer::builder(config).store(store)).await?
             }
             "inbox PostgreSQL" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
                 store.migrate().await?;
-                run.driven(config, store.inbox(DAY)).await?
+                run.driven(AmqpConsumer::builder(config).inbox(store.inbox(DAY))).await?
             }
             "inbox MySQL" => {
                 let (pool, table) = my.as_ref().ok_or("no MySQL")?;
                 let store = MySqlStore::new(pool.clone()).with_table_name(table)?;
                 store.migrate().await?;
-                run.driven(config, store.inbox(DAY)).await?
+                run.driven(AmqpConsumer::builder(config).inbox(store.inbox(DAY))).await?
             }
             _ => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
-                run.driven(config, store.inbox(DAY)).await?
+                run.driven(AmqpConsumer::builder(config).inbox(store.inbox(DAY))).await?
             }
         };
         let secs = t.elapsed().as_secs_f64();
@@ -137,11 +140,12 @@ struct Run {
 }
 
 impl Run {
-    /// The adapter over `backend` (a store: two-phase; an inbox: transactional) with a no-op
-    /// handler, until `n` messages are acknowledged.
-    async fn driven<B: Backend>(&self, config: AmqpConfig<'_>, backend: B) -> Result<usize> {
-        let c = AmqpConsumer::builder(config)
-            .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+    /// The adapter in the mode `builder` was given (`.store(s)`: two-phase; `.inbox(i)`:
+    /// transactional) with a no-op handler, until `n` messages are acknowledged.
+    async fn driven<B: Backend>(&self, builder: Builder<AmqpConfig<'_>, B>) -> Result<usize> {
+        let c = builder
+            .scope("bench")
+            .retain(DAY)
             .batch(self.batch)
             .concurrency(self.lanes)
             // Short: at the end, batches still in flight wait this long for messages that never come.

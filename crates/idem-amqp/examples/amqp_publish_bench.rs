@@ -17,7 +17,7 @@ use idem_amqp::lapin::options::{
 };
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use idem_amqp::lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -69,7 +69,7 @@ async fn main() -> Result<()> {
 
 fn message(queue: &str, i: usize) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         queue.to_owned(),
         format!(r#"{{"order":{i},"cents":1200}}"#).into_bytes(),
         vec![("content-type".to_owned(), "application/json".to_owned())],

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::consumer::{Opening, SourceConfig};
 use lapin::Connection;
 use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
@@ -10,14 +10,14 @@ use lapin::types::FieldTable;
 use crate::source::AmqpSource;
 use crate::{Error, RabbitWindow, Topology};
 
-/// A RabbitMQ queue's settings for the driver. Only the connection and the queue are required;
-/// batch size, idle wait and broker timeouts are the driver's
-/// ([`Builder`](idem_core::driver::Builder)).
+/// A RabbitMQ queue's settings for the consumer. Only the connection and the queue are required;
+/// batch size, idle wait and broker timeouts are the consumer's
+/// ([`Builder`](idem_core::consumer::Builder)).
 ///
-/// Defaults: prefetch 128 (at least the driver's batch), no extra gathering after the first
+/// Defaults: prefetch 128 (at least the consumer's batch), no extra gathering after the first
 /// delivery, "in progress elsewhere" delays clamped to 1 s – 5 min, the
 /// [`Topology::for_queue`] companions, consumer tag `idem-<scope>-<random>`, no retention check
-/// (set one with [`retention_window`](Self::retention_window)).
+/// (set one with [`redelivery_window`](Self::redelivery_window)).
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -30,7 +30,7 @@ use crate::{Error, RabbitWindow, Topology};
 ///     .prefetch(256)
 ///     .batch_wait(Duration::from_millis(2))
 ///     .retry_delay(Duration::from_millis(500), Duration::from_secs(60))
-///     .retention_window(RabbitWindow::new().delivery_limit(10));
+///     .redelivery_window(RabbitWindow::new().delivery_limit(10));
 /// let consumer = AmqpConsumer::builder(config)
 ///     .store(MemoryStore::new())
 ///     .scope("payments")
@@ -68,7 +68,7 @@ impl<'c> AmqpConfig<'c> {
     }
 
     /// How many unacked deliveries the broker may push to this consumer (`basic.qos`). At least
-    /// the driver's batch, or batches could never fill; `batch × concurrency` lets every batch in
+    /// the consumer's batch, or batches could never fill; `batch × concurrency` lets every batch in
     /// flight fill, and twice that keeps the next batches arriving while those are decided.
     pub fn prefetch(mut self, n: u16) -> Self {
         self.prefetch = n;
@@ -99,7 +99,7 @@ impl<'c> AmqpConfig<'c> {
 
     /// Checks when the consumer is built that its retention covers this queue's redelivery
     /// window.
-    pub fn retention_window(mut self, window: RabbitWindow) -> Self {
+    pub fn redelivery_window(mut self, window: RabbitWindow) -> Self {
         self.window = Some(window);
         self
     }
@@ -115,20 +115,20 @@ impl SourceConfig for AmqpConfig<'_> {
     type Source = AmqpSource;
 
     /// Checks the settings, the [topology](Topology#dead-letters-that-would-come-back) and the
-    /// retention window, opens a consuming channel (with the prefetch) and a publishing channel
+    /// redelivery window, opens a consuming channel (with the prefetch) and a publishing channel
     /// (with publisher confirms), checks the work queue exists, declares the delay queue and
     /// dead-letter exchange, and starts consuming.
     async fn open(self, opening: Opening<'_>) -> Result<AmqpSource, Error> {
         self.topology.check()?;
         if let Some(w) = self.window {
-            w.to_retention_window().check(opening.retention)?;
+            w.to_redelivery_window().check(opening.retention)?;
         }
         if self.prefetch == 0 {
             return Err(Error::Config("prefetch must be at least 1".to_owned()));
         }
         if opening.batch > usize::from(self.prefetch) {
             return Err(Error::Config(format!(
-                "the driver's batch ({}) exceeds the prefetch ({}): batches could never fill",
+                "the consumer's batch ({}) exceeds the prefetch ({}): batches could never fill",
                 opening.batch, self.prefetch
             )));
         }

@@ -3,8 +3,8 @@
 use idem_core::retention::RetentionTooShort;
 
 /// Errors of the RabbitMQ source. Per-message failures are not errors: they end in a verb
-/// (ack, nack, a delay or dead-letter copy) and are counted in the driver's
-/// [`Report`](idem_core::driver::Report). An error from a running consumer means its channel
+/// (ack, nack, a delay or dead-letter copy) and are counted in the consumer's
+/// [`Report`](idem_core::consumer::Report). An error from a running consumer means its channel
 /// is gone; every message it had not acked is redelivered by the broker.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -1,8 +1,8 @@
-//! RabbitMQ for **idem**, on [`lapin`]: a queue as a source for the shared consumer driver
+//! RabbitMQ for **idem**, on [`lapin`]: a queue as a source for the shared consumer
 //! ([`AmqpConsumer`]).
 //!
 //! [`AmqpConfig`] names the queue and what is RabbitMQ's own (prefetch, delay queue,
-//! dead-letter exchange, retention window); the [`Driver`](idem_core::Driver) does the rest —
+//! dead-letter exchange, redelivery window); the [`Consumer`](idem_core::Consumer) does the rest —
 //! batches, one claim or one transaction per batch, handlers, the order of the verbs — in
 //! two-phase mode over any store or in inbox mode over a SQL inbox. Manual acks only, and the
 //! ack is always the last step: after the effect is committed (or was already), after a
@@ -19,7 +19,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem::amqp::{AmqpConfig, AmqpConsumer, lapin};
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -68,31 +68,32 @@
 //! - A confirmed dead-letter copy followed by a failed ack is redelivered and dead-lettered
 //!   again: the dead-letter queue is at least once.
 //! - No broker verb waits forever: a fetch, an ack, nack or copy that has not finished within
-//!   the driver's [`broker_timeout`](idem_core::driver::Builder::broker_timeout) (30 s) ends
-//!   the run with [`BrokerTimeout`](idem_core::driver::Error::BrokerTimeout) (lapin was seen to
+//!   the consumer's [`broker_timeout`](idem_core::consumer::Builder::broker_timeout) (30 s) ends
+//!   the run with [`BrokerTimeout`](idem_core::consumer::Error::BrokerTimeout) (lapin was seen to
 //!   leave an ack pending forever after its connection failed), and a fetch that finds the
 //!   consuming channel disconnected ends it at once ([`Error::ChannelClosed`]).
 //! - Any broker error ends the run with an error; reconnect and build a new consumer. Unacked
 //!   messages are redelivered by the broker; the store turns them into duplicates.
 
 mod config;
+mod delivery;
 mod error;
-mod message;
 mod publish;
 mod source;
 pub mod topology;
 mod window;
 
 pub use config::AmqpConfig;
+pub use delivery::Delivery;
 pub use error::Error;
-pub use message::AmqpMessage;
 pub use publish::{AmqpPublisher, Refused};
 pub use source::AmqpSource;
 pub use topology::Topology;
 pub use window::{DEFAULT_CONSUMER_TIMEOUT, RabbitWindow};
 
-/// A RabbitMQ consumer made idempotent: the shared driver over an [`AmqpSource`], in two-phase
-/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type AmqpConsumer<B> = idem_core::Driver<AmqpSource, B>;
+/// A RabbitMQ consumer made idempotent: the shared consumer over an [`AmqpSource`], in two-phase
+/// mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
+pub type AmqpConsumer<B> = idem_core::Consumer<AmqpSource, B>;
 
 pub use lapin;

@@ -114,6 +114,11 @@ impl AmqpPublisher {
     /// # Errors
     /// [`Error::Setup`] when `confirm.select` fails (the channel is closed, or in transaction
     /// mode).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is published. The channel is moved in, so a cancelled call drops
+    /// this handle to it; whether `confirm.select` reached the broker is unknown, so give the
+    /// next attempt a new channel.
     pub async fn new(channel: Channel) -> Result<Self, Error> {
         channel
             .confirm_select(ConfirmSelectOptions::default())

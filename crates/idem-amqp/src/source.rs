@@ -1,25 +1,26 @@
-//! The RabbitMQ side of the driver: fetching from the delivery stream, the copies, the verbs.
+//! The RabbitMQ side of the consumer: fetching from the delivery stream, the copies, the verbs.
 
 use std::time::Duration;
 
 use futures_util::future::join_all;
 use futures_util::{FutureExt, StreamExt};
-use idem_core::driver::{Action, DeadLetter, Source, headers};
+use idem_core::consumer::{DeadLetter, Source, headers};
+use idem_core::engine::Verb;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, LongString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
 use crate::topology::DELAYS_HEADER;
-use crate::{AmqpMessage, Error, Topology};
+use crate::{Delivery, Error, Topology};
 
-/// A RabbitMQ queue opened for the driver (see [`AmqpConfig`](crate::AmqpConfig)): a consuming
+/// A RabbitMQ queue opened for the consumer (see [`AmqpConfig`](crate::AmqpConfig)): a consuming
 /// channel with manual acks and a prefetch, and a publishing channel with publisher confirms for
 /// the dead-letter and delay copies.
 ///
-/// | action | verbs |
+/// | verb | RabbitMQ |
 /// | --- | --- |
 /// | ack (processed, duplicate) | `basic.ack` |
-/// | dead-lettered (the copy is confirmed) | `basic.ack` |
+/// | dead-letter (the copy is confirmed) | `basic.ack` |
 /// | retry with a delay (in progress elsewhere) | a copy to the delay queue with a per-message TTL (confirmed), then `basic.ack`; if the copy fails, `basic.nack(requeue)` |
 /// | retry without one (transient failure), release | `basic.nack(requeue)` |
 pub struct AmqpSource {
@@ -71,7 +72,7 @@ impl AmqpSource {
     /// confirm.
     async fn copy(
         &self,
-        m: &AmqpMessage,
+        m: &Delivery,
         exchange: &str,
         routing_key: &str,
         extra: Vec<(&str, AMQPValue)>,
@@ -140,14 +141,14 @@ impl AmqpSource {
     }
 
     /// A copy to the delay queue that dead-letters back to the work queue after `delay`.
-    async fn delay(&self, m: &AmqpMessage, delay: Duration) -> Result<(), Error> {
+    async fn delay(&self, m: &Delivery, delay: Duration) -> Result<(), Error> {
         let delays = AMQPValue::LongUInt(m.delays().saturating_add(1));
         let queue = self.topology.delay_queue.as_str();
         self.copy(m, "", queue, vec![(DELAYS_HEADER, delays)], Some(delay)).await
     }
 
-    async fn ack(&self, m: &AmqpMessage) -> Result<(), Error> {
-        let d = m.delivery();
+    async fn ack(&self, m: &Delivery) -> Result<(), Error> {
+        let d = m.lapin();
         match d.ack(BasicAckOptions::default()).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(Error::Settle { verb: "ack", tag: d.delivery_tag, source: None }),
@@ -155,8 +156,8 @@ impl AmqpSource {
         }
     }
 
-    async fn requeue(&self, m: &AmqpMessage) -> Result<(), Error> {
-        let d = m.delivery();
+    async fn requeue(&self, m: &Delivery) -> Result<(), Error> {
+        let d = m.lapin();
         match d.nack(BasicNackOptions { multiple: false, requeue: true }).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(Error::Settle { verb: "nack", tag: d.delivery_tag, source: None }),
@@ -165,10 +166,10 @@ impl AmqpSource {
     }
 
     /// One message's verbs.
-    async fn verb(&self, m: &AmqpMessage, action: &Action) -> Result<(), Error> {
-        match action {
-            Action::Ack | Action::DeadLettered { .. } => self.ack(m).await,
-            Action::Retry { after } => match self.delay_for(*after) {
+    async fn send(&self, m: &Delivery, verb: &Verb) -> Result<(), Error> {
+        match verb {
+            Verb::Ack | Verb::DeadLetter { .. } => self.ack(m).await,
+            Verb::Retry { after } => match self.delay_for(*after) {
                 Some(d) => match self.delay(m, d).await {
                     Ok(()) => self.ack(m).await,
                     Err(e) => {
@@ -179,7 +180,7 @@ impl AmqpSource {
                 },
                 None => self.requeue(m).await,
             },
-            // Release, and any action added later: redeliver, never lose.
+            // Release, and any verb added later: redeliver, never lose.
             _ => self.requeue(m).await,
         }
     }
@@ -187,28 +188,28 @@ impl AmqpSource {
 
 fn next_delivery(
     d: Option<Result<lapin::message::Delivery, lapin::Error>>,
-) -> Result<AmqpMessage, Error> {
+) -> Result<Delivery, Error> {
     match d {
-        Some(Ok(d)) => Ok(AmqpMessage::new(d)),
+        Some(Ok(d)) => Ok(Delivery::new(d)),
         Some(Err(e)) => Err(Error::Stream(e)),
         None => Err(Error::Cancelled),
     }
 }
 
 impl Source for AmqpSource {
-    type Message = AmqpMessage;
+    type Delivery = Delivery;
     type Error = Error;
 
     /// What the broker has pushed already, or else the first delivery within `wait` and what
     /// came with it; then more for up to the batch wait, up to `max`.
-    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<AmqpMessage>, Error> {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         // The wait counts from the call, not from getting the stream: with batches in flight,
         // fetches queue for it, and each waiting its full time would hold shutdown up to
         // `concurrency × wait`.
         let deadline = tokio::time::Instant::now() + wait;
         let mut stream = self.stream.lock().await;
         let mut out = Vec::with_capacity(max);
-        let ready = |out: &mut Vec<AmqpMessage>, stream: &mut lapin::Consumer| {
+        let ready = |out: &mut Vec<Delivery>, stream: &mut lapin::Consumer| {
             while out.len() < max {
                 match stream.next().now_or_never() {
                     Some(d) => out.push(next_delivery(d)?),
@@ -252,7 +253,7 @@ impl Source for AmqpSource {
 
     /// Copies to the dead-letter exchange (routing key: the work queue), with the reason,
     /// outcome, scope and `idem-source` (the queue) headers, all confirmed together.
-    async fn dead_letter(&self, items: &[(&AmqpMessage, DeadLetter)]) -> Vec<Result<(), Error>> {
+    async fn dead_letter(&self, items: &[(&Delivery, DeadLetter)]) -> Vec<Result<(), Error>> {
         let exchange = self.topology.dead_letter_exchange.as_str();
         let queue = self.topology.queue.as_str();
         let text = |s: &str| AMQPValue::LongString(LongString::from(s));
@@ -268,8 +269,8 @@ impl Source for AmqpSource {
     /// Every verb of the batch at once (lapin pipelines them on the channel). A verb that
     /// cannot be sent means the channel is gone: the run ends, and the broker redelivers every
     /// unacked message.
-    async fn settle(&self, items: Vec<(AmqpMessage, Action)>) -> Result<u64, Error> {
-        let results = join_all(items.iter().map(|(m, a)| self.verb(m, a))).await;
+    async fn settle(&self, items: Vec<(Delivery, Verb)>) -> Result<u64, Error> {
+        let results = join_all(items.iter().map(|(m, v)| self.send(m, v))).await;
         results.into_iter().collect::<Result<Vec<()>, Error>>()?;
         Ok(0)
     }
@@ -301,9 +302,9 @@ impl Source for AmqpSource {
     }
 }
 
-/// Deliveries already received are ours until the channel closes: hand them to the driver and
+/// Deliveries already received are ours until the channel closes: hand them to the consumer and
 /// let the next fetch report the error.
-fn keep_or_fail(out: Vec<AmqpMessage>, e: Error) -> Result<Vec<AmqpMessage>, Error> {
+fn keep_or_fail(out: Vec<Delivery>, e: Error) -> Result<Vec<Delivery>, Error> {
     if out.is_empty() {
         return Err(e);
     }

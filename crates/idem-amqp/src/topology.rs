@@ -20,7 +20,7 @@ pub const DELAYS_HEADER: &str = "idem-delays";
 /// - **dead-letter exchange** (`<queue>.idem.dlx`, direct) bound to the **dead-letter queue**
 ///   (`<queue>.idem.dlq`) with the work queue's name as routing key. Conflicts and permanent
 ///   failures are republished there with the `idem-*` headers of
-///   [`idem_core::driver::headers`] (reason, outcome, scope, `idem-source` = the work queue),
+///   [`idem_core::consumer::headers`] (reason, outcome, scope, `idem-source` = the work queue),
 ///   under publisher confirms, before the original is acked.
 ///
 /// # Dead letters that would come back

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 
 /// RabbitMQ's default `consumer_timeout` (30 minutes): a delivery unacked for longer closes
 /// the channel and is redelivered.
@@ -23,7 +23,7 @@ pub const DEFAULT_CONSUMER_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// use idem_amqp::RabbitWindow;
 ///
 /// let w = RabbitWindow::new().delivery_limit(5).dead_letter_allowance(Duration::from_secs(86_400));
-/// assert_eq!(w.to_retention_window().minimum(), Duration::from_secs(5 * 1800 + 86_400));
+/// assert_eq!(w.to_redelivery_window().minimum(), Duration::from_secs(5 * 1800 + 86_400));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
@@ -75,9 +75,9 @@ impl RabbitWindow {
         self
     }
 
-    /// The core's window, for [`RetentionWindow::check`].
-    pub fn to_retention_window(self) -> RetentionWindow {
-        RetentionWindow::new(self.delivery_limit, self.consumer_timeout)
+    /// The core's window, for [`RedeliveryWindow::check`].
+    pub fn to_redelivery_window(self) -> RedeliveryWindow {
+        RedeliveryWindow::new(self.delivery_limit, self.consumer_timeout)
             .message_ttl(self.message_ttl)
             .dead_letter_allowance(self.dead_letter_allowance)
     }

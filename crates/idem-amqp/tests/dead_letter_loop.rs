@@ -7,7 +7,7 @@ use idem_amqp::lapin::types::FieldTable;
 use idem_amqp::lapin::{BasicProperties, ExchangeKind};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, Topology};
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::BuildError;
 
 /// Opens a two-phase consumer with `topology` over the broker's connection; the source's error
 /// when it refuses.
@@ -19,7 +19,7 @@ async fn open(b: &common::Broker, topology: Topology) -> Result<(), Error> {
             consumer.close().await.expect("close");
             Ok(())
         }
-        Err(DriverError::Open(e)) => Err(e),
+        Err(BuildError::Open(e)) => Err(e),
         Err(other) => panic!("expected the source to open or refuse: {other}"),
     }
 }

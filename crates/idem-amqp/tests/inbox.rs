@@ -8,17 +8,18 @@ mod common;
 use std::time::Duration;
 
 use common::{Broker, PgSchema, reporter, wait_for};
-use idem_amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, Topology};
+use idem_amqp::{AmqpConfig, AmqpConsumer, Delivery, Topology};
 use idem_core::MemoryStore;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::Action;
-use idem_sqlx::{SqliteStore, Tx};
+use idem_core::Tx;
+use idem_core::engine::HandlerError;
+use idem_core::engine::Verb;
+use idem_sqlx::{PostgresInbox, SqliteInbox, SqliteStore};
 use tokio::sync::oneshot;
 
 const LIMIT: Duration = Duration::from_secs(20);
 
 /// What the handler does with each body once its row is written.
-fn verdict(m: &AmqpMessage) -> Result<(), HandlerError<String>> {
+fn verdict(m: &Delivery) -> Result<(), HandlerError<String>> {
     match m.payload() {
         b"bad" => Err(HandlerError::Permanent("rejected by validation".to_owned())),
         b"flaky" if !m.redelivered() => Err(HandlerError::Transient("busy".to_owned())),
@@ -42,7 +43,7 @@ async fn inbox_commits_then_acks_and_rolls_back_failed_writes() {
         .unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        let handler = |mut tx: Tx<sqlx::Sqlite>, m: AmqpMessage| async move {
+        let handler = |mut tx: Tx<SqliteInbox>, m: Delivery| async move {
             sqlx::query("INSERT INTO ledger VALUES (?)")
                 .bind(m.payload())
                 .execute(&mut *tx)
@@ -123,7 +124,7 @@ async fn postgres_inbox_commits_then_acks_and_rolls_back_failed_writes() {
     let (stop, stopped) = oneshot::channel::<()>();
     let insert = format!("INSERT INTO {schema}.ledger VALUES ($1)");
     let task = tokio::spawn(async move {
-        let handler = |mut tx: Tx<sqlx::Postgres>, m: AmqpMessage| {
+        let handler = |mut tx: Tx<PostgresInbox>, m: Delivery| {
             let insert = insert.clone();
             async move {
                 sqlx::query(sqlx::AssertSqlSafe(insert))
@@ -213,7 +214,7 @@ async fn an_unroutable_dead_letter_is_requeued_not_acked() {
     b.publish(Some("p"), b"x", &[]).await;
     let mut seen = Vec::new();
     wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() >= 2).await;
-    assert_eq!(seen[0].action, Action::Retry { after: None }, "the failed copy turns into a retry");
+    assert_eq!(seen[0].verb, Verb::Retry { after: None }, "the failed copy turns into a retry");
     assert!(seen[1].redelivered, "the message came back instead of being acked away");
     assert_eq!(
         seen[1].outcome, "failed_permanent",

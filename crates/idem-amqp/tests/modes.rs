@@ -1,6 +1,7 @@
 //! The broker-source conformance suite on the real RabbitMQ: every mode through the same
 //! builder calls (two-phase over a store; SQLite, PostgreSQL and MariaDB inboxes), each on a
-//! queue of its own.
+//! queue of its own; and the crash suite (abort between commit and ack, SIGKILL and a dropped
+//! connection mid-handler) in both modes, the store on SQLite and on PostgreSQL.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp::{AmqpConfig, AmqpSource};
+use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 struct Harness(Broker);
@@ -51,6 +53,20 @@ impl SourceHarness for Harness {
     }
 }
 
-idem_testkit::source_conformance!(|name: &'static str| async move {
+impl CrashHarness for Harness {
+    fn spec(&self) -> String {
+        self.0.queue().to_owned()
+    }
+
+    fn attach(queue: &str) -> BoxFuture<'static, Self> {
+        let queue = queue.to_owned();
+        Box::pin(async move { Harness(Broker::attach(&queue).await) })
+    }
+}
+
+async fn harness(name: &str) -> Option<Harness> {
     Broker::new(&name.replace('_', "-")).await.map(Harness)
-});
+}
+
+idem_testkit::source_conformance!(harness);
+idem_testkit::crash_conformance!(Harness, harness, postgres);

@@ -9,7 +9,7 @@ use common::Broker;
 use idem_amqp::lapin::options::BasicGetOptions;
 use idem_amqp::lapin::types::AMQPValue;
 use idem_amqp::{AmqpConfig, AmqpPublisher, AmqpSource, Refused};
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 
 struct Harness {
@@ -59,7 +59,7 @@ idem_testkit::publisher_conformance!(|name: &'static str| async move {
 
 fn message(dest: &str, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         dest.to_owned(),
         br#"{"order":"o-1"}"#.to_vec(),
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),

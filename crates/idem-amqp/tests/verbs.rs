@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use common::{Broker, Seen, reporter, wait_for};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{self, Action, headers};
+use idem_core::MemoryStore;
+use idem_core::consumer::{self, headers};
+use idem_core::engine::HandlerError;
+use idem_core::engine::Verb;
 use idem_core::extract::Header;
-use idem_core::{Consumer, MemoryStore};
 use tokio::sync::{Notify, oneshot};
 
 const LIMIT: Duration = Duration::from_secs(20);
@@ -55,9 +56,9 @@ async fn processed_duplicate_conflict_and_missing_key() {
     wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 4).await;
     let outcomes: Vec<_> = seen.iter().map(|s| s.outcome).collect();
     assert_eq!(outcomes, ["processed", "duplicate", "conflict", "failed_permanent"]);
-    assert_eq!(seen[0].action, Action::Ack);
-    assert_eq!(seen[1].action, Action::Ack);
-    assert!(matches!(seen[2].action, Action::DeadLettered { .. }));
+    assert_eq!(seen[0].verb, Verb::Ack);
+    assert_eq!(seen[1].verb, Verb::Ack);
+    assert!(matches!(seen[2].verb, Verb::DeadLetter { .. }));
     stop.send(()).unwrap();
     let stats = task.await.unwrap().unwrap();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -115,7 +116,7 @@ async fn transient_failure_releases_and_requeues_then_permanent_dead_letters() {
     wait_for(&mut rx, &mut seen, LIMIT, |s| s.len() == 3).await;
     let t: Vec<_> = seen.iter().filter(|s| s.key.as_deref() == Some("t")).collect();
     assert_eq!(t[0].outcome, "failed_transient");
-    assert_eq!(t[0].action, Action::Retry { after: None }, "a plain requeue");
+    assert_eq!(t[0].verb, Verb::Retry { after: None }, "a plain requeue");
     assert_eq!(t[1].outcome, "processed");
     assert!(t[1].redelivered, "the requeued copy is flagged redelivered");
     let p = seen.iter().find(|s| s.key.as_deref() == Some("p")).unwrap();
@@ -189,8 +190,8 @@ async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
     let mut seen_b = Vec::new();
     wait_for(&mut rx_b, &mut seen_b, LIMIT, |s| !s.is_empty()).await;
     assert_eq!(seen_b[0].outcome, "in_progress_elsewhere");
-    let Action::Retry { after: Some(after) } = seen_b[0].action else {
-        panic!("a delayed retry: {:?}", seen_b[0].action)
+    let Verb::Retry { after: Some(after) } = seen_b[0].verb else {
+        panic!("a delayed retry: {:?}", seen_b[0].verb)
     };
     assert_eq!(
         b_consumer.source().delay_for(Some(after)),
@@ -274,13 +275,10 @@ async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() 
 async fn a_header_extractor_replaces_the_message_id() {
     let Some(b) = Broker::new("header").await else { return };
     let (hook, mut rx) = reporter();
-    let engine = Consumer::builder(MemoryStore::new())
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()))
+        .store(MemoryStore::new())
         .scope("header")
         .key(Header::new("idempotency-key"))
-        .build()
-        .unwrap();
-    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()))
-        .engine(engine)
         .on_settle(hook)
         .build()
         .await
@@ -306,20 +304,17 @@ async fn a_header_extractor_replaces_the_message_id() {
 #[tokio::test]
 async fn retention_shorter_than_the_redelivery_window_is_refused_at_startup() {
     let Some(b) = Broker::new("window").await else { return };
-    let engine = Consumer::builder(MemoryStore::new())
+    let window = RabbitWindow::new().delivery_limit(20);
+    let err = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).redelivery_window(window))
+        .store(MemoryStore::new())
         .scope("window")
         .retain(Duration::from_secs(3600))
         .build()
-        .unwrap();
-    let window = RabbitWindow::new().delivery_limit(20);
-    let err = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).retention_window(window))
-        .engine(engine)
-        .build()
         .await
         .unwrap_err();
-    let driver::Error::Open(inner @ Error::Retention(_)) = &err else { panic!("{err:?}") };
+    let consumer::BuildError::Open(inner @ Error::Retention(_)) = &err else { panic!("{err:?}") };
     assert!(inner.to_string().contains("20 deliveries × 30m"), "{inner}");
-    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).retention_window(window))
+    let c = AmqpConsumer::builder(AmqpConfig::new(&b.conn, b.queue()).redelivery_window(window))
         .store(MemoryStore::new())
         .scope("window")
         .build()
@@ -387,7 +382,7 @@ async fn unusable_settings_are_refused_with_the_setting_named() {
 async fn build(
     config: AmqpConfig<'_>,
     batch: usize,
-) -> Result<AmqpConsumer<MemoryStore>, driver::Error<Error>> {
+) -> Result<AmqpConsumer<MemoryStore>, consumer::BuildError<Error>> {
     AmqpConsumer::builder(config)
         .store(MemoryStore::new())
         .scope("settings")
@@ -401,10 +396,10 @@ trait SourceMessage {
     fn source_message(&self) -> String;
 }
 
-impl SourceMessage for driver::Error<Error> {
+impl SourceMessage for consumer::BuildError<Error> {
     fn source_message(&self) -> String {
         match self {
-            driver::Error::Open(e) => e.to_string(),
+            consumer::BuildError::Open(e) => e.to_string(),
             other => other.to_string(),
         }
     }

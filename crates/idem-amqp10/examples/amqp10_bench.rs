@@ -18,8 +18,9 @@ use fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId, Properties};
 use fe2o3_amqp::types::primitives::{Binary, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, fe2o3_amqp};
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::consumer::Builder;
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, MemoryStore};
 use idem_sqlx::{PostgresStore, SqliteStore};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -66,15 +67,17 @@ async fn main() -> Result<()> {
         let (elapsed, closing) = match mode {
             "accept-only" => bare(&url, &address, n, batch, credit).await?,
             "two-phase MemoryStore" => {
-                drive(config, Consumer::builder(MemoryStore::new()), n, batch).await?
+                drive(Amqp10Consumer::builder(config).store(MemoryStore::new()), n, batch).await?
             }
             "two-phase PostgresStore" => {
-                drive(config, Consumer::builder(pg.clone()), n, batch).await?
+                drive(Amqp10Consumer::builder(config).store(pg.clone()), n, batch).await?
             }
-            "inbox PostgreSQL" => drive(config, Consumer::builder(pg.inbox(DAY)), n, batch).await?,
+            "inbox PostgreSQL" => {
+                drive(Amqp10Consumer::builder(config).inbox(pg.inbox(DAY)), n, batch).await?
+            }
             _ => {
                 let sqlite = SqliteStore::open(dir.path().join(format!("{queue}.sqlite"))).await?;
-                drive(config, Consumer::builder(sqlite.inbox(DAY)), n, batch).await?
+                drive(Amqp10Consumer::builder(config).inbox(sqlite.inbox(DAY)), n, batch).await?
             }
         };
         let secs = elapsed.as_secs_f64();
@@ -193,11 +196,10 @@ async fn bare(
     Ok((elapsed, closing.elapsed()))
 }
 
-/// The source on the shared driver, polled batch by batch until `n` messages are settled
+/// The source on the shared consumer, polled batch by batch until `n` messages are settled
 /// (timed from the build; the close is timed apart).
 async fn drive<B: Backend + 'static>(
-    config: Amqp10Config,
-    engine: idem_core::consumer::ConsumerBuilder<B>,
+    builder: Builder<Amqp10Config, B>,
     n: usize,
     batch: usize,
 ) -> Result<(Duration, Duration)>
@@ -205,8 +207,7 @@ where
     B::Ctx: Send,
 {
     let started = Instant::now();
-    let engine = engine.scope("bench").build()?;
-    let consumer = Amqp10Consumer::builder(config).engine(engine).batch(batch).build().await?;
+    let consumer = builder.scope("bench").batch(batch).build().await?;
     let mut acked = 0;
     while acked < n as u64 {
         acked += consumer.poll(|_, _| async { Ok::<_, HandlerError<String>>(()) }).await?.acked;

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::RedeliveryWindow;
+use idem_core::consumer::{Opening, SourceConfig};
 
 use crate::connect::Endpoint;
 use crate::error::Error;
@@ -35,7 +36,7 @@ pub enum DeadLetters {
 }
 
 /// Settings for an AMQP 1.0 consumer: the broker's URL, the source address and what the
-/// broker does not say about itself. Opened by the [`Driver`](idem_core::Driver) builder.
+/// broker does not say about itself. Opened by the [`Consumer`](idem_core::Consumer) builder.
 ///
 /// ```
 /// use std::time::Duration;
@@ -157,19 +158,16 @@ impl Amqp10Config {
         if self.verb_timeout.is_zero() {
             return Err(Error::config("verb_timeout", "must be above zero"));
         }
-        if let Some((window, why)) = self.window()
-            && opening.retention < window
-        {
-            return Err(Error::RetentionTooShort { retention: opening.retention, window, why });
+        if let Some(window) = self.window() {
+            window.check(opening.retention)?;
         }
         Ok(())
     }
 
-    fn window(&self) -> Option<(Duration, String)> {
+    fn window(&self) -> Option<RedeliveryWindow> {
         match &self.dialect {
-            Dialect::Generic => {
-                self.redelivery_window.map(|w| (w, "the configured redelivery window".into()))
-            }
+            // One delivery may come back once, after the stated window.
+            Dialect::Generic => self.redelivery_window.map(|w| RedeliveryWindow::new(1, w)),
             Dialect::ServiceBus(sb) => Some(sb.window()),
         }
     }

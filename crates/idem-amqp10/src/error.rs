@@ -7,6 +7,7 @@ use fe2o3_amqp::link::{
     DispositionError, ReceiverAttachError, RecvError, SendError, SenderAttachError,
 };
 use fe2o3_amqp::session::BeginError;
+use idem_core::retention::RetentionTooShort;
 
 /// An AMQP 1.0 or Service Bus failure, naming the step that failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,19 +35,11 @@ pub enum Error {
         /// How they would come back.
         how: String,
     },
-    /// The dedup retention is shorter than the window in which the broker may redeliver.
-    #[error(
-        "retention {retention:?} is shorter than the redelivery window {window:?} ({why}); \
-         raise the retention or shorten the window"
-    )]
-    RetentionTooShort {
-        /// The consumer's retention.
-        retention: Duration,
-        /// The broker's redelivery window.
-        window: Duration,
-        /// Where the window comes from.
-        why: String,
-    },
+    /// The dedup retention is shorter than the window in which the broker may redeliver
+    /// ([`Amqp10Config::redelivery_window`](crate::Amqp10Config::redelivery_window), or
+    /// Service Bus' `LockDuration × MaxDeliveryCount`).
+    #[error(transparent)]
+    Retention(#[from] RetentionTooShort),
     /// The TCP or TLS connection could not be made.
     #[error("cannot connect to {addr}")]
     Connect {

@@ -1,9 +1,9 @@
 //! AMQP 1.0 for **idem**, on [`fe2o3_amqp`]: any AMQP 1.0 queue ([`Amqp10Config`]) or an Azure
 //! Service Bus queue or subscription ([`ServiceBus`]) as a source for the shared consumer
-//! driver ([`Amqp10Consumer`]).
+//! ([`Amqp10Consumer`]).
 //!
 //! Deliveries are received **unsettled**: the broker keeps each one locked (Service Bus
-//! PeekLock) or unacknowledged (RabbitMQ) until the driver has decided it, and the settling
+//! PeekLock) or unacknowledged (RabbitMQ) until the consumer has decided it, and the settling
 //! disposition is always the last step — after the effect is committed (or was already),
 //! after a dead-letter copy is accepted. The dedup key is the AMQP `message-id` by default
 //! (Service Bus' `MessageId`; never the `correlation-id`); any extractor of
@@ -22,7 +22,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters};
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -52,8 +52,8 @@
 //! - A dead-letter copy that is not accepted is never followed by the original's `accepted`:
 //!   the original is released instead. An accepted copy followed by a lost `accepted` is
 //!   redelivered and dead-lettered again: dead letters are at least once.
-//! - No broker call waits forever: the driver bounds fetches and dispositions by its
-//!   [`broker_timeout`](idem_core::driver::Builder::broker_timeout); closing the links and the
+//! - No broker call waits forever: the consumer bounds fetches and dispositions by its
+//!   [`broker_timeout`](idem_core::consumer::Builder::broker_timeout); closing the links and the
 //!   connection is bounded by [`Amqp10Config::verb_timeout`] (RabbitMQ's AMQP 1.0 plugin
 //!   answers a closing detach without `closed=true`).
 //! - RabbitMQ's AMQP 1.0 links offer only accepted, rejected and released: a `modified`
@@ -66,24 +66,25 @@
 mod address;
 mod config;
 mod connect;
+mod delivery;
 mod error;
 mod link;
-mod message;
 pub mod servicebus;
 mod source;
 mod tls;
 
 pub use config::{Amqp10Config, DeadLetters};
+pub use delivery::Delivery;
 pub use error::Error;
-pub use message::Amqp10Message;
 pub use servicebus::{
     AccessToken, BoxError, ServiceBus, ServiceBusConfig, SessionFilter, TokenKind, TokenSource,
 };
 pub use source::Amqp10Source;
 pub use tls::Tls;
 
-/// An AMQP 1.0 or Service Bus consumer made idempotent: the shared driver over an
-/// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type Amqp10Consumer<B> = idem_core::Driver<Amqp10Source, B>;
+/// An AMQP 1.0 or Service Bus consumer made idempotent: the shared consumer over an
+/// [`Amqp10Source`], in two-phase mode (`B` a store) or inbox mode (`B` an
+/// [`Inbox`](idem_core::Inbox) over a SQL inbox: `Inbox<PostgresInbox>`).
+pub type Amqp10Consumer<B> = idem_core::Consumer<Amqp10Source, B>;
 
 pub use fe2o3_amqp;

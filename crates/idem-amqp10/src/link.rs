@@ -18,18 +18,18 @@ use fe2o3_amqp::types::messaging::{Accepted, Body, Modified, Rejected, Released}
 use fe2o3_amqp::types::primitives::Value;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::message::Amqp10Message;
+use crate::delivery::Delivery;
 
-/// A settling verb.
+/// A settling disposition (the AMQP 1.0 outcome sent for a delivery).
 #[derive(Debug, Clone)]
-pub(crate) enum Verb {
+pub(crate) enum Disposition {
     Accept,
     Reject(definitions::Error),
     Release,
     Modify(Modified),
 }
 
-impl Verb {
+impl Disposition {
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Self::Accept => "accepted",
@@ -43,7 +43,7 @@ impl Verb {
 enum Command {
     Dispose {
         infos: Vec<DeliveryInfo>,
-        verb: Verb,
+        verb: Disposition,
         done: oneshot::Sender<Result<(), DispositionError>>,
     },
     /// Stop new deliveries (credit 0) and move what the client has buffered to the channel.
@@ -59,7 +59,7 @@ enum Command {
 /// The handle the source keeps.
 pub(crate) struct Link {
     commands: mpsc::UnboundedSender<Command>,
-    deliveries: tokio::sync::Mutex<mpsc::UnboundedReceiver<Result<Amqp10Message, RecvError>>>,
+    deliveries: tokio::sync::Mutex<mpsc::UnboundedReceiver<Result<Delivery, RecvError>>>,
 }
 
 /// The link's task ended (its receiver is gone).
@@ -83,7 +83,7 @@ impl Link {
         max: usize,
         wait: Duration,
         batch_wait: Duration,
-    ) -> Result<Vec<Amqp10Message>, Result<RecvError, Gone>> {
+    ) -> Result<Vec<Delivery>, Result<RecvError, Gone>> {
         let mut rx = self.deliveries.lock().await;
         let mut out = Vec::new();
         let mut limit = wait;
@@ -103,7 +103,7 @@ impl Link {
     pub(crate) async fn dispose(
         &self,
         infos: Vec<DeliveryInfo>,
-        verb: Verb,
+        verb: Disposition,
     ) -> Result<Result<(), DispositionError>, Gone> {
         if infos.is_empty() {
             return Ok(Ok(()));
@@ -138,7 +138,7 @@ impl Link {
             infos
         };
         let n = unfetched.len() as u64;
-        if let Ok(Err(e)) = self.dispose(unfetched, Verb::Release).await {
+        if let Ok(Err(e)) = self.dispose(unfetched, Disposition::Release).await {
             tracing::debug!(error = %e, "releasing unfetched deliveries failed; the broker redelivers them");
         }
         let (done, answer) = oneshot::channel();
@@ -171,7 +171,7 @@ async fn run(
     mut receiver: Receiver,
     window: u32,
     mut commands: mpsc::UnboundedReceiver<Command>,
-    deliveries: mpsc::UnboundedSender<Result<Amqp10Message, RecvError>>,
+    deliveries: mpsc::UnboundedSender<Result<Delivery, RecvError>>,
 ) {
     let mut credit = Credit { window, left: 0, unsettled: 0 };
     let mut receiving = true;
@@ -204,7 +204,7 @@ async fn run(
                         tokio::time::timeout(Duration::from_millis(5), receiver.recv::<Body<Value>>()).await
                     {
                         let (info, message) = d.into_parts();
-                        let _ = deliveries.send(Ok(Amqp10Message::new(info, message)));
+                        let _ = deliveries.send(Ok(Delivery::new(info, message)));
                     }
                     receiving = false;
                     credit.window = 0; // never grant again
@@ -232,7 +232,7 @@ async fn run(
                 }
                 let d = d.map(|delivery| {
                     let (info, message) = delivery.into_parts();
-                    Amqp10Message::new(info, message)
+                    Delivery::new(info, message)
                 });
                 if deliveries.send(d).is_err() || failed {
                     receiving = false;
@@ -245,12 +245,14 @@ async fn run(
 async fn dispose(
     receiver: &Receiver,
     infos: Vec<DeliveryInfo>,
-    verb: Verb,
+    verb: Disposition,
 ) -> Result<(), DispositionError> {
     match verb {
-        Verb::Accept => receiver.dispose_all(infos, Accepted {}).await,
-        Verb::Release => receiver.dispose_all(infos, Released {}).await,
-        Verb::Reject(error) => receiver.dispose_all(infos, Rejected { error: Some(error) }).await,
-        Verb::Modify(m) => receiver.dispose_all(infos, m).await,
+        Disposition::Accept => receiver.dispose_all(infos, Accepted {}).await,
+        Disposition::Release => receiver.dispose_all(infos, Released {}).await,
+        Disposition::Reject(error) => {
+            receiver.dispose_all(infos, Rejected { error: Some(error) }).await
+        }
+        Disposition::Modify(m) => receiver.dispose_all(infos, m).await,
     }
 }

@@ -1,4 +1,4 @@
-//! [`Amqp10Source`]: the driver's verbs on an AMQP 1.0 receiving link.
+//! [`Amqp10Source`]: the consumer's verbs on an AMQP 1.0 receiving link.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,17 +13,18 @@ use fe2o3_amqp::types::definitions::{
 };
 use fe2o3_amqp::types::messaging::{Body, Message, Modified, Outcome};
 
-use crate::link::{Gone, Link, Verb};
+use crate::link::{Disposition, Gone, Link};
 use fe2o3_amqp::link::receiver::CreditMode;
 use fe2o3_amqp::types::primitives::{Symbol, Value};
-use idem_core::driver::{Action, DeadLetter, Opening, Source, headers};
+use idem_core::consumer::{DeadLetter, Opening, Source, headers};
+use idem_core::engine::Verb;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::config::{Amqp10Config, DeadLetters};
 use crate::connect::{self, Endpoint};
+use crate::delivery::Delivery;
 use crate::error::{Error, bounded};
-use crate::message::Amqp10Message;
 use crate::servicebus::{self, Management, ServiceBusSettings};
 
 /// Which broker's verbs the source speaks beyond AMQP 1.0's own.
@@ -36,8 +37,8 @@ pub(crate) enum Dialect {
     ServiceBus(ServiceBusSettings),
 }
 
-/// An AMQP 1.0 receiving link as a driver [`Source`]: deliveries arrive unsettled (locked on
-/// Service Bus, unacknowledged on RabbitMQ) and are settled once the driver has decided.
+/// An AMQP 1.0 receiving link as a consumer [`Source`]: deliveries arrive unsettled (locked on
+/// Service Bus, unacknowledged on RabbitMQ) and are settled once the consumer has decided.
 /// Built by [`Amqp10Config`] or [`ServiceBusConfig`](crate::ServiceBusConfig).
 pub struct Amqp10Source {
     address: String,
@@ -221,13 +222,13 @@ impl Amqp10Source {
     /// elsewhere.
     async fn retry_now(&self, infos: Vec<DeliveryInfo>) -> Result<(), Error> {
         let verb = match self.dialect {
-            Dialect::ServiceBus(_) => Verb::Modify(abandon()),
-            Dialect::Generic => Verb::Release,
+            Dialect::ServiceBus(_) => Disposition::Modify(abandon()),
+            Dialect::Generic => Disposition::Release,
         };
         self.dispose(infos, verb).await
     }
 
-    async fn dispose(&self, infos: Vec<DeliveryInfo>, verb: Verb) -> Result<(), Error> {
+    async fn dispose(&self, infos: Vec<DeliveryInfo>, verb: Disposition) -> Result<(), Error> {
         let name = verb.name();
         match self.link.dispose(infos, verb).await {
             Ok(Ok(())) => Ok(()),
@@ -241,7 +242,7 @@ impl Amqp10Source {
     }
 
     /// Schedules a copy of each message `delay` from now, through `$management`.
-    async fn schedule(&self, items: &[(Amqp10Message, Duration)]) -> Result<(), Error> {
+    async fn schedule(&self, items: &[(Delivery, Duration)]) -> Result<(), Error> {
         let Some(mgmt) = &self.management else {
             return Err(Error::Management {
                 operation: "com.microsoft:schedule-message",
@@ -261,7 +262,7 @@ impl Amqp10Source {
         .await
     }
 
-    fn rejection(&self, msg: &Amqp10Message, reason: &str) -> definitions::Error {
+    fn rejection(&self, msg: &Delivery, reason: &str) -> definitions::Error {
         let dl = self
             .rejects
             .lock()
@@ -284,7 +285,7 @@ impl Amqp10Source {
         }
     }
 
-    fn copy(&self, msg: &Amqp10Message, dl: &DeadLetter) -> Message<Body<Value>> {
+    fn copy(&self, msg: &Delivery, dl: &DeadLetter) -> Message<Body<Value>> {
         msg.copy_with(dl.headers().into_iter().chain([
             (headers::SOURCE, self.address.clone()),
             (headers::DELIVERED, (msg.delivery_count() + 1).to_string()),
@@ -313,12 +314,12 @@ fn abandon() -> Modified {
 }
 
 impl Source for Amqp10Source {
-    type Message = Amqp10Message;
+    type Delivery = Delivery;
     type Error = Error;
 
     /// # Cancel safety
     /// Cancel safe: fe2o3's `recv` is, and a delivery is owned by the batch once received.
-    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Amqp10Message>, Error> {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         self.retry_now(self.take_held(false)).await?;
         let wait = match self.next_held() {
             Some(at) => wait.min(at.saturating_duration_since(Instant::now())),
@@ -335,7 +336,7 @@ impl Source for Amqp10Source {
         error.is_fatal()
     }
 
-    async fn keep_alive<'a>(&'a self, batch: &'a [Amqp10Message]) {
+    async fn keep_alive<'a>(&'a self, batch: &'a [Delivery]) {
         let (Dialect::ServiceBus(sb), Some(mgmt)) = (&self.dialect, &self.management) else {
             return std::future::pending().await;
         };
@@ -357,7 +358,7 @@ impl Source for Amqp10Source {
         }
     }
 
-    fn give_up(&self, msg: &Amqp10Message) -> Option<String> {
+    fn give_up(&self, msg: &Delivery) -> Option<String> {
         let Dialect::ServiceBus(sb) = &self.dialect else { return None };
         let delivery = msg.delivery_count().saturating_add(1);
         (delivery >= sb.max_delivery_count).then(|| {
@@ -370,7 +371,7 @@ impl Source for Amqp10Source {
 
     async fn dead_letter<'a>(
         &'a self,
-        items: &'a [(&'a Amqp10Message, DeadLetter)],
+        items: &'a [(&'a Delivery, DeadLetter)],
     ) -> Vec<Result<(), Error>> {
         let Some((address, dlq)) = &self.dlq else {
             // The broker dead-letters on `rejected`, in the same step as the removal.
@@ -397,34 +398,34 @@ impl Source for Amqp10Source {
         out
     }
 
-    async fn settle(&self, items: Vec<(Amqp10Message, Action)>) -> Result<u64, Error> {
+    async fn settle(&self, items: Vec<(Delivery, Verb)>) -> Result<u64, Error> {
         let mut accept = Vec::new();
         let mut release = Vec::new();
         let mut retry = Vec::new();
         let mut scheduled = Vec::new();
         let now = Instant::now();
-        for (msg, action) in items {
-            match action {
-                Action::Ack => accept.push(msg.info().clone()),
-                Action::DeadLettered { reason } => {
+        for (msg, verb) in items {
+            match verb {
+                Verb::Ack => accept.push(msg.info().clone()),
+                Verb::DeadLetter { reason } => {
                     if self.dlq.is_some() {
                         accept.push(msg.info().clone());
                     } else {
                         let error = self.rejection(&msg, &reason);
-                        self.dispose(vec![msg.info().clone()], Verb::Reject(error)).await?;
+                        self.dispose(vec![msg.info().clone()], Disposition::Reject(error)).await?;
                     }
                 }
-                Action::Retry { after: Some(after) } if !after.is_zero() && self.schedules() => {
+                Verb::Retry { after: Some(after) } if !after.is_zero() && self.schedules() => {
                     scheduled.push((msg, after.clamp(self.retry_delay.0, self.retry_delay.1)));
                 }
-                Action::Retry { after: Some(after) } if !after.is_zero() => {
+                Verb::Retry { after: Some(after) } if !after.is_zero() => {
                     let delay = after.clamp(self.retry_delay.0, self.retry_delay.1);
                     self.held
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .push((now + delay, msg.info().clone()));
                 }
-                Action::Retry { .. } => retry.push(msg.info().clone()),
+                Verb::Retry { .. } => retry.push(msg.info().clone()),
                 _ => release.push(msg.info().clone()),
             }
         }
@@ -438,13 +439,13 @@ impl Source for Amqp10Source {
                 }
             }
         }
-        self.dispose(accept, Verb::Accept).await?;
+        self.dispose(accept, Disposition::Accept).await?;
         self.retry_now(retry).await?;
-        self.dispose(release, Verb::Release).await?;
+        self.dispose(release, Disposition::Release).await?;
         Ok(0)
     }
 
-    /// Gives back held retries and what the link received but the driver never fetched, then
+    /// Gives back held retries and what the link received but the consumer never fetched, then
     /// closes the links, the session and the connection, each bounded (a peer that never
     /// answers a close does not hold the shutdown).
     async fn close(&self) -> Result<u64, Error> {

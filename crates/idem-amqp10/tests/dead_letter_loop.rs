@@ -12,7 +12,7 @@ use fe2o3_amqp::types::primitives::Value;
 use fe2o3_amqp::{Connection, Receiver, Sender, Session};
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Error, fe2o3_amqp};
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::BuildError;
 
 /// Opens a two-phase consumer over `config`; the source's error when it refuses.
 async fn open(config: Amqp10Config) -> Result<(), Error> {
@@ -22,7 +22,7 @@ async fn open(config: Amqp10Config) -> Result<(), Error> {
             consumer.close().await.unwrap();
             Ok(())
         }
-        Err(DriverError::Open(e)) => Err(e),
+        Err(BuildError::Open(e)) => Err(e),
         Err(other) => panic!("expected the source to open or refuse: {other}"),
     }
 }

@@ -1,6 +1,7 @@
 //! The broker-source conformance suite on RabbitMQ's AMQP 1.0 plugin: every mode through the
 //! same builder calls (two-phase over a store; SQLite, PostgreSQL and MariaDB inboxes), each
-//! on a queue of its own, dead letters copied to an address.
+//! on a queue of its own, dead letters copied to an address; and the crash suite (abort between
+//! commit and `accepted`, SIGKILL and a dropped connection mid-handler) in both modes.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10Source, DeadLetters};
+use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 struct Harness(Broker);
@@ -47,6 +49,20 @@ impl SourceHarness for Harness {
     }
 }
 
-idem_testkit::source_conformance!(|name: &'static str| async move {
+impl CrashHarness for Harness {
+    fn spec(&self) -> String {
+        self.0.name.clone()
+    }
+
+    fn attach(name: &str) -> BoxFuture<'static, Self> {
+        let name = name.to_owned();
+        Box::pin(async move { Harness(Broker::attach(&name).await) })
+    }
+}
+
+async fn harness(name: &str) -> Option<Harness> {
     Broker::new(&name.replace('_', "-")).await.map(Harness)
-});
+}
+
+idem_testkit::source_conformance!(harness);
+idem_testkit::crash_conformance!(Harness, harness);

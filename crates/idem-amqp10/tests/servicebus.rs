@@ -22,11 +22,11 @@ use fe2o3_amqp::types::messaging::{
 };
 use fe2o3_amqp::types::primitives::{Binary, SimpleValue, Symbol, Value};
 use idem_amqp10::{
-    Amqp10Consumer, Amqp10Message, ServiceBus, ServiceBusConfig, SessionFilter, fe2o3_amqp,
+    Amqp10Consumer, Delivery, Error, ServiceBus, ServiceBusConfig, SessionFilter, fe2o3_amqp,
 };
 use idem_core::MemoryStore;
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::driver::Report;
+use idem_core::consumer::Report;
+use idem_core::engine::{Context, HandlerError};
 use tokio::sync::{Notify, mpsc};
 
 const QUEUE: &str = "orders";
@@ -234,7 +234,7 @@ async fn outcome(
     loop {
         let handler = {
             let flaky = Arc::clone(flaky);
-            move |_: Context, _: Amqp10Message| {
+            move |_: Context, _: Delivery| {
                 let fail = flaky.swap(false, Ordering::SeqCst);
                 async move {
                     if fail {
@@ -330,7 +330,7 @@ async fn locks_are_renewed_while_a_handler_outlives_them() {
     let lock = uuid::Uuid::from_u128(0x1234_5678_9abc_def0_1122_3344_5566_7788);
     p.send.send(message("slow", "{}", 0, lock)).unwrap();
     // The handler finishes only after the peer has seen two renewals (≈ 1 s, past the lock).
-    let handler = move |_: Context, _: Amqp10Message| {
+    let handler = move |_: Context, _: Delivery| {
         let renewed = Arc::clone(&renewed);
         async move {
             renewed.notified().await;
@@ -378,7 +378,7 @@ async fn a_session_consumer_asks_for_its_session_and_renews_its_lock() {
     assert_eq!(filter, Some(Value::String("customer-42".into())));
     assert_eq!(c.source().session_id(), Some("customer-42"));
     p.send.send(message("s-1", "{}", 0, uuid::Uuid::from_u128(1))).unwrap();
-    let handler = move |_: Context, _: Amqp10Message| {
+    let handler = move |_: Context, _: Delivery| {
         let renewed = Arc::clone(&renewed);
         async move {
             renewed.notified().await;
@@ -415,8 +415,10 @@ async fn retention_must_cover_lock_duration_times_max_delivery_count() {
         .await
         .map(|_| ())
         .unwrap_err();
-    let text = format!("{err:?}");
-    assert!(text.contains("RetentionTooShort") && text.contains("MaxDeliveryCount 10"), "{text}");
+    let idem_core::consumer::BuildError::Open(e @ Error::Retention(_)) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(e.to_string().contains("10 deliveries × 1d"), "{e}");
 }
 
 /// Against a real namespace when `IDEM_TEST_SERVICEBUS_CONNECTION` (with `EntityPath`, a queue
@@ -435,7 +437,7 @@ async fn real_service_bus_when_configured() {
         .await
         .unwrap();
     let r = c
-        .poll(|_: Context, _: Amqp10Message| async { Ok::<_, HandlerError<String>>(()) })
+        .poll(|_: Context, _: Delivery| async { Ok::<_, HandlerError<String>>(()) })
         .await
         .unwrap();
     println!("real Service Bus: {r}");

@@ -8,9 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::Broker;
-use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, Error, Tls};
-use idem_core::consumer::{Context, HandlerError};
-use idem_core::{MemoryStore, driver};
+use idem_amqp10::{Amqp10Config, Amqp10Consumer, Delivery, Error, Tls};
+use idem_core::engine::{Context, HandlerError};
+use idem_core::{MemoryStore, consumer};
 use idem_testkit::tls::{Pki, WRONG_HOST};
 
 fn tls_url() -> Option<(String, Pki)> {
@@ -22,11 +22,13 @@ fn tls_url() -> Option<(String, Pki)> {
     Some((url, Pki::require()?))
 }
 
-async fn ok(_: Context, _: Amqp10Message) -> Result<(), HandlerError<String>> {
+async fn ok(_: Context, _: Delivery) -> Result<(), HandlerError<String>> {
     Ok(())
 }
 
-async fn open(config: Amqp10Config) -> Result<Amqp10Consumer<MemoryStore>, driver::Error<Error>> {
+async fn open(
+    config: Amqp10Config,
+) -> Result<Amqp10Consumer<MemoryStore>, consumer::BuildError<Error>> {
     let building = Amqp10Consumer::builder(config)
         .idle_wait(Duration::from_millis(200))
         .store(MemoryStore::new())
@@ -42,7 +44,7 @@ fn with_host(url: &str, host: &str) -> String {
 }
 
 /// Whether `e` is a refused TLS handshake (not a timeout, not some other failure).
-fn is_tls_refusal(e: &driver::Error<Error>) -> bool {
+fn is_tls_refusal(e: &consumer::BuildError<Error>) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(s) = source {
         if matches!(s.downcast_ref::<Error>(), Some(Error::Tls { .. })) {
@@ -61,7 +63,7 @@ async fn a_consumer_with_our_ca_receives_over_a_verified_session() {
     let tls = Tls::new().ca_pem(&pki.read(&pki.ca())).unwrap().only_given_cas();
     let c = open(Amqp10Config::new(url, b.address()).tls(tls)).await.expect("verified TLS");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut total = driver::Report::default();
+    let mut total = consumer::Report::default();
     while total.processed < 1 {
         assert!(tokio::time::Instant::now() < deadline, "not received: {total}");
         total += c.poll(ok).await.unwrap();

@@ -10,23 +10,25 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::Broker;
-use idem_amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters, Error};
-use idem_core::consumer::{Context, HandlerError};
+use idem_amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, Error};
+use idem_core::MemoryStore;
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::CloudEvents;
-use idem_core::{Consumer, MemoryStore};
 use idem_testkit::wait_for;
 
 type C = Amqp10Consumer<MemoryStore>;
 
-async fn consumer(config: Amqp10Config, engine: Option<Consumer<MemoryStore>>) -> C {
-    let b = Amqp10Consumer::builder(config).idle_wait(Duration::from_millis(200));
-    match engine {
-        Some(e) => b.engine(e).build().await.unwrap(),
-        None => b.store(MemoryStore::new()).scope("verbs").build().await.unwrap(),
-    }
+async fn consumer(config: Amqp10Config) -> C {
+    Amqp10Consumer::builder(config)
+        .idle_wait(Duration::from_millis(200))
+        .store(MemoryStore::new())
+        .scope("verbs")
+        .build()
+        .await
+        .unwrap()
 }
 
-async fn ok(_: Context, _: Amqp10Message) -> Result<(), HandlerError<String>> {
+async fn ok(_: Context, _: Delivery) -> Result<(), HandlerError<String>> {
     Ok(())
 }
 
@@ -34,13 +36,13 @@ async fn ok(_: Context, _: Amqp10Message) -> Result<(), HandlerError<String>> {
 async fn poll_until<F, Fut>(
     c: &C,
     handler: F,
-    done: impl Fn(&idem_core::driver::Report) -> bool,
-) -> idem_core::driver::Report
+    done: impl Fn(&idem_core::consumer::Report) -> bool,
+) -> idem_core::consumer::Report
 where
-    F: Fn(Context, Amqp10Message) -> Fut + Sync + Clone,
+    F: Fn(Context, Delivery) -> Fut + Sync + Clone,
     Fut: std::future::Future<Output = Result<(), HandlerError<String>>> + Send,
 {
-    let mut total = idem_core::driver::Report::default();
+    let mut total = idem_core::consumer::Report::default();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !done(&total) {
         assert!(tokio::time::Instant::now() < deadline, "not reached: {total}");
@@ -55,7 +57,7 @@ async fn message_id_is_the_key_and_accepted_removes() {
     for id in ["o-1", "o-2", "o-1"] {
         b.publish(Some(id), br#"{"n":1}"#, &[]).await;
     }
-    let c = consumer(Amqp10Config::new(b.url.clone(), b.address()), None).await;
+    let c = consumer(Amqp10Config::new(b.url.clone(), b.address())).await;
     let r = poll_until(&c, ok, |r| r.processed + r.duplicates == 3).await;
     assert_eq!((r.processed, r.duplicates, r.acked), (2, 1, 3), "{r}");
     c.close().await.unwrap();
@@ -73,12 +75,14 @@ async fn cloud_events_binding_gives_the_key() {
     ];
     b.publish(None, b"{}", &attrs).await;
     b.publish(None, b"{}", &attrs).await;
-    let engine = Consumer::builder(MemoryStore::new())
+    let c = Amqp10Consumer::builder(Amqp10Config::new(b.url.clone(), b.address()))
+        .idle_wait(Duration::from_millis(200))
+        .store(MemoryStore::new())
         .scope("ce")
         .key(CloudEvents::default())
         .build()
+        .await
         .unwrap();
-    let c = consumer(Amqp10Config::new(b.url.clone(), b.address()), Some(engine)).await;
     let r = poll_until(&c, ok, |r| r.processed + r.duplicates == 2).await;
     assert_eq!((r.processed, r.duplicates), (1, 1), "{r}");
     c.close().await.unwrap();
@@ -89,9 +93,9 @@ async fn cloud_events_binding_gives_the_key() {
 async fn released_redelivers_a_transient_failure() {
     let Some(b) = Broker::new("release").await else { return };
     b.publish(Some("o-1"), b"{}", &[]).await;
-    let c = consumer(Amqp10Config::new(b.url.clone(), b.address()), None).await;
+    let c = consumer(Amqp10Config::new(b.url.clone(), b.address())).await;
     let failed_once = std::sync::Arc::new(AtomicBool::new(false));
-    let handler = move |_: Context, _: Amqp10Message| {
+    let handler = move |_: Context, _: Delivery| {
         let first = !failed_once.swap(true, Ordering::SeqCst);
         async move { if first { Err(HandlerError::Transient("flaky".to_owned())) } else { Ok(()) } }
     };
@@ -108,7 +112,7 @@ async fn rejected_goes_to_the_queues_dead_letter_exchange() {
     b.publish(Some("o-1"), br#"{"n":1}"#, &[]).await;
     b.publish(Some("o-1"), br#"{"n":2}"#, &[]).await; // reused id, other content
     let config = Amqp10Config::new(b.url.clone(), b.address()).dead_letters(DeadLetters::Reject);
-    let c = consumer(config, None).await;
+    let c = consumer(config).await;
     let r = poll_until(&c, ok, |r| r.processed + r.conflicts == 2).await;
     assert_eq!((r.processed, r.conflicts, r.dead_lettered), (1, 1, 1), "{r}");
     c.close().await.unwrap();

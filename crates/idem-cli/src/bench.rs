@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Message;
 use idem::sqlite::SqliteStore;
-use idem::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome};
+use idem::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -237,7 +237,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .await?,
     );
     let consumer =
-        Consumer::builder(store.clone()).scope("engine").lease(lease).retain(keep).build()?;
+        Engine::builder(store.clone()).scope("engine").lease(lease).retain(keep).build()?;
     rows.push(
         timed(
             "idem: Consumer::process end to end (no-op handler), 1 task".into(),

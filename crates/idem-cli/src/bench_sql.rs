@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem::postgres::Mark;
-use idem::{BatchConfig, Batched, Claim, ClaimRequest, DedupKey, DedupStore};
+use idem::{BatchConfig, Batched, Claim, ClaimRequest, DedupKey, DedupStore, TxInbox as _};
 use idem::{MySqlStore, PostgresStore};
 
 /// Settings of a SQL benchmark run.
@@ -303,7 +302,10 @@ async fn postgres(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
                 async move {
                     let mut tx = p.begin().await?;
                     let key = DedupKey::new(&run, format!("m-{i}"))?;
-                    anyhow::ensure!(ib.mark(&mut tx, &key, None).await? == Mark::First);
+                    anyhow::ensure!(matches!(
+                        ib.mark(&mut tx, &key, None).await?,
+                        Claim::Acquired(_)
+                    ));
                     sqlx::query(sqlx::AssertSqlSafe(ord)).bind("x").execute(&mut *tx).await?;
                     tx.commit().await?;
                     Ok(())
@@ -409,7 +411,10 @@ async fn mysql(args: &BenchSqlArgs) -> anyhow::Result<Vec<Row>> {
                 async move {
                     let mut tx = p.begin().await?;
                     let key = DedupKey::new(&run, format!("m-{i}"))?;
-                    anyhow::ensure!(ib.mark(&mut tx, &key, None).await? == Mark::First);
+                    anyhow::ensure!(matches!(
+                        ib.mark(&mut tx, &key, None).await?,
+                        Claim::Acquired(_)
+                    ));
                     sqlx::query(sqlx::AssertSqlSafe(ord)).bind("x").execute(&mut *tx).await?;
                     tx.commit().await?;
                     Ok(())

@@ -2,7 +2,7 @@
 //!
 //! A job is keyed by what it covers — its name and its run period, such as
 //! `("nightly-invoices", "2026-12-02")` — never by when it was started. It runs on the
-//! [`Consumer`] engine with no payload: the first run claims the period under a lease, runs and
+//! [`Engine`] with no payload: the first run claims the period under a lease, runs and
 //! completes it; a later run of the same period gets the stored result back; an overlapping run
 //! waits or skips ([`Overlap`]); a crashed run's lease runs out and the next run takes over with
 //! `attempt + 1`.
@@ -13,9 +13,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::consumer::{ConfigError, Context, HandlerError};
+use crate::engine::{ConfigError, Context, HandlerError};
 use crate::extract::Message;
-use crate::{Consumer, DedupStore, FingerprintSpec, Outcome};
+use crate::{DedupStore, Engine, FingerprintSpec, Outcome};
 
 /// What a run does when another run of the same period holds the lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +38,7 @@ pub enum Overlap {
 /// A job that runs at most once per period.
 ///
 /// ```
-/// use idem_core::{MemoryStore, Outcome, consumer::HandlerError, job::Job};
+/// use idem_core::{MemoryStore, Outcome, engine::HandlerError, job::Job};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let job = Job::builder(MemoryStore::new(), "nightly-invoices").build()?;
@@ -50,7 +50,7 @@ pub enum Overlap {
 /// ```
 #[derive(Debug)]
 pub struct Job<S> {
-    consumer: Consumer<S>,
+    engine: Engine<S>,
     overlap: Overlap,
 }
 
@@ -58,7 +58,7 @@ impl<S: DedupStore> Job<S> {
     /// A builder for the job `name` (its scope in the store) over `store`.
     pub fn builder(store: S, name: impl Into<String>) -> JobBuilder<S> {
         JobBuilder {
-            inner: Consumer::builder(store)
+            inner: Engine::builder(store)
                 .scope(name)
                 .fingerprint(FingerprintSpec::None)
                 .lease(Duration::from_secs(300))
@@ -69,7 +69,7 @@ impl<S: DedupStore> Job<S> {
 
     /// The job's name.
     pub fn name(&self) -> &str {
-        self.consumer.scope()
+        self.engine.scope()
     }
 
     /// Runs the job for `period` unless that period already ran.
@@ -83,6 +83,10 @@ impl<S: DedupStore> Job<S> {
     ///
     /// The handler's [`Context`] carries the attempt number, whether it took over a crashed run
     /// ([`Context::took_over_expired`]) and a downstream idempotency key for external calls.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped after its claim, the period stays in progress until the lease
+    /// runs out, and the next run then takes it over.
     pub async fn run<T, E, F, Fut>(&self, period: &str, handler: F) -> Outcome<T, E>
     where
         T: Serialize + DeserializeOwned,
@@ -100,7 +104,7 @@ impl<S: DedupStore> Job<S> {
         let mut handler = Some(handler);
         loop {
             let outcome = self
-                .consumer
+                .engine
                 .process(&msg, |ctx| match handler.take() {
                     Some(h) => h(ctx),
                     None => unreachable!("the handler runs once: acquiring ends the loop"),
@@ -127,7 +131,7 @@ impl<S: DedupStore> Job<S> {
 /// Builds a [`Job`]. Defaults: lease 5 minutes, retention 90 days, [`Overlap::Skip`].
 #[must_use]
 pub struct JobBuilder<S> {
-    inner: crate::consumer::ConsumerBuilder<S>,
+    inner: crate::engine::EngineBuilder<S>,
     overlap: Overlap,
 }
 
@@ -163,6 +167,6 @@ impl<S: DedupStore> JobBuilder<S> {
     /// # Errors
     /// [`ConfigError`] for an invalid name or a zero lease or retention.
     pub fn build(self) -> Result<Job<S>, ConfigError> {
-        Ok(Job { consumer: self.inner.build()?, overlap: self.overlap })
+        Ok(Job { engine: self.inner.build()?, overlap: self.overlap })
     }
 }

@@ -4,8 +4,12 @@
 //! - [`Fingerprint`]: same key with different content is a conflict, never a duplicate.
 //! - [`DedupStore`]: the store contract (atomic claims, fenced leases, store clock, retention),
 //!   with [`MemoryStore`] as its reference implementation.
-//! - [`Consumer`]: the engine that turns every delivery into exactly one [`Outcome`].
-//! - [`RetentionWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
+//! - [`Engine`]: every decision about a delivery, written once: it turns each delivery into
+//!   exactly one [`Outcome`], over a [`DedupStore`] (two-phase) or a transactional
+//!   [`inbox`] whose marker commits with the handler's writes.
+//! - [`Consumer`]: a broker consumer made idempotent, the loop written once for every broker
+//!   ([`consumer::Source`] is what an adapter implements).
+//! - [`RedeliveryWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
 //! - [`redact`]: addresses and connection strings shown without their secrets.
@@ -17,10 +21,11 @@ pub mod batched;
 pub mod claim;
 pub mod consumer;
 pub mod decide;
-pub mod driver;
+pub mod engine;
 pub mod extract;
 pub mod fingerprint;
 pub mod ident;
+pub mod inbox;
 pub mod job;
 pub mod key;
 pub mod memory;
@@ -35,14 +40,15 @@ pub mod version;
 
 pub use batched::{BatchConfig, Batched};
 pub use claim::{Claim, ClaimRequest, FailKind, Lease};
-pub use consumer::{Backend, Consumer, Outcome, OutcomeKind};
-pub use driver::Driver;
+pub use consumer::Consumer;
+pub use engine::{Backend, Engine, Handler, HandlerError, Outcome, OutcomeKind};
 pub use fingerprint::{Fingerprint, FingerprintSpec};
 pub use ident::{Identifier, IdentifierError};
+pub use inbox::{Inbox, Tx, TxInbox};
 pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
 pub use memory::MemoryStore;
 pub use record::{Record, RecordState};
-pub use retention::RetentionWindow;
+pub use retention::RedeliveryWindow;
 pub use store::{Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError};
 pub use telemetry::describe_metrics;
 pub use time::Timestamp;

@@ -105,6 +105,36 @@ pub struct Record {
 }
 
 impl Record {
+    /// A business row that is its own marker (an entity keyed by the message's key), as a
+    /// completed record: its key and the fingerprint it was written with. Its times are not
+    /// known (zero), and it carries no result.
+    ///
+    /// ```
+    /// use idem_core::{DedupKey, Record, RecordState};
+    ///
+    /// let rec = Record::entity(&DedupKey::new("orders", "o-1")?, None);
+    /// assert_eq!((rec.state, rec.id.as_str()), (RecordState::Completed, "o-1"));
+    /// # Ok::<(), idem_core::KeyError>(())
+    /// ```
+    pub fn entity(key: &crate::DedupKey, fingerprint: Option<Fingerprint>) -> Self {
+        let never = Timestamp::from_micros(0);
+        Self {
+            key_hash: key.hash(),
+            scope: key.scope().to_owned(),
+            id: key.id().to_owned(),
+            state: RecordState::Completed,
+            fingerprint,
+            result: None,
+            attempt: 1,
+            token: 0,
+            previous: None,
+            created_at: never,
+            updated_at: never,
+            lease_until: None,
+            expires_at: never,
+        }
+    }
+
     /// Whether a live lease holds this record at `now`.
     pub fn is_leased_at(&self, now: Timestamp) -> bool {
         self.state == RecordState::InProgress && self.lease_until.is_some_and(|u| u > now)

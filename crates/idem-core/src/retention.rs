@@ -12,9 +12,9 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_core::RetentionWindow;
+/// use idem_core::RedeliveryWindow;
 ///
-/// let w = RetentionWindow::new(10, Duration::from_secs(300))
+/// let w = RedeliveryWindow::new(10, Duration::from_secs(300))
 ///     .message_ttl(Duration::from_secs(3600))
 ///     .dead_letter_allowance(Duration::from_secs(86_400));
 /// assert_eq!(w.minimum(), Duration::from_secs(10 * 300 + 3600 + 86_400));
@@ -24,14 +24,14 @@ use std::time::Duration;
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
-pub struct RetentionWindow {
+pub struct RedeliveryWindow {
     max_deliveries: u32,
     redelivery_timeout: Duration,
     message_ttl: Duration,
     dead_letter_allowance: Duration,
 }
 
-impl RetentionWindow {
+impl RedeliveryWindow {
     /// A window for a broker that delivers at most `max_deliveries` times, redelivering after
     /// `redelivery_timeout` (lock duration, visibility timeout, ack wait).
     pub fn new(max_deliveries: u32, redelivery_timeout: Duration) -> Self {
@@ -75,18 +75,39 @@ impl RetentionWindow {
     }
 }
 
-/// A configured retention shorter than the redelivery window.
+/// A configured retention shorter than the redelivery window. Its message shows the window's
+/// arithmetic, leaving out the terms that are zero for the broker.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "retention {} is shorter than the redelivery window {} = {} deliveries × {} (redelivery timeout) + {} (message TTL) + {} (dead-letter allowance); records would be purged while duplicates can still arrive",
-    human(*retention), human(window.minimum()), window.max_deliveries,
-    human(window.redelivery_timeout), human(window.message_ttl), human(window.dead_letter_allowance)
-)]
 pub struct RetentionTooShort {
     /// The retention that was configured.
     pub retention: Duration,
     /// The window it must cover.
-    pub window: RetentionWindow,
+    pub window: RedeliveryWindow,
+}
+
+impl fmt::Display for RetentionTooShort {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let w = &self.window;
+        let (retention, minimum) = (human(self.retention), human(w.minimum()));
+        write!(f, "retention {retention} is shorter than the redelivery window {minimum}")?;
+        let mut terms = Vec::new();
+        if w.max_deliveries > 0 && !w.redelivery_timeout.is_zero() {
+            let n = w.max_deliveries;
+            let unit = if n == 1 { "delivery" } else { "deliveries" };
+            let timeout = human(w.redelivery_timeout);
+            terms.push(format!("{n} {unit} × {timeout} (redelivery timeout)"));
+        }
+        if !w.message_ttl.is_zero() {
+            terms.push(format!("{} (message TTL)", human(w.message_ttl)));
+        }
+        if !w.dead_letter_allowance.is_zero() {
+            terms.push(format!("{} (dead-letter allowance)", human(w.dead_letter_allowance)));
+        }
+        if !terms.is_empty() {
+            write!(f, " = {}", terms.join(" + "))?;
+        }
+        f.write_str("; records would be purged while duplicates can still arrive")
+    }
 }
 
 /// Formats a duration as `1d 2h 3m 4s` (zero parts omitted; sub-second values in ms).
@@ -126,7 +147,7 @@ mod tests {
 
     #[test]
     fn shows_the_arithmetic() {
-        let w = RetentionWindow::new(5, Duration::from_secs(60))
+        let w = RedeliveryWindow::new(5, Duration::from_secs(60))
             .message_ttl(Duration::from_secs(600))
             .dead_letter_allowance(Duration::from_secs(3600));
         assert_eq!(w.minimum(), Duration::from_secs(300 + 600 + 3600));
@@ -137,6 +158,21 @@ mod tests {
         );
         assert!(w.check(w.minimum()).is_ok());
         assert!(w.check(w.minimum() - Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn leaves_out_the_terms_a_broker_does_not_have() {
+        // Kafka: only the topic's retention; a generic AMQP 1.0 queue: one redelivery.
+        let topic =
+            RedeliveryWindow::new(0, Duration::ZERO).message_ttl(Duration::from_secs(7 * 86_400));
+        let msg = topic.check(Duration::from_secs(86_400)).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "retention 1d is shorter than the redelivery window 7d = 7d (message TTL); records would be purged while duplicates can still arrive"
+        );
+        let once = RedeliveryWindow::new(1, Duration::from_secs(600));
+        let msg = once.check(Duration::from_secs(60)).unwrap_err().to_string();
+        assert!(msg.contains("= 1 delivery × 10m (redelivery timeout);"), "{msg}");
     }
 
     #[test]

@@ -125,7 +125,7 @@ impl StoreError {
 ///
 /// `MemoryStore` is the reference implementation; the conformance suite in `idem-testkit` checks
 /// every store against this contract.
-pub trait DedupStore: Send + Sync {
+pub trait DedupStore: Send + Sync + 'static {
     /// Atomically claims a key.
     ///
     /// # Errors

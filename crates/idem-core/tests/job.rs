@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::{Context, HandlerError};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::job::{Job, Overlap};
 use idem_core::time::TokioClock;
 use idem_core::{MemoryStore, Outcome};

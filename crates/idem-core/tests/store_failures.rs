@@ -6,9 +6,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Error, MemoryQueue};
-use idem_core::{Claim, ClaimRequest, DedupStore, Driver, FailKind, Lease, StoreError};
+use idem_core::consumer::{BuildError, MemoryQueue};
+use idem_core::engine::HandlerError;
+use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FailKind, Lease, StoreError};
 
 const MISSING: &str = "relation \"shop\".\"idem_records\" does not exist";
 
@@ -58,13 +58,13 @@ impl DedupStore for Unmigrated {
 
 #[tokio::test]
 async fn the_builder_refuses_a_store_whose_check_fails_and_names_the_migration() {
-    let e = Driver::builder(MemoryQueue::new())
+    let e = Consumer::builder(MemoryQueue::new())
         .store(Unmigrated { checked: true })
         .scope("billing")
         .build()
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::Store(StoreError::NotMigrated { .. })), "{e:?}");
+    assert!(matches!(e, BuildError::Store(StoreError::NotMigrated { .. })), "{e:?}");
     assert_eq!(
         e.to_string(),
         "the store is not ready: table \"shop\".\"idem_records\" does not exist: run \
@@ -101,7 +101,7 @@ async fn a_batch_failing_on_the_store_reports_the_first_error_and_warns() {
     for id in ["o-1", "o-2", "o-3"] {
         q.push(id, "{}");
     }
-    let c = Driver::builder(q.clone())
+    let c = Consumer::builder(q.clone())
         .store(Unmigrated { checked: false })
         .scope("billing")
         .idle_wait(Duration::from_millis(20))
@@ -123,8 +123,8 @@ async fn a_batch_failing_on_the_store_reports_the_first_error_and_warns() {
     );
 
     // Summed over a run, the first error stays.
-    let mut total = idem_core::driver::Report::default();
+    let mut total = idem_core::consumer::Report::default();
     total += report.clone();
-    total += idem_core::driver::Report::default();
+    total += idem_core::consumer::Report::default();
     assert_eq!(total.first_store_error, report.first_store_error);
 }

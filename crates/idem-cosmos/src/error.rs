@@ -34,9 +34,6 @@ pub enum Error {
         /// The path as given.
         path: String,
     },
-    /// The handler's batch context was used after its batch was committed or abandoned.
-    #[error("the batch of this delivery is already committed or abandoned")]
-    BatchClosed,
     /// A batch failed on a document that exists already (409) while the dedup marker did not:
     /// the entity was written by something other than this consumer. Nothing was committed.
     #[error(

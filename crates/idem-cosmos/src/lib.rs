@@ -5,12 +5,12 @@
 //!
 //! - [`CosmosMarker`] — **the entity is the marker.** The order document itself (`id` = order
 //!   id, container partitioned by `/orderId`) is created once; a 409 Conflict means it exists:
-//!   the stored request fingerprint is compared, and the delivery is a
-//!   [`MarkerOutcome::Duplicate`] or a [`MarkerOutcome::Conflict`].
+//!   the stored request fingerprint is compared, and the answer is a [`Claim`](idem_core::Claim)
+//!   like every store's: completed (a duplicate) or a conflict.
 //! - [`CosmosInbox`] — **marker and business documents in one transactional batch** (one
 //!   partition key). A 409 on the batch is a duplicate; nothing of a failed handler is written.
-//!   It is a consumer [`Backend`](idem_core::Backend): broker adapters drive it like the SQL
-//!   inboxes.
+//!   It is an [`idem_core::TxInbox`]: `Consumer::builder(source).inbox(inbox)` drives it like
+//!   the SQL inboxes, and the handler writes through its `Tx<CosmosInbox>` ([`BatchDocs`]).
 //! - [`CosmosStore`] — the two-phase [`DedupStore`](idem_core::DedupStore) (claim under a
 //!   lease, run, complete), fenced by ETag-conditional replaces, retention as the per-item
 //!   `ttl`. For handlers whose effects are not Cosmos DB documents.
@@ -44,7 +44,7 @@ mod throttle;
 pub use azure_data_cosmos;
 pub use error::Error;
 pub use inbox::{BatchDocs, CosmosInbox};
-pub use marker::{CosmosMarker, DEFAULT_FINGERPRINT_FIELD, MarkerOutcome};
+pub use marker::{CosmosMarker, DEFAULT_FINGERPRINT_FIELD};
 pub use store::{CosmosStore, MAX_RESULT_BYTES};
 pub use throttle::ThrottlePolicy;
 

@@ -1,7 +1,7 @@
 //! Entity as marker: create the business document once; a 409 means it was done before.
 
 use azure_data_cosmos::clients::ContainerClient;
-use idem_core::Fingerprint;
+use idem_core::{Claim, DedupKey, Fingerprint, Lease, Record, Timestamp};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -16,52 +16,37 @@ pub const DEFAULT_FINGERPRINT_FIELD: &str = "idemFingerprint";
 /// again.
 const ROUNDS: u32 = 4;
 
-/// What became of [`CosmosMarker::create_once`].
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-#[must_use = "a duplicate must be acknowledged without effect and a conflict alerted on"]
-pub enum MarkerOutcome {
-    /// The document was created: this is the first delivery. Do the rest of the work, then
-    /// acknowledge.
-    Created,
-    /// The document existed with the same fingerprint (or the same immutable fields): a
-    /// duplicate. Acknowledge without doing anything. Carries the stored document.
-    Duplicate(Value),
-    /// The document existed with a different fingerprint (or different immutable fields):
-    /// the id was reused for other content. Dead-letter and alert.
-    Conflict {
-        /// The stored document.
-        stored: Value,
-        /// Its stored fingerprint, if it has one.
-        stored_fingerprint: Option<Fingerprint>,
-        /// The fingerprint of this delivery.
-        incoming: Option<Fingerprint>,
-    },
+/// The proof of a key whose marker this delivery wrote: no lease is held (an entity, or an
+/// inbox marker, is written once and never taken over), so it carries no time and no token.
+pub(crate) fn entity_lease(key: &DedupKey, fingerprint: Option<Fingerprint>) -> Lease {
+    Lease::new(key.clone(), fingerprint, 0, 1, Timestamp::from_micros(0), None)
 }
 
 /// The pattern's own example: the business document is the dedup marker. The container is
 /// partitioned by the entity (e.g. `/orderId`), the document `id` is the entity id, and the
 /// create that fails with **409 Conflict** means "already processed": the stored document is
 /// read and compared, by the request fingerprint stored in it (the default) or by chosen
-/// immutable fields ([`CosmosMarker::compare_fields`]).
+/// immutable fields ([`CosmosMarker::compare_fields`]). The answer is a [`Claim`], as every
+/// store's and inbox's: acquired, completed (a duplicate) or a conflict.
 ///
 /// A duplicate is only recognised while the document exists: a document deleted (or expired
 /// by its `ttl`) is created again. Use [`CosmosInbox`](crate::CosmosInbox) when one message
 /// writes several documents.
 ///
 /// ```no_run
-/// use idem_core::Fingerprint;
-/// use idem_cosmos::{CosmosMarker, MarkerOutcome};
+/// use idem_core::{Claim, DedupKey, Fingerprint};
+/// use idem_cosmos::CosmosMarker;
 ///
-/// # async fn f(orders: azure_data_cosmos::clients::ContainerClient) -> Result<(), idem_cosmos::Error> {
+/// # async fn f(orders: azure_data_cosmos::clients::ContainerClient) -> Result<(), Box<dyn std::error::Error>> {
 /// let marker = CosmosMarker::new(orders, "/orderId")?;
+/// let key = DedupKey::new("order-writer", "o-42")?;
 /// let body = br#"{"orderId":"o-42","total":10}"#;
 /// let order = serde_json::json!({"id": "o-42", "orderId": "o-42", "total": 10});
-/// match marker.create_once("o-42", &order, Some(Fingerprint::of_bytes(body))).await? {
-///     MarkerOutcome::Created => { /* first time: go on, then ack */ }
-///     MarkerOutcome::Duplicate(_) => { /* ack, do nothing */ }
-///     MarkerOutcome::Conflict { .. } => { /* dead-letter and alert */ }
-///     _ => {}
+/// match marker.create_once(&key, "o-42", &order, Some(Fingerprint::of_bytes(body))).await? {
+///     Claim::Acquired(_) => { /* first time: go on, then ack */ }
+///     Claim::Completed(_) => { /* a duplicate: ack, do nothing */ }
+///     Claim::Conflict(_) => { /* dead-letter and alert */ }
+///     Claim::InProgress { .. } => unreachable!("an entity is never leased"),
 /// }
 /// # Ok(()) }
 /// ```
@@ -134,29 +119,47 @@ impl CosmosMarker {
         self
     }
 
-    /// Creates `doc` (its `id` field is the document id) under `partition_key` unless it
-    /// exists; when it does, reads it and compares. `fingerprint` is stored in the document
-    /// (hex, in the fingerprint field) for later deliveries to compare against.
+    /// Creates `doc`, the entity of `key` (its `id` is `key.id()`), under `partition_key`
+    /// unless it exists; when it does, reads it and compares. `fingerprint` is stored in the
+    /// document (hex, in the fingerprint field) for later deliveries to compare against.
+    ///
+    /// The answer: [`Claim::Acquired`] when this call created the document;
+    /// [`Claim::Completed`] (a duplicate) or [`Claim::Conflict`] (the id reused for other
+    /// content) when it existed, each with the stored document as a [`Record::entity`] whose
+    /// `result` is that document's JSON. Never [`Claim::InProgress`]: an entity holds no lease.
     ///
     /// # Errors
-    /// Validation before any request: [`Error::InvalidId`], [`Error::InvalidPartitionKey`],
-    /// [`Error::WrongPartition`] (the document's partition key field differs from
-    /// `partition_key`), [`Error::TooLarge`] (over the 2 MB item limit),
-    /// [`Error::Json`]. Then [`Error::Throttled`] and [`Error::Cosmos`]; [`Error::Corrupt`]
-    /// when the stored document's fingerprint field is not a fingerprint.
+    /// Validation before any request: [`Error::InvalidId`] (also when the document's `id`
+    /// is not `key.id()`), [`Error::InvalidPartitionKey`], [`Error::WrongPartition`] (the
+    /// document's partition key field differs from `partition_key`), [`Error::TooLarge`] (over
+    /// the 2 MB item limit), [`Error::Json`]. Then [`Error::Throttled`] and [`Error::Cosmos`];
+    /// [`Error::Corrupt`] when the stored document's fingerprint field is not a fingerprint.
     ///
     /// # Cancel safety
     /// Cancel safe in effect: the document was created or it was not; a later call decides.
     pub async fn create_once<T: Serialize>(
         &self,
+        key: &DedupKey,
         partition_key: &str,
         doc: &T,
         fingerprint: Option<Fingerprint>,
-    ) -> Result<MarkerOutcome, Error> {
+    ) -> Result<Claim, Error> {
         let mut doc = serde_json::to_value(doc)
             .map_err(|source| Error::Json { what: "document does not serialize", source })?;
-        let id = doc.get("id").and_then(Value::as_str).unwrap_or("").to_owned();
-        check_id(&id)?;
+        let id = key.id();
+        check_id(id)?;
+        match doc.get("id") {
+            None => {
+                if let Some(obj) = doc.as_object_mut() {
+                    obj.insert("id".to_owned(), Value::String(id.to_owned()));
+                }
+            }
+            Some(Value::String(given)) if given == id => {}
+            Some(other) => {
+                let given = other.as_str().map_or_else(|| other.to_string(), str::to_owned);
+                return Err(Error::InvalidId { id: given, reason: "it is not the dedup key's id" });
+            }
+        }
         check_partition_key(partition_key)?;
         check_partition(&doc, &self.partition_path, partition_key)?;
         if let (Some(fp), Some(obj)) = (fingerprint, doc.as_object_mut()) {
@@ -167,34 +170,34 @@ impl CosmosMarker {
         let pk = partition_key.to_owned();
         for _ in 0..ROUNDS {
             let created =
-                self.throttle.run(|| self.container.create_item(pk.clone(), &id, &doc, None)).await;
+                self.throttle.run(|| self.container.create_item(pk.clone(), id, &doc, None)).await;
             match created {
-                Ok(_) => return Ok(MarkerOutcome::Created),
+                Ok(_) => return Ok(Claim::Acquired(entity_lease(key, fingerprint))),
                 Err(e) if e.status().is_conflict() => {}
                 Err(e) => return Err(self.throttle.fail("create_item", e)),
             }
-            let read = self.throttle.run(|| self.container.read_item(pk.clone(), &id, None)).await;
+            let read = self.throttle.run(|| self.container.read_item(pk.clone(), id, None)).await;
             let stored: Value = match read {
                 Ok(r) => r.into_model().map_err(|e| self.throttle.fail("read_item", e))?,
                 // Deleted between the 409 and the read: create again.
                 Err(e) if e.status().is_not_found() => continue,
                 Err(e) => return Err(self.throttle.fail("read_item", e)),
             };
-            return self.compare(stored, &doc, fingerprint, &id);
+            return self.compare(key, stored, &doc, fingerprint);
         }
         Err(Error::Corrupt { what: format!("document {id} kept appearing and disappearing") })
     }
 
     fn compare(
         &self,
+        key: &DedupKey,
         stored: Value,
         incoming: &Value,
         fingerprint: Option<Fingerprint>,
-        id: &str,
-    ) -> Result<MarkerOutcome, Error> {
+    ) -> Result<Claim, Error> {
         let stored_fingerprint =
             fingerprint_field(&stored, &self.fingerprint_field).map_err(|()| Error::Corrupt {
-                what: format!("field {} of document {id}", self.fingerprint_field),
+                what: format!("field {} of document {}", self.fingerprint_field, key.id()),
             })?;
         let same = if self.compare.is_empty() {
             match (stored_fingerprint, fingerprint) {
@@ -205,11 +208,12 @@ impl CosmosMarker {
         } else {
             self.compare.iter().all(|p| stored.pointer(p) == incoming.pointer(p))
         };
-        Ok(if same {
-            MarkerOutcome::Duplicate(stored)
-        } else {
-            MarkerOutcome::Conflict { stored, stored_fingerprint, incoming: fingerprint }
-        })
+        let mut rec = Record::entity(key, stored_fingerprint);
+        rec.result = Some(serde_json::to_vec(&stored).map_err(|source| Error::Json {
+            what: "stored document does not serialize",
+            source,
+        })?);
+        Ok(if same { Claim::Completed(rec) } else { Claim::Conflict(rec) })
     }
 }
 

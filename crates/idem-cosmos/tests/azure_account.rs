@@ -6,8 +6,12 @@ mod common;
 use std::time::Duration;
 
 use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint};
-use idem_cosmos::{CosmosMarker, CosmosStore, MarkerOutcome};
+use idem_cosmos::{CosmosMarker, CosmosStore};
 use serde_json::json;
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("order-writer", id).expect("key")
+}
 
 fn account() -> Option<(String, String)> {
     let Ok(endpoint) = std::env::var("IDEM_TEST_COSMOS_ENDPOINT") else {
@@ -23,8 +27,8 @@ fn account() -> Option<(String, String)> {
 
 #[tokio::test]
 async fn store_and_marker_on_azure() {
-    let Some((endpoint, key)) = account() else { return };
-    let client = common::account::client(&endpoint, &key).await;
+    let Some((endpoint, account_key)) = account() else { return };
+    let client = common::account::client(&endpoint, &account_key).await;
     let (container, cleanup) =
         common::account::container(&client, CosmosStore::container_properties("idem")).await;
     let store = CosmosStore::new(container);
@@ -49,12 +53,13 @@ async fn store_and_marker_on_azure() {
     .await;
     let marker = CosmosMarker::new(orders, "/orderId").expect("marker");
     let doc = json!({"id": "o-1", "orderId": "o-1"});
-    let m1 = marker.create_once("o-1", &doc, None).await;
-    let m2 = marker.create_once("o-1", &doc, None).await;
+    let m1 = marker.create_once(&key("o-1"), "o-1", &doc, None).await;
+    let m2 = marker.create_once(&key("o-1"), "o-1", &doc, None).await;
     cleanup.run().await;
     cleanup_orders.run().await;
     completed.expect("complete");
     assert!(matches!(again, Ok(Claim::Completed(_))));
-    assert_eq!(m1.expect("create"), MarkerOutcome::Created);
-    assert!(matches!(m2, Ok(MarkerOutcome::Duplicate(_))));
+    let m1 = m1.expect("create");
+    assert!(matches!(m1, Claim::Acquired(_)), "{m1:?}");
+    assert!(matches!(m2, Ok(Claim::Completed(_))));
 }

@@ -41,9 +41,13 @@ use azure_data_cosmos::fault_injection::{
 };
 use azure_data_cosmos::options::{OperationOptionsBuilder, ThrottlingRetryOptionsBuilder};
 use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, StoreError};
-use idem_cosmos::{CosmosMarker, CosmosStore, Error, MarkerOutcome, ThrottlePolicy};
+use idem_cosmos::{CosmosMarker, CosmosStore, Error, ThrottlePolicy};
 use serde_json::json;
 use tokio::time::Instant;
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("order-writer", id).expect("key")
+}
 
 /// Requests the SDK makes for one call on a 429 that does not stop, with its default options:
 /// the first and 18 throttle retries.
@@ -177,15 +181,16 @@ async fn marker_create_waits_the_retry_after_then_succeeds() {
     let m = marker(&emu, ThrottlePolicy::new(2)).await;
 
     let start = Instant::now();
-    let created = m.create_once("o-1", &order("o-1"), None).await.expect("create after a 429");
-    assert_eq!(created, MarkerOutcome::Created);
+    let created =
+        m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect("create after a 429");
+    assert!(matches!(created, Claim::Acquired(_)), "{created:?}");
     assert_eq!(rule.hit_count(), 1);
     assert_waited(start.elapsed(), Duration::from_millis(250));
 
     // Created exactly once: the next delivery is a duplicate, and no wait.
     let start = Instant::now();
-    let again = m.create_once("o-1", &order("o-1"), None).await.expect("again");
-    assert!(matches!(again, MarkerOutcome::Duplicate(_)), "got {again:?}");
+    let again = m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect("again");
+    assert!(matches!(again, Claim::Completed(_)), "got {again:?}");
     assert_waited(start.elapsed(), Duration::ZERO);
 }
 
@@ -196,7 +201,8 @@ async fn throttling_that_outlasts_the_policy_is_a_retryable_error() {
     let m = marker(&emu, ThrottlePolicy::new(4)).await;
 
     let start = Instant::now();
-    let err = m.create_once("o-1", &order("o-1"), None).await.expect_err("always throttled");
+    let err =
+        m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect_err("always throttled");
     assert_eq!(rule.hit_count(), 4, "four tries, no more");
     assert_waited(start.elapsed(), Duration::from_millis(30));
     match &err {
@@ -243,14 +249,17 @@ async fn a_429_without_retry_after_waits_the_fallback() {
     let m = marker(&emu, ThrottlePolicy::new(2)).await;
 
     let start = Instant::now();
-    let err = m.create_once("o-1", &order("o-1"), None).await.expect_err("two 429s, two tries");
+    let err = m
+        .create_once(&key("o-1"), "o-1", &order("o-1"), None)
+        .await
+        .expect_err("two 429s, two tries");
     assert_waited(start.elapsed(), Duration::from_millis(100));
     assert!(matches!(err, Error::Throttled { retry_after: None, attempts: 2, .. }), "{err:?}");
     assert!(err.is_retryable());
     // The rule is spent: the next call goes through.
     assert_eq!(rule.hit_count(), 2);
-    let created = m.create_once("o-1", &order("o-1"), None).await.expect("create");
-    assert_eq!(created, MarkerOutcome::Created);
+    let created = m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect("create");
+    assert!(matches!(created, Claim::Acquired(_)), "{created:?}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -261,8 +270,9 @@ async fn sdk_defaults_absorb_429s_before_the_policy_sees_one() {
     let m = marker(&emu, ThrottlePolicy::new(1)).await;
 
     let start = Instant::now();
-    let created = m.create_once("o-1", &order("o-1"), None).await.expect("SDK retried");
-    assert_eq!(created, MarkerOutcome::Created);
+    let created =
+        m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect("SDK retried");
+    assert!(matches!(created, Claim::Acquired(_)), "{created:?}");
     assert_eq!(rule.hit_count(), 5);
     // The SDK honours the retry-after as well, on tokio's clock.
     assert_waited(start.elapsed(), Duration::from_millis(5 * 1500));
@@ -275,7 +285,8 @@ async fn sdk_defaults_multiply_the_policys_tries() {
     let m = marker(&emu, ThrottlePolicy::new(2)).await;
 
     let start = Instant::now();
-    let err = m.create_once("o-1", &order("o-1"), None).await.expect_err("always throttled");
+    let err =
+        m.create_once(&key("o-1"), "o-1", &order("o-1"), None).await.expect_err("always throttled");
     assert!(matches!(err, Error::Throttled { attempts: 2, .. }), "{err:?}");
     assert!(err.is_retryable());
     // Each of our 2 tries is 19 requests: the SDK's first and its 18 retries.
@@ -294,7 +305,10 @@ async fn non_retryable_failures_are_not_retried() {
         let m = marker(&emu, ThrottlePolicy::new(5)).await;
 
         let start = Instant::now();
-        let err = m.create_once("o-1", &order("o-1"), None).await.expect_err("injected failure");
+        let err = m
+            .create_once(&key("o-1"), "o-1", &order("o-1"), None)
+            .await
+            .expect_err("injected failure");
         assert_eq!(rule.hit_count(), 1, "{code}: tried once");
         assert_waited(start.elapsed(), Duration::ZERO);
         assert!(matches!(err, Error::Cosmos { op: "create_item", .. }), "{code}: {err:?}");

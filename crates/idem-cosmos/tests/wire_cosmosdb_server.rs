@@ -15,8 +15,12 @@ mod common;
 use std::time::Duration;
 
 use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint};
-use idem_cosmos::{CosmosMarker, CosmosStore, MarkerOutcome};
+use idem_cosmos::{CosmosMarker, CosmosStore};
 use serde_json::json;
+
+fn key(id: &str) -> DedupKey {
+    DedupKey::new("order-writer", id).expect("key")
+}
 
 fn server() -> Option<String> {
     idem_testkit::service::require(
@@ -36,13 +40,22 @@ async fn marker_409_path_over_rest() {
     let marker = CosmosMarker::new(orders, "/orderId").expect("marker");
     let doc = json!({"id": "o-1", "orderId": "o-1", "total": 10});
     let fp = |b: &[u8]| Some(Fingerprint::of_bytes(b));
-    let first = marker.create_once("o-1", &doc, fp(b"a")).await;
-    let again = marker.create_once("o-1", &doc, fp(b"a")).await;
-    let other = marker.create_once("o-1", &doc, fp(b"b")).await;
+    let first = marker.create_once(&key("o-1"), "o-1", &doc, fp(b"a")).await;
+    let again = marker.create_once(&key("o-1"), "o-1", &doc, fp(b"a")).await;
+    let other = marker.create_once(&key("o-1"), "o-1", &doc, fp(b"b")).await;
     cleanup.run().await;
-    assert_eq!(first.expect("create"), MarkerOutcome::Created);
-    assert!(matches!(again.expect("duplicate"), MarkerOutcome::Duplicate(d) if d["total"] == 10));
-    assert!(matches!(other.expect("conflict"), MarkerOutcome::Conflict { .. }));
+    let first = first.expect("create");
+    assert!(matches!(first, Claim::Acquired(_)), "{first:?}");
+    match again.expect("duplicate") {
+        Claim::Completed(rec) => {
+            let stored: serde_json::Value =
+                serde_json::from_slice(rec.result.as_deref().expect("the stored document"))
+                    .expect("json");
+            assert_eq!(stored["total"], 10);
+        }
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert!(matches!(other.expect("conflict"), Claim::Conflict(_)));
 }
 
 /// claim (create, 201) → complete (read + If-Match replace) → claim again sees `Completed` with

@@ -16,16 +16,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Action, Settlement};
-use idem_core::{Backend, Consumer, MemoryStore};
+use idem_core::consumer::{Builder, Settlement};
+use idem_core::engine::HandlerError;
+use idem_core::engine::Verb;
+use idem_core::{Backend, MemoryStore};
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
 use idem_kafka::rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_kafka::rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
-use idem_kafka::{Delivery, Kafka, KafkaConsumer};
+use idem_kafka::{Delivery, KafkaConfig, KafkaConsumer};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 
 fn config(brokers: &str, group: &str) -> ClientConfig {
@@ -103,30 +104,28 @@ fn counting(
 ) -> impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'static {
     move |s| {
         first.lock().unwrap().get_or_insert_with(Instant::now);
-        if !matches!(s.action, Action::Retry { .. }) {
+        if !matches!(s.verb, Verb::Retry { .. }) {
             done.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
 
-/// The adapter over `backend` (a store: two-phase; an inbox: transactional), no-op handler.
+/// The adapter in the mode `mode` chooses (`.store(s)`: two-phase; `.inbox(i)`:
+/// transactional), no-op handler.
 async fn driven<B: Backend + 'static>(
     brokers: &str,
     topic: &str,
     group: &str,
     n: usize,
     batch: usize,
-    backend: B,
+    mode: impl FnOnce(Builder<KafkaConfig>) -> Builder<KafkaConfig, B> + Send + 'static,
 ) -> Duration {
-    let engine = Consumer::builder(backend)
-        .scope(group)
-        .retain(Duration::from_secs(86_400))
-        .build()
-        .unwrap();
-    let kafka = Kafka::new(&config(brokers, group), &[topic], format!("{topic}-dlq"));
+    let kafka = KafkaConfig::new(&config(brokers, group), &[topic], format!("{topic}-dlq"));
+    let group = group.to_owned();
     timed(n, move |done, first, stopped| async move {
-        let c = KafkaConsumer::builder(kafka)
-            .engine(engine)
+        let c = mode(KafkaConsumer::builder(kafka))
+            .scope(group)
+            .retain(Duration::from_secs(86_400))
             .batch(batch)
             .on_settle(counting(done, first))
             .build()
@@ -218,14 +217,29 @@ async fn main() {
     };
     let g = |i: u32| format!("g{i}-{sfx}");
     let day = Duration::from_secs(86_400);
-    row("two-phase, memory", driven(&brokers, &topic, &g(1), n, batch, MemoryStore::new()).await);
+    row(
+        "two-phase, memory",
+        driven(&brokers, &topic, &g(1), n, batch, |b| b.store(MemoryStore::new())).await,
+    );
     let sqlite = SqliteStore::open(dir.path().join("b.sqlite")).await.unwrap();
-    row("two-phase, SQLite", driven(&brokers, &topic, &g(2), n, batch, sqlite).await);
-    row("two-phase, PostgreSQL", driven(&brokers, &topic, &g(3), n, batch, pg_store.clone()).await);
+    row(
+        "two-phase, SQLite",
+        driven(&brokers, &topic, &g(2), n, batch, move |b| b.store(sqlite)).await,
+    );
+    let pg = pg_store.clone();
+    row(
+        "two-phase, PostgreSQL",
+        driven(&brokers, &topic, &g(3), n, batch, move |b| b.store(pg)).await,
+    );
     let inbox = SqliteStore::open(dir.path().join("i.sqlite")).await.unwrap().inbox(day);
-    row("inbox, SQLite", driven(&brokers, &topic, &g(4), n, batch, inbox).await);
-    row("inbox, PostgreSQL", driven(&brokers, &topic, &g(5), n, batch, pg_store.inbox(day)).await);
-    row("inbox, MariaDB", driven(&brokers, &topic, &g(6), n, batch, my_store.inbox(day)).await);
+    row("inbox, SQLite", driven(&brokers, &topic, &g(4), n, batch, move |b| b.inbox(inbox)).await);
+    let inbox = pg_store.inbox(day);
+    row(
+        "inbox, PostgreSQL",
+        driven(&brokers, &topic, &g(5), n, batch, move |b| b.inbox(inbox)).await,
+    );
+    let inbox = my_store.inbox(day);
+    row("inbox, MariaDB", driven(&brokers, &topic, &g(6), n, batch, move |b| b.inbox(inbox)).await);
     let _ = admin.delete_topics(&[&topic, &dlq], &AdminOptions::new()).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA idem_kbench_{sfx} CASCADE")))
         .execute(pg_store.pool())

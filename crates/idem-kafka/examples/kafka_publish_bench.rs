@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_kafka::rdkafka::client::DefaultClientContext;
@@ -79,7 +79,7 @@ async fn main() -> Result<()> {
 
 fn message(topic: &str, i: usize) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         topic.to_owned(),
         format!(r#"{{"order":{i},"cents":1200}}"#).into_bytes(),
         vec![("content-type".to_owned(), "application/json".to_owned())],

@@ -1,13 +1,11 @@
 //! What can go wrong setting up or running a Kafka consumer.
 
-use std::time::Duration;
-
-use idem_core::retention::human;
+use idem_core::retention::RetentionTooShort;
 use rdkafka::error::KafkaError;
 
 /// Errors of the Kafka source. Per-message failures are not errors: they end in a commit, a
-/// retry or a dead letter, and are counted in the driver's
-/// [`Report`](idem_core::driver::Report).
+/// retry or a dead letter, and are counted in the consumer's
+/// [`Report`](idem_core::consumer::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -56,20 +54,10 @@ pub enum Error {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The consumed topics keep messages longer than the dedup records are kept, by the
-    /// retention stated with [`Kafka::topic_retention`](crate::Kafka::topic_retention).
-    #[error(
-        "the topics keep messages for {} (stated topic retention) but dedup records are kept for \
-         only {}: a replay from an older offset would run effects again; keep records at least \
-         as long",
-        human(*topic_retention),
-        human(*dedup_retention)
-    )]
-    Retention {
-        /// How long the topics keep messages, as stated.
-        topic_retention: Duration,
-        /// How long the dedup records (or inbox markers) are kept.
-        dedup_retention: Duration,
-    },
+    /// window stated with [`KafkaConfig::redelivery_window`](crate::KafkaConfig::redelivery_window)
+    /// (the topics' retention counts as the window's message TTL).
+    #[error(transparent)]
+    Retention(#[from] RetentionTooShort),
     /// The source was closed (its run ended); build a new consumer.
     #[error("the Kafka consumer is closed")]
     Closed,

@@ -1,5 +1,5 @@
 //! Kafka consumer adapter for **idem** (on `rdkafka`), driven by idem's shared
-//! [`Driver`](idem_core::Driver).
+//! [`Consumer`](idem_core::Consumer).
 //!
 //! A consumer-group consumer with auto-commit off. Each partition's offset is committed only
 //! up to the last message whose outcome is durable, even when the messages of one partition
@@ -8,8 +8,8 @@
 //! | idem outcome | Kafka |
 //! | --- | --- |
 //! | processed, duplicate | the offset may be committed (once every earlier message of the partition has settled) |
-//! | in progress elsewhere | pause the partition, retry the message after the other lease's remaining time (at most [`Kafka::retry_delay`]) |
-//! | transient failure | (two-phase: the claim released) pause the partition, retry after [`Kafka::retry_delay`] |
+//! | in progress elsewhere | pause the partition, retry the message after the other lease's remaining time (at most [`KafkaConfig::retry_delay`]) |
+//! | transient failure | (two-phase: the claim released) pause the partition, retry after [`KafkaConfig::retry_delay`] |
 //! | conflict, permanent failure, missing key | produce to the dead-letter topic with the `idem-*` headers (`idem-source` = topic, `idem-source-position` = `partition:offset`), await the broker's ack, then the offset may be committed |
 //! | fetched while the consumer shuts down | left uncommitted (the partition's next owner reads it again) |
 //!
@@ -20,8 +20,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem::consumer::HandlerError;
-//! use idem::kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
+//! use idem::engine::HandlerError;
+//! use idem::kafka::{KafkaConfig, KafkaConsumer, rdkafka::ClientConfig};
 //! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -29,7 +29,7 @@
 //! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let mut config = ClientConfig::new();
 //! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "order-writer");
-//! let consumer = KafkaConsumer::builder(Kafka::new(&config, &["orders"], "orders.dlq"))
+//! let consumer = KafkaConsumer::builder(KafkaConfig::new(&config, &["orders"], "orders.dlq"))
 //!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
 //!     .scope("order-writer")
 //!     .build()
@@ -56,7 +56,7 @@
 //! one key stays on one partition, in order.
 //!
 //! # Rebalances
-//! librdkafka reports a revocation inside a poll, and the driver polls only between batches:
+//! librdkafka reports a revocation inside a poll, and the consumer polls only between batches:
 //! handlers in flight finish and their offsets are committed before the partition is given up.
 //! Messages of a revoked partition already polled, or waiting for a retry, are still processed
 //! but their offsets are no longer committed: the new owner starts at the committed offset,
@@ -94,40 +94,45 @@
 //! check to act on.
 //!
 //! A broker that does not answer `DescribeConfigs` can be told the retention instead
-//! ([`Kafka::topic_retention`]); opening then fails when the dedup records are kept for less.
+//! ([`KafkaConfig::redelivery_window`]); opening then fails with
+//! [`Error::Retention`] when the dedup records are kept for less.
 //!
 //! # Azure Event Hubs
-//! With the `event-hubs` feature (librdkafka built with OpenSSL), `EventHubs` (in the
+//! With the `event-hubs` feature (librdkafka built with OpenSSL), `EventHubsConfig` (in the
 //! `event_hubs` module) builds the configuration for Event Hubs' Kafka endpoint from a
 //! connection string, with the hub's retention stated and checked. Tested at the configuration
 //! level only: parsing, the settings, librdkafka accepting them; not against Azure in CI.
 //!
 //! # Closing
 //! When a run ends the source commits what settled and leaves the group on a blocking thread,
-//! bounded by [`Kafka::close_timeout`]: dropping an rdkafka consumer was seen to hang for more
+//! bounded by [`KafkaConfig::close_timeout`]: dropping an rdkafka consumer was seen to hang for more
 //! than 20 s against some brokers.
 
+mod config;
 mod delivery;
 mod error;
 #[cfg(feature = "event-hubs")]
 pub mod event_hubs;
 mod publish;
+mod rebalance;
 mod retention;
 mod security;
 mod source;
 mod subscription;
 mod tracker;
 
+pub use config::KafkaConfig;
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
 #[cfg(feature = "event-hubs")]
-pub use event_hubs::EventHubs;
+pub use event_hubs::EventHubsConfig;
 pub use publish::KafkaPublisher;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use rdkafka;
 pub use retention::RetentionGap;
-pub use source::{Kafka, KafkaSource};
+pub use source::KafkaSource;
 
-/// A Kafka consumer made idempotent: the shared driver over a [`KafkaSource`], in two-phase
-/// mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type KafkaConsumer<B> = idem_core::Driver<KafkaSource, B>;
+/// A Kafka consumer made idempotent: the shared consumer over a [`KafkaSource`], in two-phase mode
+/// (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
+pub type KafkaConsumer<B> = idem_core::Consumer<KafkaSource, B>;

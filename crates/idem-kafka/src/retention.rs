@@ -1,4 +1,4 @@
-//! Whether the dedup records outlive the consumed topics' logs (R8).
+//! Whether the dedup records outlive the consumed topics' logs.
 
 use std::fmt;
 use std::time::Duration;

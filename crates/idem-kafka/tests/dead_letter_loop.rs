@@ -6,20 +6,20 @@ mod common;
 use std::time::Duration;
 
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::BuildError;
 use idem_kafka::rdkafka::Message as _;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
-use idem_kafka::{Error, Kafka, KafkaConsumer};
+use idem_kafka::{Error, KafkaConfig, KafkaConsumer};
 
 /// Opens a two-phase consumer over `kafka`; the source's error when it refuses.
-async fn open(kafka: Kafka) -> Result<(), Error> {
+async fn open(kafka: KafkaConfig) -> Result<(), Error> {
     let built = KafkaConsumer::builder(kafka).store(MemoryStore::new()).scope("s").build().await;
     match built {
         Ok(consumer) => {
             consumer.close().await.unwrap();
             Ok(())
         }
-        Err(DriverError::Open(e)) => Err(e),
+        Err(BuildError::Open(e)) => Err(e),
         Err(other) => panic!("expected the source to open or refuse: {other}"),
     }
 }
@@ -61,13 +61,13 @@ async fn a_pattern_that_takes_the_dead_letter_topic_is_refused() {
     assert!(seen, "the pattern's subscriber reads the dead-letter topic");
 
     let cfg = common::config(&brokers, &format!("g-{sfx}"));
-    let e = open(Kafka::new(&cfg, &[pattern.as_str()], &dlq)).await.expect_err("a loop");
+    let e = open(KafkaConfig::new(&cfg, &[pattern.as_str()], &dlq)).await.expect_err("a loop");
     assert!(matches!(e, Error::DeadLetterLoop { .. }), "{e}");
     let text = e.to_string();
     assert!(text.contains(&format!("`{dlq}`")) && text.contains(&format!("`{pattern}`")), "{text}");
 
     // A dead-letter topic the pattern does not take opens.
-    open(Kafka::new(&cfg, &[pattern.as_str()], &outside)).await.expect("outside the pattern");
+    open(KafkaConfig::new(&cfg, &[pattern.as_str()], &outside)).await.expect("outside the pattern");
 }
 
 /// Refused before any broker is reached: the topic subscribed by name beside others, a pattern
@@ -75,14 +75,15 @@ async fn a_pattern_that_takes_the_dead_letter_topic_is_refused() {
 #[tokio::test]
 async fn a_subscribed_dead_letter_topic_is_refused_before_connecting() {
     let cfg = common::config("127.0.0.1:1", "g");
-    let e = open(Kafka::new(&cfg, &["payments", "orders.dlq"], "orders.dlq")).await.unwrap_err();
+    let e =
+        open(KafkaConfig::new(&cfg, &["payments", "orders.dlq"], "orders.dlq")).await.unwrap_err();
     assert!(
         e.to_string().contains("the dead-letter topic `orders.dlq` is consumed too")
             && e.to_string().contains("subscription's `orders.dlq`"),
         "{e}"
     );
-    let e = open(Kafka::new(&cfg, &["payments", "^orders"], "orders-dlq")).await.unwrap_err();
+    let e = open(KafkaConfig::new(&cfg, &["payments", "^orders"], "orders-dlq")).await.unwrap_err();
     assert!(e.to_string().contains("`^orders` takes it"), "{e}");
-    let e = open(Kafka::new(&cfg, &["^orders[", "x"], "dlq")).await.unwrap_err();
+    let e = open(KafkaConfig::new(&cfg, &["^orders[", "x"], "dlq")).await.unwrap_err();
     assert!(matches!(e, Error::Pattern { .. }) && e.to_string().contains("`^orders[`"), "{e}");
 }

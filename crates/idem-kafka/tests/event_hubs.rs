@@ -8,9 +8,9 @@
 
 use std::time::Duration;
 
-use idem_core::{Consumer, MemoryStore};
+use idem_core::MemoryStore;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
-use idem_kafka::{Error, EventHubs, KafkaConsumer};
+use idem_kafka::{Error, EventHubsConfig, KafkaConsumer};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
@@ -18,31 +18,39 @@ const DAY: Duration = Duration::from_secs(86_400);
 const OFFLINE: &str = "Endpoint=sb://idem-test.invalid/;SharedAccessKeyName=listen;\
                        SharedAccessKey=c2VjcmV0LWtleQ==;EntityPath=orders";
 
-fn dedup(retain: Duration) -> Consumer<MemoryStore> {
-    Consumer::builder(MemoryStore::new()).scope("eh").retain(retain).build().unwrap()
-}
-
 #[tokio::test]
 async fn opening_fails_naming_both_durations_when_the_hub_outlives_the_records() {
-    let hubs = EventHubs::new(OFFLINE, "order-writer").unwrap().retention(DAY * 7);
+    let hubs = EventHubsConfig::new(OFFLINE, "order-writer").unwrap().redelivery_window(DAY * 7);
     let kafka = hubs.kafka(&[hubs.topic().unwrap()], "orders-dlq");
-    let err = KafkaConsumer::builder(kafka).engine(dedup(DAY)).build().await.unwrap_err();
-    let idem_core::driver::Error::Open(source) = err else { panic!("{err:?}") };
+    let err = KafkaConsumer::builder(kafka)
+        .store(MemoryStore::new())
+        .scope("eh")
+        .retain(DAY)
+        .build()
+        .await
+        .unwrap_err();
+    let idem_core::consumer::BuildError::Open(source) = err else { panic!("{err:?}") };
     assert!(
-        matches!(source, Error::Retention { topic_retention, dedup_retention }
-            if topic_retention == DAY * 7 && dedup_retention == DAY),
+        matches!(&source, Error::Retention(r)
+            if r.window.minimum() == DAY * 7 && r.retention == DAY),
         "{source:?}"
     );
     let msg = source.to_string();
-    assert!(msg.contains("for 7d") && msg.contains("only 1d"), "{msg}");
+    assert!(msg.contains("retention 1d") && msg.contains("window 7d"), "{msg}");
 }
 
 #[tokio::test]
 async fn the_consumer_and_its_dead_letter_producer_open_offline_when_the_records_outlive_the_hub() {
-    let hubs = EventHubs::new(OFFLINE, "order-writer").unwrap().retention(DAY * 7);
+    let hubs = EventHubsConfig::new(OFFLINE, "order-writer").unwrap().redelivery_window(DAY * 7);
     let kafka = hubs.kafka(&["orders"], "orders-dlq").close_timeout(Duration::from_secs(2));
     // Equal retentions are enough: a replay can only bring back what the hub still holds.
-    let c = KafkaConsumer::builder(kafka).engine(dedup(DAY * 7)).build().await.unwrap();
+    let c = KafkaConsumer::builder(kafka)
+        .store(MemoryStore::new())
+        .scope("eh")
+        .retain(DAY * 7)
+        .build()
+        .await
+        .unwrap();
     c.close().await.unwrap();
 }
 
@@ -55,7 +63,7 @@ async fn against_azure_the_consumer_authenticates_and_sees_the_hub() {
         println!("skipped: IDEM_TEST_EVENTHUBS_CONNECTION unset");
         return;
     };
-    let hubs = EventHubs::new(&connection, "idem-test").unwrap();
+    let hubs = EventHubsConfig::new(&connection, "idem-test").unwrap();
     let topic = std::env::var("IDEM_TEST_EVENTHUBS_TOPIC")
         .ok()
         .or_else(|| hubs.topic().map(str::to_owned))

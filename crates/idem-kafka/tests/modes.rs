@@ -1,6 +1,9 @@
 //! The broker-source conformance suite on a real Kafka-protocol broker (tansu): every mode
 //! through the same builder calls (two-phase over a store; SQLite, PostgreSQL and MariaDB
-//! inboxes), each on a topic of 2 partitions and a consumer group of its own.
+//! inboxes), each on a topic of 2 partitions and a consumer group of its own. Also the crash
+//! suite (abort between commit and offset commit, SIGKILL and a dropped connection
+//! mid-handler, each followed by a rebalance) in both modes, the store on SQLite and on
+//! PostgreSQL.
 
 mod common;
 
@@ -10,7 +13,8 @@ use std::time::Duration;
 
 use common::Topics;
 use idem_kafka::rdkafka::producer::FutureProducer;
-use idem_kafka::{Kafka, KafkaSource};
+use idem_kafka::{KafkaConfig, KafkaSource};
+use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 const PARTITIONS: i32 = 2;
@@ -23,12 +27,13 @@ struct Harness {
     producer: FutureProducer,
     /// Each partition's end offset as the broker acknowledged the records published so far.
     ends: Mutex<HashMap<i32, i64>>,
-    _topics: Topics,
+    /// Deletes the topics when dropped (the parent's only).
+    _topics: Option<Topics>,
 }
 
 impl SourceHarness for Harness {
     type Source = KafkaSource;
-    type Config<'a> = Kafka;
+    type Config<'a> = KafkaConfig;
 
     fn publish<'a>(&'a self, id: &'a str, body: &'a [u8]) -> BoxFuture<'a, ()> {
         Box::pin(async move {
@@ -42,9 +47,13 @@ impl SourceHarness for Harness {
         })
     }
 
-    fn config(&self) -> Kafka {
-        Kafka::new(&common::config(&self.brokers, &self.group), &[self.topic.as_str()], &self.dlq)
-            .retry_delay(Duration::from_millis(100))
+    fn config(&self) -> KafkaConfig {
+        KafkaConfig::new(
+            &common::config(&self.brokers, &self.group),
+            &[self.topic.as_str()],
+            &self.dlq,
+        )
+        .retry_delay(Duration::from_millis(100))
     }
 
     /// The group's commits reached every partition's end.
@@ -74,7 +83,23 @@ impl SourceHarness for Harness {
     }
 }
 
-idem_testkit::source_conformance!(|name: &'static str| async move {
+impl CrashHarness for Harness {
+    fn spec(&self) -> String {
+        format!("{} {} {}", self.topic, self.dlq, self.group)
+    }
+
+    fn attach(spec: &str) -> BoxFuture<'static, Self> {
+        let names: Vec<String> = spec.split(' ').map(str::to_owned).collect();
+        Box::pin(async move {
+            let [topic, dlq, group] = <[String; 3]>::try_from(names).expect("topic dlq group");
+            let brokers = common::brokers().expect("the Kafka broker");
+            let producer = common::producer(&brokers);
+            Harness { brokers, topic, dlq, group, producer, ends: Mutex::default(), _topics: None }
+        })
+    }
+}
+
+async fn harness(name: &str) -> Option<Harness> {
     let brokers = common::brokers()?;
     let sfx = common::suffix();
     let name = name.replace('_', "-");
@@ -89,6 +114,9 @@ idem_testkit::source_conformance!(|name: &'static str| async move {
         group,
         producer,
         ends: Mutex::new(HashMap::new()),
-        _topics: topics,
+        _topics: Some(topics),
     })
-});
+}
+
+idem_testkit::source_conformance!(harness);
+idem_testkit::crash_conformance!(Harness, harness, postgres);

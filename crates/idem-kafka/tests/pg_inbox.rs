@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{PgSchema, Topics};
-use idem_core::consumer::HandlerError;
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_kafka::{Kafka, KafkaConsumer};
+use idem_kafka::{KafkaConfig, KafkaConsumer};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -34,7 +34,7 @@ async fn a_failing_message_rolls_back_alone_inside_the_batch_transaction() {
     assert_eq!(ends[&0], 5);
     let (schema, store) = PgSchema::create(&pg, format!("idem_kafka_inbox_{sfx}")).await;
 
-    let config = Kafka::new(&common::config(&brokers, &group), &[topic.as_str()], &dlq)
+    let config = KafkaConfig::new(&common::config(&brokers, &group), &[topic.as_str()], &dlq)
         .batch_wait(Duration::from_millis(300))
         .retry_delay(Duration::from_millis(200));
     let c = KafkaConsumer::builder(config)

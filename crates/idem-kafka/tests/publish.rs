@@ -8,12 +8,12 @@ use std::error::Error as _;
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use idem_kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
-use idem_kafka::{Error, Kafka, KafkaPublisher, KafkaSource};
+use idem_kafka::{Error, KafkaConfig, KafkaPublisher, KafkaSource};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 
 /// The publisher's settings for the test broker.
@@ -49,7 +49,7 @@ impl Harness {
 impl PublisherHarness for Harness {
     type Publisher = KafkaPublisher;
     type Source = KafkaSource;
-    type Config<'a> = Kafka;
+    type Config<'a> = KafkaConfig;
 
     fn publisher(&self) -> KafkaPublisher {
         self.publisher.clone()
@@ -59,8 +59,12 @@ impl PublisherHarness for Harness {
         &self.topic
     }
 
-    fn config(&self) -> Kafka {
-        Kafka::new(&common::config(&self.brokers, &self.group), &[self.topic.as_str()], &self.dlq)
+    fn config(&self) -> KafkaConfig {
+        KafkaConfig::new(
+            &common::config(&self.brokers, &self.group),
+            &[self.topic.as_str()],
+            &self.dlq,
+        )
     }
 
     fn cleanup(self) -> BoxFuture<'static, ()> {
@@ -72,7 +76,7 @@ idem_testkit::publisher_conformance!(|name: &'static str| Harness::new(name));
 
 fn message(topic: &str, key: Option<&str>, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         topic.to_owned(),
         br#"{"order":"o-1"}"#.to_vec(),
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
@@ -150,7 +154,7 @@ async fn a_record_too_large_is_not_retried() {
     let _topics = Topics::create(&brokers, &[(&topic, 1)]).await;
     let p = KafkaPublisher::with_config(&publisher_config(&brokers)).expect("producer");
     let big = OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         topic.clone(),
         vec![b'x'; 1 << 20],
         Vec::new(),

@@ -1,6 +1,7 @@
 //! The startup retention check. Against a real Kafka-protocol broker (tansu): a topic that
 //! keeps messages longer than idem keeps their dedup records is reported, one that does not
-//! is not. Without one: a stated topic retention is enforced before anything connects.
+//! is not. Without one: a stated redelivery window (the topics' retention) is enforced before
+//! anything connects.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -8,8 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::Consumer;
-use idem_kafka::{Kafka, KafkaConsumer};
+use idem_kafka::{KafkaConfig, KafkaConsumer};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
@@ -26,17 +26,18 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
     let check = |retain: Duration| {
         let (brokers, week, hour) = (brokers.clone(), week.clone(), hour.clone());
         async move {
-            let dedup = Consumer::builder(idem_core::MemoryStore::new())
-                .scope("ret")
-                .retain(retain)
-                .build()
-                .unwrap();
-            let config = Kafka::new(
+            let config = KafkaConfig::new(
                 &common::config(&brokers, &format!("g-{}", common::suffix())),
                 &[week.as_str(), hour.as_str()],
                 format!("{week}-dlq"),
             );
-            let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+            let c = KafkaConsumer::builder(config)
+                .store(idem_core::MemoryStore::new())
+                .scope("ret")
+                .retain(retain)
+                .build()
+                .await
+                .unwrap();
             let gaps = c.source().retention_gaps().await.unwrap();
             c.close().await.unwrap();
             gaps
@@ -54,22 +55,26 @@ async fn a_topic_that_outlives_the_dedup_records_is_reported_with_both_durations
     assert!(check(DAY * 8).await.is_empty(), "records kept 8 days outlive both topics");
 }
 
-/// A stated topic retention replaces the brokers' answer and is enforced: opening fails before
+/// A stated redelivery window replaces the brokers' answer and is enforced: opening fails before
 /// anything connects (the brokers' address here is never dialled).
 #[tokio::test]
 async fn a_stated_topic_retention_longer_than_the_records_fails_the_opening() {
     let open = |retain: Duration| async move {
-        let dedup =
-            Consumer::builder(idem_core::MemoryStore::new()).scope("ret").retain(retain).build();
-        let config = Kafka::new(&common::config("127.0.0.1:1", "g"), &["orders"], "orders-dlq")
-            .topic_retention(DAY * 7)
-            .close_timeout(Duration::from_secs(2));
-        KafkaConsumer::builder(config).engine(dedup.unwrap()).build().await
+        let config =
+            KafkaConfig::new(&common::config("127.0.0.1:1", "g"), &["orders"], "orders-dlq")
+                .redelivery_window(DAY * 7)
+                .close_timeout(Duration::from_secs(2));
+        KafkaConsumer::builder(config)
+            .store(idem_core::MemoryStore::new())
+            .scope("ret")
+            .retain(retain)
+            .build()
+            .await
     };
-    let Err(idem_core::driver::Error::Open(e)) = open(DAY).await else { panic!("opened") };
+    let Err(idem_core::consumer::BuildError::Open(e)) = open(DAY).await else { panic!("opened") };
     assert!(
-        matches!(e, idem_kafka::Error::Retention { topic_retention, dedup_retention }
-            if topic_retention == DAY * 7 && dedup_retention == DAY),
+        matches!(&e, idem_kafka::Error::Retention(r)
+            if r.window.minimum() == DAY * 7 && r.retention == DAY),
         "{e:?}"
     );
     open(DAY * 7).await.unwrap().close().await.unwrap();

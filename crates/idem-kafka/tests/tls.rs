@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher as _};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher as _};
 use idem_kafka::KafkaPublisher;
 use idem_kafka::rdkafka::ClientConfig;
 use idem_testkit::tls::{Pki, WRONG_HOST};
@@ -34,7 +34,7 @@ fn ssl_config(brokers: &str, ca: &std::path::Path) -> ClientConfig {
 }
 
 fn message(topic: &str) -> OutboxMessage {
-    let id = MessageId::new(format!("tls-{}", common::suffix())).expect("id");
+    let id = OutboxId::new(format!("tls-{}", common::suffix())).expect("id");
     OutboxMessage::from_parts(id, topic.to_owned(), b"hello".to_vec(), vec![], None)
 }
 

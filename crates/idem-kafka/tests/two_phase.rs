@@ -11,11 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Action, Report};
+use idem_core::consumer::Report;
+use idem_core::engine::HandlerError;
+use idem_core::engine::Verb;
 use idem_core::extract::Envelope;
-use idem_core::{Backend, ClaimRequest, Consumer, DedupKey, DedupStore};
-use idem_kafka::{Delivery, Kafka, KafkaConsumer};
+use idem_core::{Backend, ClaimRequest, DedupKey, DedupStore, FingerprintSpec};
+use idem_kafka::{Delivery, KafkaConfig, KafkaConsumer};
 use idem_sqlx::SqliteStore;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -24,7 +25,7 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 type Ledger = Arc<Mutex<Vec<String>>>;
 
-fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+fn run<S: DedupStore + Backend<Ctx = idem_core::engine::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
 ) -> (oneshot::Sender<()>, JoinHandle<Report>) {
@@ -33,7 +34,7 @@ fn run<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
 
 /// [`run`] with a handler that takes `pace` per message (work that takes time, so a consumer
 /// is still busy when another joins its group).
-fn run_paced<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+fn run_paced<S: DedupStore + Backend<Ctx = idem_core::engine::Context> + 'static>(
     c: KafkaConsumer<S>,
     ledger: Ledger,
     pace: Duration,
@@ -67,32 +68,33 @@ fn msgs(ids: &[&str]) -> Vec<(String, Vec<u8>)> {
 
 type Seen = mpsc::UnboundedReceiver<(i64, &'static str, &'static str)>;
 
-/// What the driver does with a settled message, in words the tests compare.
-fn verb(a: &Action) -> &'static str {
+/// What the consumer does with a settled message, in words the tests compare.
+fn verb(a: &Verb) -> &'static str {
     match a {
-        Action::Ack => "commit",
-        Action::DeadLettered { .. } => "dead-lettered",
-        Action::Retry { .. } => "retry",
+        Verb::Ack => "commit",
+        Verb::DeadLetter { .. } => "dead-lettered",
+        Verb::Retry { .. } => "retry",
         _ => "release",
     }
 }
 
 /// One consumer of `topic` (1 partition) whose hook reports every settled message.
-async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> + 'static>(
+async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::engine::Context>>(
     brokers: &str,
     group: &str,
     topic: &str,
     dlq: &str,
-    dedup: Consumer<S>,
-    kafka: impl FnOnce(Kafka) -> Kafka,
+    (store, scope): (S, &str),
+    kafka: impl FnOnce(KafkaConfig) -> KafkaConfig,
 ) -> (Ledger, Seen, oneshot::Sender<()>, JoinHandle<Report>) {
     let (seen_tx, seen_rx) = mpsc::unbounded_channel();
-    let config = kafka(Kafka::new(&common::config(brokers, group), &[topic], dlq));
+    let config = kafka(KafkaConfig::new(&common::config(brokers, group), &[topic], dlq));
     let c = KafkaConsumer::builder(config)
-        .engine(dedup)
+        .store(store)
+        .scope(scope)
         .idle_wait(Duration::from_millis(500))
         .on_settle(move |s| {
-            let _ = seen_tx.send((s.message.offset(), s.outcome.as_str(), verb(s.action)));
+            let _ = seen_tx.send((s.message.offset(), s.outcome.as_str(), verb(s.verb)));
         })
         .build()
         .await
@@ -103,15 +105,14 @@ async fn run_hooked<S: DedupStore + Backend<Ctx = idem_core::consumer::Context> 
 }
 
 /// Waits until the message at `offset` has settled `n` more times, each (when given) with
-/// `expect` as its outcome and action.
+/// `expect` as its outcome and verb.
 async fn settles(seen: &mut Seen, offset: i64, n: usize, expect: Option<(&str, &str)>) {
     let mut got = 0;
     while got < n {
-        let (off, outcome, action) =
-            tokio::time::timeout(LIMIT, seen.recv()).await.unwrap().unwrap();
+        let (off, outcome, verb) = tokio::time::timeout(LIMIT, seen.recv()).await.unwrap().unwrap();
         if off == offset {
             if let Some(e) = expect {
-                assert_eq!((outcome, action), e, "offset {offset}");
+                assert_eq!((outcome, verb), e, "offset {offset}");
             }
             got += 1;
         }
@@ -142,12 +143,10 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
 
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
-    let dedup = Consumer::builder(store.clone()).scope("hold").build().unwrap();
     // Another consumer holds m-3 (same fingerprint: the same message, in progress elsewhere).
-    let held = Delivery::new(&topic, 0, 3, msgs(&["m-3"])[0].1.clone());
     let req = ClaimRequest::new(
         DedupKey::new("hold", "m-3").unwrap(),
-        dedup.fingerprint_of(&held).unwrap(),
+        FingerprintSpec::default().fingerprint(&msgs(&["m-3"])[0].1).unwrap(),
         Duration::from_secs(600),
         Duration::from_secs(86_400),
     );
@@ -156,10 +155,11 @@ async fn a_key_in_progress_elsewhere_holds_the_commit_back_until_its_retry_settl
         other => panic!("{other:?}"),
     };
 
-    let kafka =
-        |k: Kafka| k.retry_delay(Duration::from_millis(200)).batch_wait(Duration::from_millis(200));
+    let kafka = |k: KafkaConfig| {
+        k.retry_delay(Duration::from_millis(200)).batch_wait(Duration::from_millis(200))
+    };
     let (ledger, mut seen, stop, task) =
-        run_hooked(&brokers, &group, &topic, &dlq, dedup, kafka).await;
+        run_hooked(&brokers, &group, &topic, &dlq, (store.clone(), "hold"), kafka).await;
 
     // m-3 is retried at least twice while m-0..m-2 are processed; the commit stops at offset 3.
     settles(&mut seen, 3, 2, Some(("in_progress_elsewhere", "retry"))).await;
@@ -219,7 +219,7 @@ impl OrdersTopic {
         for (k, v) in extra {
             cfg.set(*k, *v);
         }
-        KafkaConsumer::builder(Kafka::new(&cfg, &[self.topic.as_str()], &self.dlq))
+        KafkaConsumer::builder(KafkaConfig::new(&cfg, &[self.topic.as_str()], &self.dlq))
             .store(store.clone())
             .scope("orders")
             .batch(batch)
@@ -310,14 +310,13 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
 
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
-    let dedup = Consumer::builder(store).scope("dlqf").build().unwrap();
-    let kafka = |k: Kafka| {
+    let kafka = |k: KafkaConfig| {
         k.produce_timeout(Duration::from_millis(500))
             .retry_delay(Duration::from_millis(200))
             .batch_wait(Duration::from_millis(200))
     };
     let (ledger, mut seen, stop, task) =
-        run_hooked(&brokers, &group, &topic, &dlq, dedup, kafka).await;
+        run_hooked(&brokers, &group, &topic, &dlq, (store, "dlqf"), kafka).await;
 
     // The conflict at offset 2 fails to dead-letter, twice at least, and is kept for a retry.
     settles(&mut seen, 2, 2, Some(("conflict", "retry"))).await;
@@ -354,7 +353,7 @@ async fn a_failed_dead_letter_produce_holds_the_commit_back_until_a_retry_is_ack
 /// Settings that contradict the adapter's offset handling are refused with the key named.
 #[tokio::test]
 async fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
-    let refused = |kafka: Kafka| async move {
+    let refused = |kafka: KafkaConfig| async move {
         let e = KafkaConsumer::builder(kafka)
             .store(idem_core::MemoryStore::new())
             .scope("s")
@@ -362,20 +361,20 @@ async fn auto_commit_and_a_missing_group_are_refused_with_the_setting_named() {
             .await
             .unwrap_err();
         match e {
-            idem_core::driver::Error::Open(e) => e.to_string(),
+            idem_core::consumer::BuildError::Open(e) => e.to_string(),
             other => panic!("expected the source to refuse: {other}"),
         }
     };
     let mut cfg = common::config("127.0.0.1:1", "g");
     cfg.set("enable.auto.commit", "true");
-    let e = refused(Kafka::new(&cfg, &["t"], "dlq")).await;
+    let e = refused(KafkaConfig::new(&cfg, &["t"], "dlq")).await;
     assert!(e.contains("`enable.auto.commit` = `true` is not allowed"), "{e}");
     let mut cfg = idem_kafka::rdkafka::ClientConfig::new();
     cfg.set("bootstrap.servers", "127.0.0.1:1");
-    let e = refused(Kafka::new(&cfg, &["t"], "dlq")).await;
+    let e = refused(KafkaConfig::new(&cfg, &["t"], "dlq")).await;
     assert!(e.contains("`group.id` is required"), "{e}");
     let cfg = common::config("127.0.0.1:1", "g");
-    let e = refused(Kafka::new(&cfg, &["t"], "t")).await;
+    let e = refused(KafkaConfig::new(&cfg, &["t"], "t")).await;
     assert!(e.contains("the dead-letter topic `t` is consumed too"), "{e}");
 }
 
@@ -417,7 +416,7 @@ async fn a_cooperative_rebalance_mid_run_keeps_effects_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_dropped_at_its_await_loses_nothing() {
     use futures_util::FutureExt;
-    use idem_core::driver::Source;
+    use idem_core::consumer::Source;
     let Some(brokers) = common::brokers() else { return };
     let topic = format!("idem-cancel-{}", common::suffix());
     let dlq = format!("{topic}-dlq");
@@ -425,20 +424,24 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
     let ids: Vec<String> = (0..40).map(|i| format!("c-{i}")).collect();
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     common::produce(&common::producer(&brokers), &topic, &msgs(&id_refs), Some(0)).await;
-    let config = Kafka::new(
+    let config = KafkaConfig::new(
         &common::config(&brokers, &format!("g-{}", common::suffix())),
         &[topic.as_str()],
         dlq,
     )
     .retry_delay(Duration::from_millis(20))
     .batch_wait(Duration::from_millis(200));
-    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("cancel").build().unwrap();
-    let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+    let c = KafkaConsumer::builder(config)
+        .store(idem_core::MemoryStore::new())
+        .scope("cancel")
+        .build()
+        .await
+        .unwrap();
     let src = c.source();
 
     let first = tokio::time::timeout(LIMIT, src.fetch(1, LIMIT)).await.unwrap().unwrap();
     let retried = first[0].offset();
-    src.settle(first.into_iter().map(|d| (d, Action::Retry { after: None })).collect())
+    src.settle(first.into_iter().map(|d| (d, Verb::Retry { after: None })).collect())
         .await
         .unwrap();
     // Once the retry is due, poll a fetch once: it takes the retry into its batch and waits
@@ -454,7 +457,7 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
             Some(batch) => {
                 let batch = batch.unwrap();
                 got.extend(batch.iter().map(|d| d.offset()));
-                src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+                src.settle(batch.into_iter().map(|d| (d, Verb::Ack)).collect()).await.unwrap();
             }
         }
         if dropped_pending {
@@ -466,7 +469,7 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
         let batch = src.fetch(100, Duration::from_millis(500)).await.unwrap();
         got.extend(batch.iter().map(|d| d.offset()));
         // Settled, the retry lets its partition resume.
-        src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+        src.settle(batch.into_iter().map(|d| (d, Verb::Ack)).collect()).await.unwrap();
     }
     got.sort_unstable();
     got.dedup();
@@ -481,7 +484,7 @@ async fn a_fetch_dropped_at_its_await_loses_nothing() {
 /// partition out while the group is ahead; once it has caught up, it commits again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
-    use idem_core::driver::Source;
+    use idem_core::consumer::Source;
     let Some(brokers) = common::brokers() else { return };
     let sfx = common::suffix();
     let (topic, dlq, group) =
@@ -491,9 +494,13 @@ async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     let ends = common::produce(&common::producer(&brokers), &topic, &msgs(&id_refs), Some(0)).await;
     assert_eq!(ends[&0], 12);
-    let config = Kafka::new(&common::config(&brokers, &group), &[topic.as_str()], dlq);
-    let dedup = Consumer::builder(idem_core::MemoryStore::new()).scope("behind").build().unwrap();
-    let c = KafkaConsumer::builder(config).engine(dedup).build().await.unwrap();
+    let config = KafkaConfig::new(&common::config(&brokers, &group), &[topic.as_str()], dlq);
+    let c = KafkaConsumer::builder(config)
+        .store(idem_core::MemoryStore::new())
+        .scope("behind")
+        .build()
+        .await
+        .unwrap();
     let src = c.source();
 
     let first = tokio::time::timeout(LIMIT, src.fetch(4, LIMIT)).await.unwrap().unwrap();
@@ -502,7 +509,7 @@ async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
     // Meanwhile another member consumed the whole partition and committed its end.
     common::commit_from_outside(&brokers, &group, &topic, 12).await;
     let n = first.len();
-    src.settle(first.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+    src.settle(first.into_iter().map(|d| (d, Verb::Ack)).collect()).await.unwrap();
     assert_eq!(
         common::committed(&brokers, &group, &topic, 1).await.get(&0),
         Some(&12),
@@ -514,7 +521,7 @@ async fn a_member_behind_the_group_offset_never_commits_it_backwards() {
     while got < 12 {
         let batch = tokio::time::timeout(LIMIT, src.fetch(4, LIMIT)).await.unwrap().unwrap();
         got += batch.len();
-        src.settle(batch.into_iter().map(|d| (d, Action::Ack)).collect()).await.unwrap();
+        src.settle(batch.into_iter().map(|d| (d, Verb::Ack)).collect()).await.unwrap();
         let committed = common::committed(&brokers, &group, &topic, 1).await;
         assert_eq!(committed.get(&0), Some(&12), "after {got} of 12 settled");
     }

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, stream};
 use futures_util::StreamExt;
-use idem_core::consumer::HandlerError;
-use idem_core::{Backend, Consumer, MemoryStore};
-use idem_nats::{JetStream, JetStreamConsumer};
+use idem_core::consumer::Builder;
+use idem_core::engine::HandlerError;
+use idem_core::{Backend, MemoryStore};
+use idem_nats::{JetStreamConfig, JetStreamConsumer};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -90,7 +91,7 @@ async fn main() -> Result<()> {
     }
     for (i, mode) in modes.into_iter().enumerate() {
         let consumer = new_consumer(&js, &name, &sfx, &format!("bench{i}")).await?;
-        let config = JetStream::new(js.clone(), consumer.clone(), &dlq);
+        let config = JetStreamConfig::new(js.clone(), consumer.clone(), &dlq);
         let t = Instant::now();
         let done = match mode {
             "ack-only" | "ack-only (again)" => {
@@ -101,32 +102,43 @@ async fn main() -> Result<()> {
                 }
                 done.into_inner()
             }
-            "two-phase MemoryStore" => driven(config, lanes, MemoryStore::new(), batch, n).await?,
+            "two-phase MemoryStore" => {
+                driven(
+                    JetStreamConsumer::builder(config).store(MemoryStore::new()),
+                    lanes,
+                    batch,
+                    n,
+                )
+                .await?
+            }
             "two-phase SqliteStore" => {
                 let store = SqliteStore::open(dir.path().join("two-phase.sqlite")).await?;
-                driven(config, lanes, store, batch, n).await?
+                driven(JetStreamConsumer::builder(config).store(store), lanes, batch, n).await?
             }
             "two-phase PostgresStore" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_a"))?;
                 store.migrate().await?;
-                driven(config, lanes, store, batch, n).await?
+                driven(JetStreamConsumer::builder(config).store(store), lanes, batch, n).await?
             }
             "inbox PostgreSQL" => {
                 let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
                 let store = PostgresStore::new(pool.clone()).with_schema(&format!("{schema}_c"))?;
                 store.migrate().await?;
-                driven(config, lanes, store.inbox(DAY), batch, n).await?
+                driven(JetStreamConsumer::builder(config).inbox(store.inbox(DAY)), lanes, batch, n)
+                    .await?
             }
             "inbox MySQL" => {
                 let (pool, table) = my.as_ref().ok_or("no MySQL")?;
                 let store = MySqlStore::new(pool.clone()).with_table_name(table)?;
                 store.migrate().await?;
-                driven(config, lanes, store.inbox(DAY), batch, n).await?
+                driven(JetStreamConsumer::builder(config).inbox(store.inbox(DAY)), lanes, batch, n)
+                    .await?
             }
             _ => {
                 let store = SqliteStore::open(dir.path().join("inbox.sqlite")).await?;
-                driven(config, lanes, store.inbox(DAY), batch, n).await?
+                driven(JetStreamConsumer::builder(config).inbox(store.inbox(DAY)), lanes, batch, n)
+                    .await?
             }
         };
         let secs = t.elapsed().as_secs_f64();
@@ -160,17 +172,17 @@ async fn main() -> Result<()> {
 
 const DAY: Duration = Duration::from_secs(86_400);
 
-/// The adapter over `backend` (a store: two-phase; an inbox: transactional) with a no-op
-/// handler, polled until `n` messages are acknowledged.
+/// The adapter in the mode `builder` was given (`.store(s)`: two-phase; `.inbox(i)`:
+/// transactional) with a no-op handler, polled until `n` messages are acknowledged.
 async fn driven<B: Backend>(
-    config: JetStream,
+    builder: Builder<JetStreamConfig, B>,
     lanes: usize,
-    backend: B,
     batch: usize,
     n: usize,
 ) -> Result<usize> {
-    let c = JetStreamConsumer::builder(config)
-        .engine(Consumer::builder(backend).scope("bench").retain(DAY).build()?)
+    let c = builder
+        .scope("bench")
+        .retain(DAY)
         .batch(batch)
         .concurrency(lanes)
         // Short: at the end, batches still in flight wait this long for messages that never come.

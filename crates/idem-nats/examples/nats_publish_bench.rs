@@ -14,7 +14,7 @@ use std::time::Instant;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, Context, stream};
 use futures_util::future::join_all;
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_nats::{JetStreamPublisher, MSG_ID_HEADER};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -62,7 +62,7 @@ async fn main() -> Result<()> {
 
 fn message(subject: &str, i: usize) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         subject.to_owned(),
         format!(r#"{{"order":{i},"cents":1200}}"#).into_bytes(),
         vec![("content-type".to_owned(), "application/json".to_owned())],

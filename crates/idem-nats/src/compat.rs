@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::consumer;
-use idem_core::RetentionWindow;
+use idem_core::RedeliveryWindow;
 
 use crate::Error;
 
@@ -31,7 +31,7 @@ pub(crate) fn check_server(version: &str) -> Result<(), Error> {
 /// sends, after the message waited up to the stream's `max_age`. A `max_age` of 0 (unlimited)
 /// adds nothing here, but a producer's late duplicate may then wait in the stream for ever:
 /// the consumer refuses such a stream unless told how long to assume
-/// ([`JetStream::assume_max_age`](crate::JetStream::assume_max_age)).
+/// ([`JetStreamConfig::assume_max_age`](crate::JetStreamConfig::assume_max_age)).
 ///
 /// ```
 /// use std::time::Duration;
@@ -45,10 +45,10 @@ pub fn redelivery_window(
     cfg: &consumer::Config,
     stream_max_age: Duration,
     longest_nak: Duration,
-) -> RetentionWindow {
+) -> RedeliveryWindow {
     let step = cfg.backoff.iter().copied().fold(cfg.ack_wait.max(longest_nak), Duration::max);
     let deliveries = u32::try_from(cfg.max_deliver).unwrap_or(u32::MAX);
-    RetentionWindow::new(deliveries, step).message_ttl(stream_max_age)
+    RedeliveryWindow::new(deliveries, step).message_ttl(stream_max_age)
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@ use std::time::Duration;
 use idem_core::retention::RetentionTooShort;
 
 /// Errors of the JetStream source. Per-message failures are not errors: they end in a verb
-/// (ack, nak, dead-letter) and are counted in the driver's
-/// [`Report`](idem_core::driver::Report).
+/// (ack, nak, dead-letter) and are counted in the consumer's
+/// [`Report`](idem_core::consumer::Report).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -29,7 +29,7 @@ pub enum Error {
     },
     /// A pull request got no answer within its expiry and a grace period: the server most
     /// likely restarted and forgot it (the client reconnects, the request is not resent). The
-    /// driver counts a failed fetch and pulls again.
+    /// consumer counts a failed fetch and pulls again.
     #[error(
         "a pull request got no answer within {0:?}: the server may have restarted; pulling again"
     )]
@@ -53,7 +53,7 @@ pub enum Error {
     #[error(
         "stream `{stream}` has no max_age: a copy of a message (a producer's late retry) may wait \
          in it longer than any dedup retention, and would then run again; set the stream's \
-         max_age, or state the longest a message may wait with JetStream::assume_max_age(..)"
+         max_age, or state the longest a message may wait with JetStreamConfig::assume_max_age(..)"
     )]
     UnboundedMaxAge {
         /// The consumed stream.

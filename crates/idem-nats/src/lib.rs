@@ -1,14 +1,14 @@
 //! NATS JetStream consumer adapter for **idem**.
 //!
 //! A pull consumer with explicit acks, driven by idem's shared
-//! [`Driver`](idem_core::Driver): every delivery ends in exactly one JetStream verb, sent only
+//! [`Consumer`](idem_core::Consumer): every delivery ends in exactly one JetStream verb, sent only
 //! after its effect is committed or its dead-letter copy is stored.
 //!
 //! | idem outcome | JetStream |
 //! | --- | --- |
 //! | processed, duplicate | `Ack` |
 //! | in progress elsewhere | `Nak` delayed by the other lease's remaining time |
-//! | transient failure | (two-phase: the claim released) `Nak` after [`JetStream::retry_delay`] |
+//! | transient failure | (two-phase: the claim released) `Nak` after [`JetStreamConfig::retry_delay`] |
 //! | conflict, permanent failure, missing key, a retry at the last `max_deliver` | publish to the dead-letter subject (publish ack awaited) with the `idem-*` headers, then `Term` |
 //! | fetched while the consumer shuts down | `Nak` at once |
 //!
@@ -17,7 +17,7 @@
 //! that copy is redundant but never a loss.
 //!
 //! While handlers run, `Progress` (`+WPI`) restarts `ack_wait` on the lease heartbeat's beat
-//! (or [`JetStream::progress`]). The key comes from `Nats-Msg-Id` by default ([`Delivery`]
+//! (or [`JetStreamConfig::progress`]). The key comes from `Nats-Msg-Id` by default ([`Delivery`]
 //! implements [`Envelope`](idem_core::extract::Envelope), so any `KeyExtractor` works).
 //!
 //! Both modes use the same builder calls:
@@ -25,8 +25,8 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem::nats::async_nats::{self, jetstream};
-//! use idem::consumer::HandlerError;
-//! use idem::nats::{JetStream, JetStreamConsumer};
+//! use idem::engine::HandlerError;
+//! use idem::nats::{JetStreamConfig, JetStreamConsumer};
 //! use idem::{PostgresStore, sqlx};
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -35,7 +35,7 @@
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
 //! store.migrate().await?; // once: creates the schema and table (the consumer checks them)
 //! // The stream captures `orders.>`: dead letters go outside it, to a stream of their own.
-//! let consumer = JetStreamConsumer::builder(JetStream::new(js, pull, "dlq.orders"))
+//! let consumer = JetStreamConsumer::builder(JetStreamConfig::new(js, pull, "dlq.orders"))
 //!     .inbox(store.inbox(Duration::from_secs(7 * 86_400))) // or .store(store): two-phase
 //!     .scope("order-writer")
 //!     .build()
@@ -59,16 +59,16 @@
 //! `Nak` delay or `backoff` step counts instead of `ack_wait` for that delivery), and a producer's
 //! duplicate may wait in the stream up to `max_age`. Records must outlive
 //! `max_deliver × max(ack_wait, backoff, nak delays) + max_age + dead-letter allowance`; the
-//! source checks it with [`RetentionWindow`](idem_core::RetentionWindow) when it opens, and
+//! source checks it with [`RedeliveryWindow`](idem_core::RedeliveryWindow) when it opens, and
 //! refuses a consumer without `max_deliver` and a stream without `max_age` (unless
-//! [`JetStream::assume_max_age`] states the longest a message may wait there).
+//! [`JetStreamConfig::assume_max_age`] states the longest a message may wait there).
 //!
 //! # Dead letters
 //! Dead letters go to a subject that a stream captures and that this consumer does not read:
 //! with the common layout of a stream on `orders.>`, `orders.dlq` would be captured by the
 //! consumed stream and fetched again as a new message (the source refuses it when it opens,
 //! [`Error::DeadLetterLoop`]); `dlq.orders`, on a stream of its own, is not. See
-//! [`JetStream`] for what the check covers.
+//! [`JetStreamConfig`] for what the check covers.
 //!
 //! # Producer duplicates and JetStream's own window
 //! JetStream drops a publish whose `Nats-Msg-Id` it saw within the stream's
@@ -103,6 +103,7 @@
 //! Built and tested against NATS 2.9.10; see [`compat`] for what is switched off.
 
 pub mod compat;
+mod config;
 mod delivery;
 mod error;
 mod publish;
@@ -112,11 +113,13 @@ mod subject;
 /// The client this adapter is built on, re-exported so callers use the same version.
 pub use async_nats;
 pub use compat::redelivery_window;
+pub use config::JetStreamConfig;
 pub use delivery::{Delivery, MSG_ID_HEADER};
 pub use error::Error;
 pub use publish::{JetStreamPublisher, Refused};
-pub use source::{JetStream, JetStreamSource};
+pub use source::JetStreamSource;
 
-/// A JetStream pull consumer made idempotent: the shared driver over a [`JetStreamSource`], in
-/// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type JetStreamConsumer<B> = idem_core::Driver<JetStreamSource, B>;
+/// A JetStream pull consumer made idempotent: the shared consumer over a [`JetStreamSource`], in
+/// two-phase mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
+pub type JetStreamConsumer<B> = idem_core::Consumer<JetStreamSource, B>;

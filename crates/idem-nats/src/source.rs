@@ -1,143 +1,35 @@
-//! The JetStream side of the driver: startup checks, fetching, progress, and the verbs.
+//! The JetStream side of the consumer: fetching, progress, dead letters and the verbs.
 
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{AckKind, Context};
 use futures_util::StreamExt;
-use idem_core::RetentionWindow;
-use idem_core::driver::{Action, DeadLetter, Opening, Source, SourceConfig, headers};
+use idem_core::RedeliveryWindow;
+use idem_core::consumer::{DeadLetter, Source, headers};
+use idem_core::engine::Verb;
 use idem_core::extract::Envelope;
 
 use crate::delivery::MSG_ID_HEADER;
 use crate::{Delivery, Error};
 
-/// A JetStream pull consumer's settings for the driver: what is specific to JetStream. Only the
-/// dead-letter subject is required; batch size, idle wait and broker timeouts are the driver's
-/// ([`Builder`](idem_core::driver::Builder)).
-///
-/// Defaults: retry transient failures after 1 s, send `Progress` on the engine's lease
-/// heartbeat (none without one), no extra gathering after the first message, no dead-letter
-/// allowance in the retention check, no assumed `max_age` (a stream without one is refused).
-///
-/// ```
-/// # async fn f(js: async_nats::jetstream::Context, pull: async_nats::jetstream::consumer::PullConsumer) {
-/// use std::time::Duration;
-/// use idem_nats::JetStream;
-///
-/// // Consuming a stream on `orders.>`: the dead letters go to a subject outside it.
-/// let config = JetStream::new(js, pull, "dlq.orders")
-///     .retry_delay(Duration::from_secs(5))
-///     .batch_wait(Duration::from_millis(2));
-/// # }
-/// ```
-///
-/// # The dead-letter subject
-/// It must be captured by a stream (so a dead letter is stored, not dropped) and must not come
-/// back to this consumer: opening fails with [`Error::DeadLetterLoop`] when the consumed stream
-/// captures it — one of its subjects matches it (`orders.>` matches `orders.dlq`), or it sources
-/// or mirrors the stream that captures it — and the consumer's filter subject matches it too
-/// (or the consumer has none). Each dead letter would otherwise be fetched again as a new
-/// message under a new `Nats-Msg-Id` and processed: a conflict dead-lettered this way ends up
-/// applied. A subject the consumed stream captures but the consumer's filter excludes (stream
-/// `orders.>`, filter `orders.placed`, dead letters to `orders.dlq`) is accepted: this consumer
-/// never receives it, though another consumer of the stream without a filter would. Not seen by
-/// the check: a consumer with several filter subjects (NATS 2.10 `filter_subjects`, which this
-/// build does not read) counts as unfiltered, so it is refused when its stream captures the
-/// subject; subject transforms and cross-account or cross-domain sources are not followed.
-#[derive(Debug)]
-#[must_use]
-pub struct JetStream {
-    js: Context,
-    consumer: PullConsumer,
-    dead_letter: String,
-    retry_delay: Duration,
-    batch_wait: Duration,
-    progress: Option<Duration>,
-    dead_letter_allowance: Duration,
-    assumed_max_age: Option<Duration>,
-}
-
-impl JetStream {
-    /// Consumes `consumer` (a pull consumer with explicit acks and a `max_deliver`) and
-    /// dead-letters to `dead_letter_subject`: a plain subject that a stream other than the
-    /// consumed one captures, or that the consumer's filter excludes (checked at startup; see
-    /// [the dead-letter subject](JetStream#the-dead-letter-subject)).
-    pub fn new(
-        js: Context,
-        consumer: PullConsumer,
-        dead_letter_subject: impl Into<String>,
-    ) -> Self {
-        Self {
-            js,
-            consumer,
-            dead_letter: dead_letter_subject.into(),
-            retry_delay: Duration::from_secs(1),
-            batch_wait: Duration::ZERO,
-            progress: None,
-            dead_letter_allowance: Duration::ZERO,
-            assumed_max_age: None,
-        }
-    }
-
-    /// The `Nak` delay after a transient failure (a key in progress elsewhere waits for the
-    /// other lease instead).
-    pub fn retry_delay(mut self, d: Duration) -> Self {
-        self.retry_delay = d;
-        self
-    }
-
-    /// After the first message of a fetch, keep pulling for up to `d` until the batch is full:
-    /// bigger batches (fewer commits) when messages trickle in, at the cost of that latency.
-    pub fn batch_wait(mut self, d: Duration) -> Self {
-        self.batch_wait = d;
-        self
-    }
-
-    /// Sends `Progress` (`+WPI`) for every message of a batch every `interval` while its
-    /// handlers run, so JetStream restarts their `ack_wait` instead of redelivering them. Must be
-    /// shorter than `ack_wait`. Default: the engine's lease heartbeat, if it has one.
-    pub fn progress(mut self, interval: Duration) -> Self {
-        self.progress = Some(interval);
-        self
-    }
-
-    /// How long a dead-lettered message may wait before an operator resubmits it; added to the
-    /// redelivery window the retention must cover.
-    pub fn dead_letter_allowance(mut self, d: Duration) -> Self {
-        self.dead_letter_allowance = d;
-        self
-    }
-
-    /// States the longest a message may wait in the consumed stream before its first delivery,
-    /// for a stream without `max_age` (0: it keeps messages until a limit or an ack removes
-    /// them). The redelivery window then counts `d` in place of `max_age`; opening refuses such
-    /// a stream without it ([`Error::UnboundedMaxAge`]), since a copy of a message (a
-    /// producer's late retry) could then wait there longer than any dedup retention. On a
-    /// stream with a `max_age`, the longer of the two is counted.
-    pub fn assume_max_age(mut self, d: Duration) -> Self {
-        self.assumed_max_age = Some(d);
-        self
-    }
-}
-
-/// A JetStream pull consumer opened for the driver (see [`JetStream`]).
+/// A JetStream pull consumer, opened (see [`JetStreamConfig`](crate::JetStreamConfig)).
 #[derive(Debug)]
 pub struct JetStreamSource {
-    js: Context,
-    consumer: PullConsumer,
-    dead_letter: String,
-    retry_delay: Duration,
-    batch_wait: Duration,
-    max_deliver: i64,
-    progress: Option<Duration>,
-    window: RetentionWindow,
+    pub(crate) js: Context,
+    pub(crate) consumer: PullConsumer,
+    pub(crate) dead_letter: String,
+    pub(crate) retry_delay: Duration,
+    pub(crate) batch_wait: Duration,
+    pub(crate) max_deliver: i64,
+    pub(crate) progress: Option<Duration>,
+    pub(crate) window: RedeliveryWindow,
 }
 
 impl JetStreamSource {
     /// The redelivery window the retention was checked against.
-    pub fn redelivery_window(&self) -> RetentionWindow {
+    pub fn redelivery_window(&self) -> RedeliveryWindow {
         self.window
     }
 
@@ -265,83 +157,6 @@ fn delivery(
     Delivery::new(m).map_err(|e| Error::js("fetch", e))
 }
 
-impl SourceConfig for JetStream {
-    type Source = JetStreamSource;
-
-    /// Reads the consumer's and stream's configuration and checks everything that would make
-    /// the adapter lose or repeat messages: explicit acks, a bounded redelivery window covered by
-    /// the retention, a progress beat shorter than `ack_wait`, a stream for the dead-letter
-    /// subject other than the one this consumer reads from.
-    async fn open(self, opening: Opening<'_>) -> Result<JetStreamSource, Error> {
-        crate::compat::check_server(&self.js.client().server_info().version)?;
-        if let Some(problem) = crate::subject::publish_problem(&self.dead_letter) {
-            return Err(Error::DeadLetterSubject { subject: self.dead_letter, problem });
-        }
-        let info = self.consumer.cached_info().clone();
-        let cfg = &info.config;
-        let name = info.name.clone();
-        if cfg.ack_policy != AckPolicy::Explicit {
-            return Err(Error::AckPolicy {
-                consumer: name,
-                policy: format!("{:?}", cfg.ack_policy),
-            });
-        }
-        let Ok(max_deliver) = u32::try_from(cfg.max_deliver) else {
-            return Err(Error::UnboundedRedelivery { consumer: name });
-        };
-        if max_deliver == 0 {
-            return Err(Error::UnboundedRedelivery { consumer: name });
-        }
-        let stream =
-            self.js.get_stream(&info.stream_name).await.map_err(|e| Error::js("stream info", e))?;
-        let stream_cfg = &stream.cached_info().config;
-        let max_age = match (stream_cfg.max_age, self.assumed_max_age) {
-            (age, None) if age.is_zero() => {
-                return Err(Error::UnboundedMaxAge { stream: info.stream_name.clone() });
-            }
-            (age, assumed) => age.max(assumed.unwrap_or_default()),
-        };
-        // The longest Nak the adapter sends: the retry delay, or another consumer's lease.
-        let longest_nak = opening.lease.unwrap_or_default().max(self.retry_delay);
-        let window = crate::compat::redelivery_window(cfg, max_age, longest_nak)
-            .dead_letter_allowance(self.dead_letter_allowance);
-        window.check(opening.retention)?;
-        let progress = self.progress.or(opening.heartbeat);
-        if let Some(p) = progress
-            && p >= cfg.ack_wait
-        {
-            return Err(Error::Heartbeat { heartbeat: p, ack_wait: cfg.ack_wait });
-        }
-        let dead_letter_stream =
-            self.js.stream_by_subject(self.dead_letter.clone()).await.map_err(|e| {
-                Error::NoDeadLetterStream { subject: self.dead_letter.clone(), source: e.into() }
-            })?;
-        if let Some(how) = crate::subject::loop_through(
-            stream_cfg,
-            &dead_letter_stream,
-            &cfg.filter_subject,
-            &self.dead_letter,
-        ) {
-            return Err(Error::DeadLetterLoop {
-                subject: self.dead_letter,
-                stream: info.stream_name.clone(),
-                consumer: name,
-                how,
-            });
-        }
-        Ok(JetStreamSource {
-            js: self.js,
-            consumer: self.consumer,
-            dead_letter: self.dead_letter,
-            retry_delay: self.retry_delay,
-            batch_wait: self.batch_wait,
-            max_deliver: cfg.max_deliver,
-            progress,
-            window,
-        })
-    }
-}
-
 /// How much longer than its expiry a pull may go unanswered: a server that restarted has
 /// forgotten the request, and the client (which reconnects by itself) would wait for ever.
 const PULL_GRACE: Duration = Duration::from_secs(2);
@@ -367,7 +182,7 @@ where
 }
 
 impl Source for JetStreamSource {
-    type Message = Delivery;
+    type Delivery = Delivery;
     type Error = Error;
 
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
@@ -411,12 +226,12 @@ impl Source for JetStreamSource {
     /// Acks, `Term`s (dead-lettered), `Nak`s (retries, with their delay; releases at once),
     /// all sent together. A verb that cannot be sent is counted: JetStream redelivers that
     /// message after `ack_wait`, and the store makes the copy a duplicate.
-    async fn settle(&self, items: Vec<(Delivery, Action)>) -> Result<u64, Error> {
-        let replies = items.iter().map(|(d, a)| {
-            let kind = match a {
-                Action::Ack => AckKind::Ack,
-                Action::DeadLettered { .. } => AckKind::Term,
-                Action::Retry { after } => AckKind::Nak(Some(after.unwrap_or(self.retry_delay))),
+    async fn settle(&self, items: Vec<(Delivery, Verb)>) -> Result<u64, Error> {
+        let replies = items.iter().map(|(d, v)| {
+            let kind = match v {
+                Verb::Ack => AckKind::Ack,
+                Verb::DeadLetter { .. } => AckKind::Term,
+                Verb::Retry { after } => AckKind::Nak(Some(after.unwrap_or(self.retry_delay))),
                 _ => AckKind::Nak(None),
             };
             d.reply(kind)

@@ -10,8 +10,8 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, Context, stream};
 use futures_util::StreamExt;
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
-use idem_nats::{Error, JetStream, JetStreamConsumer, MSG_ID_HEADER};
+use idem_core::consumer::BuildError;
+use idem_nats::{Error, JetStreamConfig, JetStreamConsumer, MSG_ID_HEADER};
 
 use common::{nats_url, suffix};
 
@@ -91,7 +91,7 @@ impl Drop for Streams {
 }
 
 /// Opens a two-phase consumer over `config`; the source's error when it refuses.
-async fn open(config: JetStream) -> Result<(), Error> {
+async fn open(config: JetStreamConfig) -> Result<(), Error> {
     let built = JetStreamConsumer::builder(config)
         .store(MemoryStore::new())
         .scope("order-writer")
@@ -99,7 +99,7 @@ async fn open(config: JetStream) -> Result<(), Error> {
         .await;
     match built {
         Ok(_) => Ok(()),
-        Err(DriverError::Open(e)) => Err(e),
+        Err(BuildError::Open(e)) => Err(e),
         Err(other) => panic!("expected the source to open or refuse: {other}"),
     }
 }
@@ -141,7 +141,7 @@ async fn a_dead_letter_subject_the_consumed_stream_captures_is_refused() {
         "the consumer fetches its own dead letter as a new message"
     );
 
-    let e = open(JetStream::new(s.js.clone(), pull, &dlq)).await.expect_err("a loop");
+    let e = open(JetStreamConfig::new(s.js.clone(), pull, &dlq)).await.expect_err("a loop");
     assert!(matches!(e, Error::DeadLetterLoop { .. }), "{e}");
     let text = e.to_string();
     for part in
@@ -152,7 +152,7 @@ async fn a_dead_letter_subject_the_consumed_stream_captures_is_refused() {
 
     // A filter that still matches the dead-letter subject does not help.
     let star = s.consumer(&name, "star", &format!("{orders}.*")).await;
-    let e = open(JetStream::new(s.js.clone(), star, &dlq)).await.expect_err("a loop");
+    let e = open(JetStreamConfig::new(s.js.clone(), star, &dlq)).await.expect_err("a loop");
     assert!(e.to_string().contains(&format!("filter subject `{orders}.*` matches it")), "{e}");
 }
 
@@ -169,10 +169,12 @@ async fn a_dead_letter_subject_the_consumer_never_reads_is_accepted() {
     s.create(&dlq_name, &[&outside], Duration::ZERO).await;
 
     let filtered = s.consumer(&name, "placed-only", &format!("{orders}.placed")).await;
-    open(JetStream::new(s.js.clone(), filtered, format!("{orders}.dlq"))).await.expect("filtered");
+    open(JetStreamConfig::new(s.js.clone(), filtered, format!("{orders}.dlq")))
+        .await
+        .expect("filtered");
 
     let all = s.consumer(&name, "writer", "").await;
-    open(JetStream::new(s.js.clone(), all, &outside)).await.expect("a stream of its own");
+    open(JetStreamConfig::new(s.js.clone(), all, &outside)).await.expect("a stream of its own");
 }
 
 /// A stream that sources the dead-letter stream brings the dead letters back too.
@@ -199,7 +201,7 @@ async fn a_stream_that_sources_the_dead_letter_stream_is_refused() {
     .expect("create the aggregate stream");
     s.names.push(agg.clone());
     let pull = s.consumer(&agg, "writer", "").await;
-    let e = open(JetStream::new(s.js.clone(), pull, &dlq)).await.expect_err("a loop");
+    let e = open(JetStreamConfig::new(s.js.clone(), pull, &dlq)).await.expect_err("a loop");
     assert!(e.to_string().contains(&format!("sources stream `{dlq_name}`")), "{e}");
 }
 
@@ -213,7 +215,7 @@ async fn a_dead_letter_subject_that_is_not_plain_is_refused() {
     s.create(&name, &[&format!("orders_{sfx}")], HOUR).await;
     for bad in ["dlq.*", "dlq.>", "dlq..orders", "", "dlq orders"] {
         let pull = s.consumer(&name, "writer", "").await;
-        let e = open(JetStream::new(s.js.clone(), pull, bad)).await.expect_err(bad);
+        let e = open(JetStreamConfig::new(s.js.clone(), pull, bad)).await.expect_err(bad);
         assert!(matches!(e, Error::DeadLetterSubject { .. }), "{bad:?}: {e}");
     }
 }
@@ -231,16 +233,17 @@ async fn a_stream_without_max_age_needs_an_assumed_one() {
     s.create(&dlq_name, &[&dlq], Duration::ZERO).await;
 
     let pull = s.consumer(&name, "writer", "").await;
-    let e = open(JetStream::new(s.js.clone(), pull.clone(), &dlq)).await.expect_err("unbounded");
+    let e =
+        open(JetStreamConfig::new(s.js.clone(), pull.clone(), &dlq)).await.expect_err("unbounded");
     assert!(matches!(e, Error::UnboundedMaxAge { .. }), "{e}");
     let text = e.to_string();
     assert!(text.contains(&format!("`{name}`")) && text.contains("assume_max_age"), "{text}");
 
-    let stated = JetStream::new(s.js.clone(), pull.clone(), &dlq).assume_max_age(HOUR);
+    let stated = JetStreamConfig::new(s.js.clone(), pull.clone(), &dlq).assume_max_age(HOUR);
     open(stated).await.expect("an assumed max_age");
 
     // The assumption counts in the window: 30 days do not fit the default 7-day retention.
-    let long = JetStream::new(s.js.clone(), pull, &dlq).assume_max_age(HOUR * 24 * 30);
+    let long = JetStreamConfig::new(s.js.clone(), pull, &dlq).assume_max_age(HOUR * 24 * 30);
     let e = open(long).await.expect_err("retention too short");
     assert!(matches!(e, Error::Retention(_)) && e.to_string().contains("30d"), "{e}");
 }

@@ -10,9 +10,9 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::publish::PublishAck;
 use common::{Env, nats_url};
 use idem_core::MemoryStore;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::Report;
-use idem_nats::{JetStream, JetStreamConsumer};
+use idem_core::consumer::Report;
+use idem_core::engine::HandlerError;
+use idem_nats::{JetStreamConfig, JetStreamConsumer};
 
 async fn publish(env: &Env, id: &str, body: &'static [u8]) -> PublishAck {
     let mut h = HeaderMap::new();
@@ -42,12 +42,13 @@ async fn a_republish_inside_the_window_is_dropped_before_idem_sees_it() {
     assert_eq!(stream.info().await.expect("info").state.messages, 1, "one stored message");
 
     let pull = env.consumer("window", Duration::from_secs(30), 5).await;
-    let nats = JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
-        .store(MemoryStore::new())
-        .scope("window")
-        .build()
-        .await
-        .expect("adapter");
+    let nats =
+        JetStreamConsumer::builder(JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject))
+            .store(MemoryStore::new())
+            .scope("window")
+            .build()
+            .await
+            .expect("adapter");
     let handler = |_, d: idem_nats::Delivery| async move {
         Ok::<_, HandlerError<String>>(d.payload_bytes().to_vec())
     };

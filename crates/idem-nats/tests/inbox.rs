@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use common::{Env, header, nats_url};
-use idem_core::Consumer;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::consumer::{Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::{Envelope, Header};
-use idem_nats::{Delivery, JetStream, JetStreamConsumer};
-use idem_sqlx::{SqliteStore, Tx};
+use idem_core::{Inbox, Tx};
+use idem_nats::{Delivery, JetStreamConfig, JetStreamConsumer};
+use idem_sqlx::{PostgresInbox, SqliteStore};
 use idem_testkit::wait_for;
 
 async fn publish(env: &Env, order: Option<&str>, body: &str) {
@@ -40,16 +40,13 @@ async fn inbox_batches_commit_together_and_failures_roll_back_alone() {
         .await
         .expect("table");
     let pull = env.consumer("inbox", Duration::from_secs(30), 4).await;
-    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
-        .scope("inbox")
-        .key(Header::new("order-id")) // the key is a business header, not Nats-Msg-Id
-        .build()
-        .expect("engine");
     let inbox = JetStreamConsumer::builder(
-        JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+        JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject)
             .retry_delay(Duration::from_millis(50)),
     )
-    .engine(engine)
+    .inbox(store.inbox(Duration::from_secs(86_400)))
+    .scope("inbox")
+    .key(Header::new("order-id")) // the key is a business header, not Nats-Msg-Id
     .build()
     .await
     .expect("inbox");
@@ -117,18 +114,16 @@ async fn inbox_run_commits_then_acks_until_shutdown() {
         .await
         .expect("table");
     let pull = env.consumer("inbox-run", Duration::from_secs(30), 4).await;
-    let engine = Consumer::builder(store.inbox(Duration::from_secs(86_400)))
-        .scope("inbox-run")
-        .key(Header::new("Order-Id"))
-        .build()
-        .expect("engine");
-    let inbox = JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
-        .engine(engine)
-        .batch(8)
-        .idle_wait(Duration::from_millis(100))
-        .build()
-        .await
-        .expect("inbox");
+    let inbox =
+        JetStreamConsumer::builder(JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject))
+            .inbox(store.inbox(Duration::from_secs(86_400)))
+            .scope("inbox-run")
+            .key(Header::new("Order-Id"))
+            .batch(8)
+            .idle_wait(Duration::from_millis(100))
+            .build()
+            .await
+            .expect("inbox");
     for i in 0..30 {
         publish(&env, Some(&format!("k-{}", i % 20)), &format!(r#"{{"k":{}}}"#, i % 20)).await;
     }
@@ -206,7 +201,7 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
             .get_consumer("pg")
             .await
             .expect("consumer");
-        let config = JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+        let config = JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject)
             .retry_delay(Duration::from_millis(50));
         JetStreamConsumer::builder(config)
             .inbox(store.inbox(Duration::from_secs(86_400)))
@@ -243,7 +238,7 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
 
     let (stop_tx, stop) = watch::channel(false);
     let run = |who: &'static str,
-               c: JetStreamConsumer<PostgresInbox>,
+               c: JetStreamConsumer<Inbox<PostgresInbox>>,
                mut stop: watch::Receiver<bool>| {
         let ledger = ledger.clone();
         async move {
@@ -303,7 +298,7 @@ async fn pg_inbox_commits_then_acks_and_redeliveries_are_duplicates() {
 
 /// The handler's write in the PostgreSQL inbox test: one ledger row, in the batch transaction.
 async fn pg_write(
-    mut tx: Tx<sqlx::Postgres>,
+    mut tx: Tx<PostgresInbox>,
     d: Delivery,
     ledger: &str,
     who: &'static str,

@@ -1,18 +1,21 @@
 //! The broker-source conformance suite on the real NATS server: every mode through the same
 //! builder calls (two-phase over a store; SQLite, PostgreSQL and MariaDB inboxes), each on a
 //! stream of its own. Producer retries are published after JetStream's duplicate window, so the
-//! broker really stores and delivers them twice.
+//! broker really stores and delivers them twice. Also the crash suite (abort between commit
+//! and ack, SIGKILL and a dropped connection mid-handler) in both modes, the store on SQLite
+//! and on PostgreSQL.
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use common::{DUP_WINDOW, Env};
-use idem_core::driver::headers;
-use idem_nats::{JetStream, JetStreamSource};
+use idem_core::consumer::headers;
+use idem_nats::{JetStreamConfig, JetStreamSource};
+use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
 const CONSUMER: &str = "modes";
@@ -20,32 +23,28 @@ const CONSUMER: &str = "modes";
 struct Harness {
     env: Env,
     pull: PullConsumer,
-    /// Ids published so far, and when the last publish was: a repeat waits out the window.
-    seen: Mutex<(HashSet<String>, tokio::time::Instant)>,
+    /// When each id was last published: a repeat waits out the duplicate window.
+    seen: Mutex<HashMap<String, tokio::time::Instant>>,
 }
 
 impl SourceHarness for Harness {
     type Source = JetStreamSource;
-    type Config<'a> = JetStream;
+    type Config<'a> = JetStreamConfig;
 
     fn publish<'a>(&'a self, id: &'a str, body: &'a [u8]) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let wait_until = {
-                let seen = self.seen.lock().expect("seen");
-                seen.0.contains(id).then(|| seen.1 + DUP_WINDOW * 3)
-            };
-            if let Some(at) = wait_until {
-                tokio::time::sleep_until(at).await;
+            // The server forgets ids on a timer, up to twice the window late.
+            let last = self.seen.lock().expect("seen").get(id).copied();
+            if let Some(at) = last {
+                tokio::time::sleep_until(at + DUP_WINDOW * 3).await;
             }
             self.env.publish(id, body).await;
-            let mut seen = self.seen.lock().expect("seen");
-            seen.0.insert(id.to_owned());
-            seen.1 = tokio::time::Instant::now();
+            self.seen.lock().expect("seen").insert(id.to_owned(), tokio::time::Instant::now());
         })
     }
 
-    fn config(&self) -> JetStream {
-        JetStream::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
+    fn config(&self) -> JetStreamConfig {
+        JetStreamConfig::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
             .retry_delay(Duration::from_millis(100))
     }
 
@@ -80,10 +79,32 @@ impl SourceHarness for Harness {
     }
 }
 
-idem_testkit::source_conformance!(|_name: &'static str| async move {
+impl CrashHarness for Harness {
+    fn spec(&self) -> String {
+        self.env.suffix().to_owned()
+    }
+
+    fn attach(sfx: &str) -> BoxFuture<'static, Self> {
+        let sfx = sfx.to_owned();
+        Box::pin(async move {
+            let url = common::nats_url().expect("NATS");
+            let env = Env::attach(&url, &sfx).await;
+            Harness::with(env).await
+        })
+    }
+}
+
+impl Harness {
+    async fn with(env: Env) -> Self {
+        let pull = env.consumer(CONSUMER, Duration::from_secs(5), 10).await;
+        Self { env, pull, seen: Mutex::default() }
+    }
+}
+
+async fn harness(_name: &str) -> Option<Harness> {
     let url = common::nats_url()?;
-    let env = Env::new(&url).await;
-    let pull = env.consumer(CONSUMER, Duration::from_secs(5), 10).await;
-    let seen = Mutex::new((HashSet::new(), tokio::time::Instant::now()));
-    Some(Harness { env, pull, seen })
-});
+    Some(Harness::with(Env::new(&url).await).await)
+}
+
+idem_testkit::source_conformance!(harness);
+idem_testkit::crash_conformance!(Harness, harness, postgres);

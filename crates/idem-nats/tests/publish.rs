@@ -11,8 +11,8 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::stream;
 use common::{DUP_WINDOW, Env};
-use idem_core::outbox::{MessageId, OutboxMessage, PublishError, Publisher};
-use idem_nats::{JetStream, JetStreamPublisher, JetStreamSource, Refused};
+use idem_core::outbox::{OutboxId, OutboxMessage, PublishError, Publisher};
+use idem_nats::{JetStreamConfig, JetStreamPublisher, JetStreamSource, Refused};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 
 struct Harness {
@@ -36,7 +36,7 @@ impl Harness {
 impl PublisherHarness for Harness {
     type Publisher = JetStreamPublisher;
     type Source = JetStreamSource;
-    type Config<'a> = JetStream;
+    type Config<'a> = JetStreamConfig;
 
     fn publisher(&self) -> JetStreamPublisher {
         self.publisher.clone()
@@ -46,8 +46,8 @@ impl PublisherHarness for Harness {
         &self.destination
     }
 
-    fn config(&self) -> JetStream {
-        JetStream::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
+    fn config(&self) -> JetStreamConfig {
+        JetStreamConfig::new(self.env.js.clone(), self.pull.clone(), &self.env.dlq_subject)
     }
 
     /// A subject outside every stream.
@@ -70,7 +70,7 @@ idem_testkit::publisher_conformance!(|_name: &'static str| Harness::new());
 
 fn message(subject: &str, payload: Vec<u8>, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         subject.to_owned(),
         payload,
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),

@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Env, header, nats_url};
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::consumer::{Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Claim, ClaimRequest, Consumer, DedupStore, FingerprintSpec};
-use idem_nats::{Error, JetStream, JetStreamConsumer};
+use idem_core::{Claim, ClaimRequest, DedupStore, FingerprintSpec};
+use idem_nats::{Error, JetStreamConfig, JetStreamConsumer};
 use idem_sqlx::SqliteStore;
 use idem_testkit::wait_for;
 
@@ -26,7 +26,7 @@ async fn outcomes_map_to_ack_nak_and_dead_letter() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pull = env.consumer("verbs", Duration::from_secs(30), 3).await;
     let nats = JetStreamConsumer::builder(
-        JetStream::new(env.js.clone(), pull, &env.dlq_subject)
+        JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject)
             .retry_delay(Duration::from_millis(50)),
     )
     .store(store(&dir).await)
@@ -106,15 +106,12 @@ async fn progress_keeps_a_long_handler_from_being_redelivered() {
     let pull = env.consumer("slow", Duration::from_secs(1), 5).await;
     let sqlite = store(&dir).await;
     let probe = sqlite.clone();
-    let dedup = Consumer::builder(sqlite)
-        .scope("slow")
-        .lease(Duration::from_secs(1))
-        .heartbeat(Duration::from_millis(250))
-        .build()
-        .expect("consumer");
     let nats = Arc::new(
-        JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
-            .engine(dedup)
+        JetStreamConsumer::builder(JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject))
+            .store(sqlite)
+            .scope("slow")
+            .lease(Duration::from_secs(1))
+            .heartbeat(Duration::from_millis(250))
             .build()
             .await
             .expect("adapter"),
@@ -161,42 +158,42 @@ async fn startup_refuses_unsafe_configurations() {
     let Some(url) = nats_url() else { return };
     let env = Env::new(&url).await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let dedup = |retain| {
-        let dir = &dir;
-        async move {
-            Consumer::builder(store(dir).await).scope("s").retain(retain).build().expect("consumer")
-        }
-    };
+    let dir = &dir;
     let week = Duration::from_secs(7 * 86_400);
 
-    let open = |config: JetStream, retain| async move {
+    let open = |config: JetStreamConfig, retain| async move {
         let e = JetStreamConsumer::builder(config)
-            .engine(dedup(retain).await)
+            .store(store(dir).await)
+            .scope("s")
+            .retain(retain)
             .build()
             .await
             .expect_err("an unsafe configuration");
         match e {
-            idem_core::driver::Error::Open(e) => e,
+            idem_core::consumer::BuildError::Open(e) => e,
             other => panic!("expected the source to refuse: {other}"),
         }
     };
 
     let unbounded = env.consumer("unbounded", Duration::from_secs(30), -1).await;
-    let e = open(JetStream::new(env.js.clone(), unbounded, &env.dlq_subject), week).await;
+    let e = open(JetStreamConfig::new(env.js.clone(), unbounded, &env.dlq_subject), week).await;
     assert!(matches!(e, Error::UnboundedRedelivery { .. }), "{e}");
 
     let pull = env.consumer("short", Duration::from_secs(60), 10).await;
-    let e = open(JetStream::new(env.js.clone(), pull, &env.dlq_subject), Duration::from_secs(300))
-        .await;
+    let e = open(
+        JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject),
+        Duration::from_secs(300),
+    )
+    .await;
     assert!(e.to_string().contains("10 deliveries × 1m"), "{e}");
 
     let pull = env.consumer("nodlq", Duration::from_secs(30), 5).await;
-    let e = open(JetStream::new(env.js.clone(), pull, "nowhere.at.all"), week).await;
+    let e = open(JetStreamConfig::new(env.js.clone(), pull, "nowhere.at.all"), week).await;
     assert!(matches!(e, Error::NoDeadLetterStream { .. }), "{e}");
 
     let pull = env.consumer("beat", Duration::from_secs(2), 5).await;
-    let config =
-        JetStream::new(env.js.clone(), pull, &env.dlq_subject).progress(Duration::from_secs(2));
+    let config = JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject)
+        .progress(Duration::from_secs(2));
     let e = open(config, week).await;
     assert!(matches!(e, Error::Heartbeat { .. }), "{e}");
     env.cleanup().await;
@@ -208,14 +205,15 @@ async fn run_processes_until_shutdown_and_finishes_its_batch() {
     let env = Env::new(&url).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let pull = env.consumer("runner", Duration::from_secs(30), 5).await;
-    let nats = JetStreamConsumer::builder(JetStream::new(env.js.clone(), pull, &env.dlq_subject))
-        .store(store(&dir).await)
-        .scope("runner")
-        .batch(16)
-        .idle_wait(Duration::from_millis(100))
-        .build()
-        .await
-        .expect("adapter");
+    let nats =
+        JetStreamConsumer::builder(JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject))
+            .store(store(&dir).await)
+            .scope("runner")
+            .batch(16)
+            .idle_wait(Duration::from_millis(100))
+            .build()
+            .await
+            .expect("adapter");
     for i in 0..50 {
         env.publish(&format!("r-{i}"), format!(r#"{{"i":{i}}}"#).as_bytes()).await;
     }

@@ -29,9 +29,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use idem_core::consumer::{Context, HandlerError};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::{JsonPointer, Message};
-use idem_core::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome};
+use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome};
 use idem_redis::RedisStore;
 use serde::{Deserialize, Serialize};
 
@@ -450,7 +450,7 @@ async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
         let mut all_ok = true;
         for _ in 0..repeats {
             let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
-            let consumer = Consumer::builder(store)
+            let consumer = Engine::builder(store)
                 .scope("orders")
                 .key(JsonPointer::new("/message_id"))
                 .lease(LEASE)
@@ -522,8 +522,9 @@ mod streams {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
-    use idem_core::consumer::HandlerError;
-    use idem_core::{Backend, Consumer, MemoryStore};
+    use idem_core::consumer::Builder;
+    use idem_core::engine::HandlerError;
+    use idem_core::{Backend, MemoryStore};
     use idem_redis::{RedisStore, StreamConfig, StreamConsumer};
     use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
     use redis::aio::MultiplexedConnection;
@@ -630,24 +631,27 @@ mod streams {
         Ok(t.elapsed())
     }
 
-    /// The adapter over `backend` with a no-op handler, from its first read until every entry
-    /// was handled and the last batch settled.
+    /// The adapter in the mode `mode` chooses (`.store(s)`: two-phase; `.inbox(i)`:
+    /// transactional) with a no-op handler, from its first read until every entry was handled
+    /// and the last batch settled.
     async fn driven<B: Backend>(
         client: &redis::Client,
         stream: &str,
         group: &str,
-        backend: B,
+        mode: impl FnOnce(Builder<StreamConfig>) -> Builder<StreamConfig, B>,
         n: usize,
         batch: usize,
         lanes: usize,
     ) -> Result<Duration, BoxErr> {
-        let c = StreamConsumer::builder(StreamConfig::new(client.clone(), stream, group, "c"))
-            .engine(Consumer::builder(backend).scope(group).retain(DAY).build()?)
-            .batch(batch)
-            .concurrency(lanes)
-            .idle_wait(BLOCK)
-            .build()
-            .await?;
+        let c =
+            mode(StreamConsumer::builder(StreamConfig::new(client.clone(), stream, group, "c")))
+                .scope(group)
+                .retain(DAY)
+                .batch(batch)
+                .concurrency(lanes)
+                .idle_wait(BLOCK)
+                .build()
+                .await?;
         let done = AtomicUsize::new(0);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let stop = std::sync::Mutex::new(Some(stop));
@@ -747,23 +751,23 @@ mod streams {
                     fill(conn, &own, n).await?;
                     bare(client, &own, n, batch, lanes).await?
                 }
-                1 => driven(client, s, g, MemoryStore::new(), n, batch, lanes).await?,
+                1 => driven(client, s, g, |b| b.store(MemoryStore::new()), n, batch, lanes).await?,
                 2 => {
                     let store = SqliteStore::open(dir.join("two-phase.sqlite")).await?;
-                    driven(client, s, g, store, n, batch, lanes).await?
+                    driven(client, s, g, |b| b.store(store), n, batch, lanes).await?
                 }
-                3 => driven(client, s, g, pg.clone(), n, batch, lanes).await?,
+                3 => driven(client, s, g, |b| b.store(pg.clone()), n, batch, lanes).await?,
                 4 => {
                     let ns = format!("{sfx}-ns");
                     let store = RedisStore::builder(url)?.namespace(&ns)?.connect().await?;
-                    driven(client, s, g, store, n, batch, lanes).await?
+                    driven(client, s, g, |b| b.store(store), n, batch, lanes).await?
                 }
                 5 => {
                     let inbox = SqliteStore::open(dir.join("inbox.sqlite")).await?.inbox(DAY);
-                    driven(client, s, g, inbox, n, batch, lanes).await?
+                    driven(client, s, g, |b| b.inbox(inbox), n, batch, lanes).await?
                 }
-                6 => driven(client, s, g, pg.inbox(DAY), n, batch, lanes).await?,
-                _ => driven(client, s, g, my.inbox(DAY), n, batch, lanes).await?,
+                6 => driven(client, s, g, |b| b.inbox(pg.inbox(DAY)), n, batch, lanes).await?,
+                _ => driven(client, s, g, |b| b.inbox(my.inbox(DAY)), n, batch, lanes).await?,
             };
             #[allow(clippy::cast_precision_loss)]
             let rate = n as f64 / took.as_secs_f64();

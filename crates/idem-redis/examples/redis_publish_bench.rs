@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_redis::StreamPublisher;
 use redis::aio::ConnectionManager;
 use redis::{AsyncCommands, RedisResult, Value};
@@ -53,7 +53,7 @@ async fn main() -> Result<()> {
 
 fn message(stream: &str, i: usize) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         stream.to_owned(),
         format!(r#"{{"order":{i},"cents":1200}}"#).into_bytes(),
         vec![("content-type".to_owned(), "application/json".to_owned())],

@@ -2,7 +2,7 @@
 
 /// Why a [`RedisStore`](crate::RedisStore) could not be built, or what the streams source
 /// could not do. Errors of store operations are [`idem_core::StoreError`]; per-entry failures
-/// of the streams source are outcomes, counted in the driver's report.
+/// of the streams source are outcomes, counted in the consumer's report.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

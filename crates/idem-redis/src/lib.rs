@@ -1,5 +1,5 @@
 //! Redis for **idem**: a dedup store ([`RedisStore`]) and a Redis Streams source for the shared
-//! consumer driver ([`StreamConsumer`]).
+//! consumer ([`StreamConsumer`]).
 //!
 //! - [`RedisStore`] implements the [`DedupStore`](idem_core::DedupStore) contract: a fresh key
 //!   is claimed with one `SET … NX GET` (Redis ≥ 7.0), every other read-decide-write is one Lua
@@ -8,7 +8,7 @@
 //!   ([`RedisStore::cluster_builder`]). At connect it refuses an evicting `maxmemory-policy`
 //!   (on a cluster, on any master) and warns when persistence is off.
 //! - [`StreamConsumer`] reads a stream through a consumer group ([`StreamConfig`]) with idem's
-//!   [`Driver`](idem_core::Driver): in two-phase mode over any store (this one included;
+//!   [`Consumer`](idem_core::Consumer): in two-phase mode over any store (this one included;
 //!   `.store(store)`), or in inbox mode over a SQL inbox (`.inbox(store.inbox(retain))` of
 //!   `idem-sqlx`'s SQLite, PostgreSQL or MySQL store), where each batch's effects commit with
 //!   their dedup markers in one transaction.
@@ -22,11 +22,11 @@
 //! | fetched while the consumer shuts down | none (pending; taken over after `reclaim_idle`) |
 //!
 //! A dead-letter entry carries the entry's fields, the shared
-//! [`headers`](idem_core::driver::headers) `idem-reason`, `idem-outcome`, `idem-scope`,
+//! [`headers`](idem_core::consumer::headers) `idem-reason`, `idem-outcome`, `idem-scope`,
 //! `idem-source` (the stream), `idem-source-position` (the entry id), `idem-delivered`, and
 //! [`idem-group`](GROUP_FIELD).
 //!
-//! **The retry delay** the driver suggests (another consumer's remaining lease) cannot be
+//! **The retry delay** the consumer suggests (another consumer's remaining lease) cannot be
 //! honoured: Redis has no delayed redelivery, so a retried entry comes back after
 //! `reclaim_idle` (plus up to a quarter of it, the scan period), whatever was asked.
 //!
@@ -38,7 +38,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem::consumer::HandlerError;
+//! use idem::engine::HandlerError;
 //! use idem::extract::Envelope;
 //! use idem::redis::{StreamConfig, StreamConsumer, redis};
 //! use idem::{PostgresStore, sqlx};
@@ -88,10 +88,10 @@
 //!   they wait on the marker and find them duplicates. Effects still happen once, but deliveries
 //!   are spent: keep `reclaim_idle` above the longest batch, and
 //!   `(max_deliveries − 1) × reclaim_idle` above the engine's lease (opening warns otherwise).
-//! - **Connection trouble**: a failed fetch is retried per the driver's
-//!   [`FetchFailures`](idem_core::driver::FetchFailures); a blocking read with no answer 5 s
+//! - **Connection trouble**: a failed fetch is retried per the consumer's
+//!   [`FetchFailures`](idem_core::consumer::FetchFailures); a blocking read with no answer 5 s
 //!   after its block time is dropped with its connection; any broker call hanging past the
-//!   driver's broker timeout ends the run, and whatever was not acknowledged comes back.
+//!   consumer's broker timeout ends the run, and whatever was not acknowledged comes back.
 //! - **The group or stream is deleted** (`NOGROUP`): the run ends at once.
 //! - **Redis loses writes** (failover, no persistence): a lost `XACK` is only a redelivery, found
 //!   done; lost dedup records of a [`RedisStore`] let duplicates through, hence its startup
@@ -153,13 +153,14 @@ pub use publish::{Refused, StreamPublisher};
 #[doc(hidden)]
 pub use store::ClockOffset;
 pub use store::{MAX_RESULT_BYTES, RedisConnection, RedisStore, RedisStoreBuilder, ServerSettings};
-pub use stream::{GROUP_FIELD, StreamConfig, StreamEntry, StreamSource};
+pub use stream::{Delivery, GROUP_FIELD, StreamConfig, StreamSource};
 #[cfg(feature = "rustls")]
 pub use tls::install_crypto_provider;
 
-/// A Redis stream consumer made idempotent: the shared driver over a [`StreamSource`], in
-/// two-phase mode (`B` a store) or inbox mode (`B` a SQL inbox).
-pub type StreamConsumer<B> = idem_core::Driver<StreamSource, B>;
+/// A Redis stream consumer made idempotent: the shared consumer over a [`StreamSource`], in
+/// two-phase mode (`B` a store) or inbox mode (`B` an [`Inbox`](idem_core::Inbox) over a SQL inbox:
+/// `Inbox<PostgresInbox>`).
+pub type StreamConsumer<B> = idem_core::Consumer<StreamSource, B>;
 
 /// The Redis client crate this adapter is built on (for `Client` and your own commands).
 pub use redis;

@@ -3,7 +3,7 @@
 mod common;
 
 use idem_core::MemoryStore;
-use idem_core::driver::Error as DriverError;
+use idem_core::consumer::BuildError;
 use idem_redis::{Error, StreamConfig, StreamConsumer};
 use redis::AsyncCommands;
 use redis::streams::{StreamReadOptions, StreamReadReply};
@@ -13,7 +13,7 @@ async fn open(config: StreamConfig) -> Result<(), Error> {
     let built = StreamConsumer::builder(config).store(MemoryStore::new()).scope("s").build().await;
     match built {
         Ok(_) => Ok(()),
-        Err(DriverError::Open(e)) => Err(e),
+        Err(BuildError::Open(e)) => Err(e),
         Err(other) => panic!("expected the source to open or refuse: {other}"),
     }
 }

@@ -8,7 +8,7 @@ use std::error::Error as _;
 use std::time::Duration;
 
 use common::Cleanup;
-use idem_core::outbox::{MessageId, OutboxMessage, Publisher};
+use idem_core::outbox::{OutboxId, OutboxMessage, Publisher};
 use idem_redis::{Refused, StreamConfig, StreamPublisher, StreamSource};
 use idem_testkit::publisher::{BoxFuture, PublisherHarness};
 use redis::AsyncCommands;
@@ -62,7 +62,7 @@ idem_testkit::publisher_conformance!(|name: &'static str| Harness::new(name));
 
 fn message(dest: &str, headers: &[(&str, &str)]) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         dest.to_owned(),
         br#"{"order":"o-1"}"#.to_vec(),
         headers.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),

@@ -1,5 +1,5 @@
 //! Against a private `redis-server` on a spare port (so server-wide settings and counters are
-//! ours alone): the startup checks (R14) with an evicting policy or the AOF on, and that
+//! ours alone): the startup checks with an evicting policy or the AOF on, and that
 //! concurrent claims share one connection and a batch is one command. Plus the shared server's
 //! settings.
 

@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::group_state;
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, headers};
+use idem_core::MemoryStore;
+use idem_core::consumer::{Report, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Consumer, MemoryStore};
-use idem_redis::{Error, GROUP_FIELD, StreamConfig, StreamConsumer, StreamEntry};
+use idem_redis::{Delivery, Error, GROUP_FIELD, StreamConfig, StreamConsumer};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use redis::AsyncCommands;
@@ -31,7 +31,7 @@ fn payload(id: usize, cents: u64, poison: bool) -> String {
     format!(r#"{{"order":"o-{id}","cents":{cents},"poison":{poison}}}"#)
 }
 
-async fn handler(ledger: Ledger, entry: StreamEntry) -> Result<u64, HandlerError<String>> {
+async fn handler(ledger: Ledger, entry: Delivery) -> Result<u64, HandlerError<String>> {
     let v: serde_json::Value = serde_json::from_slice(entry.payload())
         .map_err(|e| HandlerError::Permanent(e.to_string()))?;
     if v["poison"].as_bool() == Some(true) {
@@ -76,12 +76,6 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         let _: Vec<String> = pipe.query_async(&mut conn).await.expect("xadd");
     }
 
-    let engine = Consumer::builder(store.clone())
-        .scope("billing")
-        .lease(Duration::from_secs(5))
-        .retain(Duration::from_secs(3600))
-        .build()
-        .expect("engine");
     let consumer = |name: &str| {
         // Well above a batch's time even on a loaded machine: a batch still in flight when its
         // entries are taken over would dead-letter its conflicts a second time (seen once at
@@ -89,7 +83,10 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         let config = StreamConfig::new(client.clone(), &stream, "billing", name)
             .reclaim_idle(Duration::from_secs(5));
         StreamConsumer::builder(config)
-            .engine(engine.clone())
+            .store(store.clone())
+            .scope("billing")
+            .lease(Duration::from_secs(5))
+            .retain(Duration::from_secs(3600))
             .batch(50)
             .idle_wait(Duration::from_millis(200))
             .build()
@@ -101,7 +98,7 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
     {
         let doomed = consumer("doomed").await.expect("consumer");
         let l = ledger.clone();
-        let h = move |_ctx, e: StreamEntry| handler(l.clone(), e);
+        let h = move |_ctx, e: Delivery| handler(l.clone(), e);
         for _ in 0..2 {
             doomed.poll(&h).await.expect("poll");
         }
@@ -122,7 +119,7 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
         let l = ledger.clone();
         let mut rx = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
-            let h = move |_ctx, e: StreamEntry| handler(l.clone(), e);
+            let h = move |_ctx, e: Delivery| handler(l.clone(), e);
             c.run(h, async move {
                 let _ = rx.wait_for(|s| *s).await;
             })
@@ -198,10 +195,15 @@ async fn four_competing_consumers_one_dropped_exactly_once() {
 /// Builds a consumer over `config` (two-phase over a memory store, retention `retain`) and
 /// returns what opening the source said.
 async fn open(config: StreamConfig, retain: Duration) -> Result<(), Error> {
-    let engine = Consumer::builder(MemoryStore::new()).scope("s").retain(retain).build();
-    match StreamConsumer::builder(config).engine(engine.expect("engine")).build().await {
+    let built = StreamConsumer::builder(config)
+        .store(MemoryStore::new())
+        .scope("s")
+        .retain(retain)
+        .build()
+        .await;
+    match built {
         Ok(_) => Ok(()),
-        Err(idem_core::driver::Error::Open(e)) => Err(e),
+        Err(idem_core::consumer::BuildError::Open(e)) => Err(e),
         Err(e) => panic!("not an error of the source: {e}"),
     }
 }
@@ -291,7 +293,7 @@ async fn every_outcome_gets_its_verb() {
         .expect("consumer");
     // o-3 fails transiently at its first delivery; the handler records what it saw.
     let seen: Arc<Mutex<Vec<(String, u64)>>> = Arc::default();
-    let handler = |_ctx, e: StreamEntry| {
+    let handler = |_ctx, e: Delivery| {
         let seen = Arc::clone(&seen);
         async move {
             seen.lock().expect("seen").push((e.id().to_owned(), e.delivered()));
@@ -368,9 +370,8 @@ async fn a_dead_letter_outage_leaves_the_entry_pending_until_it_can_be_copied() 
         .build()
         .await
         .expect("consumer");
-    let handler = |_ctx, _e: StreamEntry| async {
-        Err::<(), _>(HandlerError::Permanent("poison".to_owned()))
-    };
+    let handler =
+        |_ctx, _e: Delivery| async { Err::<(), _>(HandlerError::Permanent("poison".to_owned())) };
     let r = c.poll(handler).await.expect("poll");
     assert_eq!((r.failed_permanent, r.dead_letter_failures), (1, 1), "{r}");
     // Never removed without its copy: retried instead of acknowledged.
@@ -473,7 +474,7 @@ async fn a_deleted_group_ends_the_run_at_once() {
     // The default policy would retry 10 times, 1 s apart: NOGROUP is fatal instead.
     let ended = tokio::time::timeout(Duration::from_secs(5), run).await.expect("run ended");
     match ended {
-        Err(idem_core::driver::Error::Fetch {
+        Err(idem_core::consumer::Error::Fetch {
             attempts: 1,
             source: Error::Redis { source, .. },
         }) => {

@@ -8,7 +8,7 @@
 //!   [`postgres::EntityTable`] for business tables that are their own marker.
 //! - `mysql`: `MySqlStore` and `MySqlInbox` for MariaDB/MySQL.
 //!
-//! - [`inbox`]: every inbox is a consumer backend: `Driver::builder(source).inbox(store.inbox(retain))`
+//! - [`inbox`]: every inbox is a consumer backend: `Consumer::builder(source).inbox(store.inbox(retain))`
 //!   runs a broker's batches through one database transaction each, on any of the three
 //!   databases; the handler gets the transaction ([`Tx`]).
 //! - [`outbox`]: transactional outboxes on the three databases: a handler enqueues outgoing
@@ -21,7 +21,6 @@
 mod cells;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod check;
-pub mod inbox;
 pub mod outbox;
 mod row;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -45,9 +44,7 @@ pub mod mysql;
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlInbox, MySqlOutbox, MySqlStore};
 
-pub use inbox::{Tx, TxInbox};
 pub use outbox::Enqueue;
-pub use row::{InboxError, InboxOutcome, Mark};
 /// The client these stores are built on, re-exported so callers use the same version.
 pub use sqlx;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

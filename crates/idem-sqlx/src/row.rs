@@ -1,51 +1,9 @@
-//! Decoding rows and the types shared by every SQL backend.
+//! Decoding rows, on every SQL backend.
 
 use idem_core::{
     DedupKey, Fingerprint, KeyHash, Lease, Record, RecordState, StoreError, Timestamp,
 };
 use sqlx::{ColumnIndex, Decode, Row, Type};
-
-/// The answer of an inbox `mark`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-#[must_use = "a duplicate or conflict must not be written again"]
-pub enum Mark {
-    /// The marker is new in this transaction: do the writes, then commit.
-    First,
-    /// A committed marker exists: skip the writes (and ack).
-    Duplicate(Record),
-    /// A marker exists with a different fingerprint: dead-letter, never drop.
-    Conflict(Record),
-    /// A lease record holds the key (a two-phase consumer in the same scope is running it).
-    InProgress(Record),
-}
-
-/// What `process` did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-#[must_use]
-pub enum InboxOutcome<T> {
-    /// The writes ran and committed with the marker; the value they returned.
-    Processed(T),
-    /// Already processed; the stored result if one was stored.
-    Duplicate(Option<T>),
-    /// Same key, different payload.
-    Conflict(Record),
-    /// A lease record holds the key.
-    InProgress(Record),
-}
-
-/// Errors of the inbox's `process` convenience.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum InboxError<E> {
-    /// The store failed; the transaction was rolled back.
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    /// The caller's writes failed; the transaction was rolled back and no marker remains.
-    #[error("inbox writes failed; rolled back")]
-    Writes(#[source] E),
-}
 
 pub(crate) fn i64_of(v: u64, what: &'static str) -> Result<i64, StoreError> {
     i64::try_from(v).map_err(|_| StoreError::Corrupt { what: format!("{what} {v} exceeds i64") })
@@ -163,18 +121,28 @@ pub(crate) fn classify_loser(
     }
 }
 
-/// The mark a lost write found: duplicate, conflict or in progress; `None` when the record is
-/// claimable again (mark again).
-pub(crate) fn mark_of(
+/// The answer a lost mark found: completed, conflict or in progress (the store's time left on
+/// the lease); `None` when the record is claimable again (mark again).
+pub(crate) fn claim_of(
     rec: Record,
     fingerprint: Option<idem_core::Fingerprint>,
     now: Timestamp,
-) -> Option<Mark> {
+) -> Option<idem_core::Claim> {
+    use idem_core::Claim;
     Some(match classify_loser(rec, fingerprint, now)? {
-        Loser::Done(r) => Mark::Duplicate(r),
-        Loser::Conflict(r) => Mark::Conflict(r),
-        Loser::Leased(r) => Mark::InProgress(r),
+        Loser::Done(r) => Claim::Completed(r),
+        Loser::Conflict(r) => Claim::Conflict(r),
+        Loser::Leased(r) => Claim::InProgress {
+            retry_after: r.lease_until.unwrap_or(now).since(now),
+            attempt: r.attempt,
+        },
     })
+}
+
+/// The lease of a mark that took its row: held by the transaction, not by a time (no lease end,
+/// no fencing token: the row lock fences).
+pub(crate) fn mark_lease(key: &DedupKey, fingerprint: Option<Fingerprint>) -> Lease {
+    Lease::new(key.clone(), fingerprint, 0, 1, Timestamp::from_micros(0), None)
 }
 
 pub(crate) fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
@@ -251,25 +219,6 @@ where
 /// Columns in the order every record `SELECT` returns them (all SQL backends).
 pub(crate) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
      token, prev_state, created_at, updated_at, lease_until, expires_at";
-
-/// The outcome of `process` when the mark settles the delivery (`None` for [`Mark::First`]:
-/// run the writes).
-pub(crate) fn settled<T: serde::de::DeserializeOwned>(
-    mark: Mark,
-) -> Result<Option<InboxOutcome<T>>, StoreError> {
-    Ok(Some(match mark {
-        Mark::First => return Ok(None),
-        Mark::Duplicate(rec) => InboxOutcome::Duplicate(
-            rec.result
-                .as_deref()
-                .map(serde_json::from_slice)
-                .transpose()
-                .map_err(|e| StoreError::Corrupt { what: format!("stored result: {e}") })?,
-        ),
-        Mark::Conflict(rec) => InboxOutcome::Conflict(rec),
-        Mark::InProgress(rec) => InboxOutcome::InProgress(rec),
-    }))
-}
 
 /// Sums `(state, count, expired)` rows of a count query, on any driver.
 pub(crate) fn counts_of<'r, R>(rows: &'r [R]) -> Result<idem_core::Counts, StoreError>

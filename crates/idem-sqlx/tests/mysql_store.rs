@@ -7,12 +7,13 @@ mod common;
 
 use std::time::Duration;
 
+use idem_core::inbox::TxInbox;
 use idem_core::time::ClockSkew;
 use idem_core::{
     Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
 };
+use idem_sqlx::MySqlStore;
 use idem_sqlx::mysql::is_duplicate_key;
-use idem_sqlx::{Mark, MySqlStore};
 use sqlx::mysql::MySqlPoolOptions;
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
@@ -67,8 +68,8 @@ async fn deadlock_is_retryable() {
     let (a, b) = (key("dl-a"), key("dl-b"));
     let mut tx1 = db.store.pool().begin().await.unwrap();
     let mut tx2 = db.store.pool().begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx1, &a, None).await.unwrap(), Mark::First);
-    assert_eq!(inbox.mark(&mut tx2, &b, None).await.unwrap(), Mark::First);
+    assert!(matches!(inbox.mark(&mut tx1, &a, None).await.unwrap(), Claim::Acquired(_)));
+    assert!(matches!(inbox.mark(&mut tx2, &b, None).await.unwrap(), Claim::Acquired(_)));
     let (i1, b1) = (inbox.clone(), b.clone());
     let t1 = tokio::spawn(async move {
         let r = i1.mark(&mut tx1, &b1, None).await;
@@ -228,7 +229,7 @@ async fn purge_runs_beside_claims() {
 /// failure and every order is written once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
-    use idem_core::driver::{Driver, MemoryQueue, QueueMessage};
+    use idem_core::consumer::{Consumer, MemoryDelivery, MemoryQueue};
     use idem_core::extract::Envelope;
 
     let Some(db) = db(8).await else { return };
@@ -242,7 +243,7 @@ async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
     for i in 0..N {
         q.push(format!("o-{i:05}"), format!(r#"{{"order":{i}}}"#));
     }
-    let consumer = Driver::builder(q.clone())
+    let consumer = Consumer::builder(q.clone())
         .inbox(db.store.inbox(WEEK))
         .scope("deadlocks")
         .batch(64)
@@ -252,15 +253,15 @@ async fn concurrent_batches_mark_again_after_a_deadlock_instead_of_failing() {
         .await
         .unwrap();
     let insert = format!("INSERT INTO {orders} VALUES (?)");
-    let handler = |mut tx: idem_sqlx::Tx<sqlx::MySql>, m: QueueMessage| {
+    let handler = |mut tx: idem_core::Tx<idem_sqlx::MySqlInbox>, m: MemoryDelivery| {
         let insert = insert.clone();
         async move {
             sqlx::query(sqlx::AssertSqlSafe(insert))
                 .bind(m.message_id().unwrap_or_default().to_owned())
                 .execute(&mut *tx)
                 .await
-                .map_err(|e| idem_core::consumer::HandlerError::Transient(e.to_string()))?;
-            Ok::<_, idem_core::consumer::HandlerError<String>>(())
+                .map_err(|e| idem_core::engine::HandlerError::Transient(e.to_string()))?;
+            Ok::<_, idem_core::engine::HandlerError<String>>(())
         }
     };
     let drained = q.drained();

@@ -11,7 +11,7 @@ use idem_core::{
     Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, InspectStore, RecordState,
 };
 use idem_sqlx::PostgresStore;
-use idem_sqlx::postgres::{EntityMark, EntityTable};
+use idem_sqlx::postgres::EntityTable;
 use sqlx::postgres::PgPoolOptions;
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
@@ -62,13 +62,14 @@ async fn entity_row_is_its_own_marker() {
             .execute(&mut *tx)
             .await
             .unwrap();
-        let mark = orders.classify(&mut tx, done.rows_affected(), id, fp).await.unwrap();
+        let mark = orders.classify(&mut tx, done.rows_affected(), &key(id), fp).await.unwrap();
         tx.commit().await.unwrap();
         mark
     };
-    assert_eq!(run("o-1", 1200).await, EntityMark::Inserted);
-    assert_eq!(run("o-1", 1200).await, EntityMark::Duplicate);
-    assert!(matches!(run("o-1", 9900).await, EntityMark::Conflict { stored: Some(_) }));
+    assert!(matches!(run("o-1", 1200).await, Claim::Acquired(_)));
+    let fp = Fingerprint::of_bytes(b"o-1:1200");
+    assert!(matches!(run("o-1", 1200).await, Claim::Completed(r) if r.fingerprint == Some(fp)));
+    assert!(matches!(run("o-1", 9900).await, Claim::Conflict(r) if r.fingerprint == Some(fp)));
     assert!(EntityTable::new(s, "orders; DROP TABLE x", "order_id", "fp").is_err());
 }
 

@@ -7,27 +7,33 @@ mod common;
 
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Error, MemoryQueue};
-use idem_core::{Backend, Driver, StoreError};
+use idem_core::consumer::{BuildError, MemoryQueue};
+use idem_core::engine::HandlerError;
+use idem_core::inbox::{Inbox, TxInbox};
+use idem_core::{Backend, Consumer, DedupStore, StoreError};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
-/// Builds a consumer over `backend` on an in-process queue.
-async fn build<B: Backend>(
-    backend: B,
-) -> Result<Driver<MemoryQueue, B>, Error<std::convert::Infallible>> {
-    Driver::builder(MemoryQueue::new()).inbox(backend).scope("orders").build().await
+type Built<B> = Result<Consumer<MemoryQueue, B>, BuildError<std::convert::Infallible>>;
+
+/// Builds a two-phase consumer over `store` on an in-process queue.
+async fn build<S: DedupStore>(store: S) -> Built<S> {
+    Consumer::builder(MemoryQueue::new()).store(store).scope("orders").build().await
+}
+
+/// Builds an inbox consumer over `inbox` on an in-process queue.
+async fn build_inbox<I: TxInbox>(inbox: I) -> Built<Inbox<I>> {
+    Consumer::builder(MemoryQueue::new()).inbox(inbox).scope("orders").build().await
 }
 
 /// The refusal of a store whose table is missing: its message names `table` and `migrate`.
 fn assert_unmigrated<T>(
-    built: Result<T, Error<std::convert::Infallible>>,
+    built: Result<T, BuildError<std::convert::Infallible>>,
     table: &str,
     migrate: &str,
 ) {
     let Err(e) = built else { panic!("built without the table {table}") };
-    assert!(matches!(e, Error::Store(StoreError::NotMigrated { .. })), "{e:?}");
+    assert!(matches!(e, BuildError::Store(StoreError::NotMigrated { .. })), "{e:?}");
     let text = e.to_string();
     assert!(
         text.contains(&format!("table {table} does not exist")) && text.contains(migrate),
@@ -37,8 +43,9 @@ fn assert_unmigrated<T>(
 
 /// Five messages against a table dropped after the consumer was built: every one fails
 /// (transiently, so it is retried), and the report says which store error.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn fails_with_the_reason<B: Backend>(
-    consumer: Driver<MemoryQueue, B>,
+    consumer: Consumer<MemoryQueue, B>,
     queue: &MemoryQueue,
     why: &str,
 ) {
@@ -115,13 +122,13 @@ mod postgres {
             "PostgresStore::migrate()",
         );
         assert_unmigrated(
-            build(shop.inbox(DAY)).await,
+            build_inbox(shop.inbox(DAY)).await,
             "\"shop\".\"idem_records\"",
             "PostgresStore::migrate()",
         );
         shop.migrate().await.unwrap();
         build(shop.clone()).await.expect("two-phase after migrate");
-        build(shop.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(shop.inbox(DAY)).await.expect("inbox after migrate");
         let default_schema: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM information_schema.schemata WHERE schema_name = 'idem'",
         )
@@ -162,7 +169,7 @@ mod postgres {
         let drop_table = format!("DROP TABLE \"{schema}\".idem_records");
 
         let queue = MemoryQueue::new();
-        let two_phase = Driver::builder(queue.clone())
+        let two_phase = Consumer::builder(queue.clone())
             .store(store.clone())
             .scope("orders")
             .build()
@@ -173,7 +180,7 @@ mod postgres {
 
         store.migrate().await.unwrap();
         let queue = MemoryQueue::new();
-        let inbox = Driver::builder(queue.clone())
+        let inbox = Consumer::builder(queue.clone())
             .inbox(store.inbox(DAY))
             .scope("orders")
             .build()
@@ -222,10 +229,14 @@ mod mysql {
 
         let orders = store.clone().with_table_name("orders_keys").unwrap();
         assert_unmigrated(build(orders.clone()).await, "`orders_keys`", "MySqlStore::migrate()");
-        assert_unmigrated(build(orders.inbox(DAY)).await, "`orders_keys`", "MySqlStore::migrate()");
+        assert_unmigrated(
+            build_inbox(orders.inbox(DAY)).await,
+            "`orders_keys`",
+            "MySqlStore::migrate()",
+        );
         orders.migrate().await.unwrap();
         build(orders.clone()).await.expect("two-phase after migrate");
-        build(orders.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(orders.inbox(DAY)).await.expect("inbox after migrate");
         store.pool().close().await;
     }
 
@@ -237,7 +248,7 @@ mod mysql {
         let _drop = common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`") };
         store.migrate().await.unwrap();
         let queue = MemoryQueue::new();
-        let consumer = Driver::builder(queue.clone())
+        let consumer = Consumer::builder(queue.clone())
             .store(store.clone())
             .scope("orders")
             .build()
@@ -264,11 +275,11 @@ mod sqlite {
         let other = SqliteStore::new(opened.pool().clone()).with_table_name("orders_keys").unwrap();
         assert_unmigrated(build(other.clone()).await, "\"orders_keys\"", "SqliteStore::migrate()");
         assert_unmigrated(
-            build(other.inbox(DAY)).await,
+            build_inbox(other.inbox(DAY)).await,
             "\"orders_keys\"",
             "SqliteStore::migrate()",
         );
         other.migrate().await.unwrap();
-        build(other.inbox(DAY)).await.expect("inbox after migrate");
+        build_inbox(other.inbox(DAY)).await.expect("inbox after migrate");
     }
 }

@@ -1,9 +1,9 @@
-//! The transactional-inbox contract, one case per promise, run against every SQL inbox by
-//! [`tx_inbox_conformance!`](crate::tx_inbox_conformance).
+//! The transactional-inbox contract ([`TxInbox`]), one case per promise, run against every SQL
+//! inbox by [`tx_inbox_conformance!`](crate::tx_inbox_conformance).
 //!
-//! The cases go through the inbox's own calls (`begin`, `mark`, `mark_many`) and through the
-//! consumer backend a broker adapter drives (`Consumer::decide_batch`), and check the results
-//! in the database: markers and business rows.
+//! The cases go through the inbox's own calls (`begin`, `mark`, `mark_many`, `process`) and
+//! through the engine a broker consumer drives (`Engine<Inbox<_>>::decide_batch`), and check the
+//! results in the database: markers and business rows.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failure is the test failing
 
 use std::future::Future;
@@ -12,19 +12,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::{HandlerError, MissingKeyPolicy};
+use idem_core::engine::{Cause, FailureKind, HandlerError, MissingKeyPolicy};
 use idem_core::extract::Message;
+use idem_core::inbox::{Inbox, Tx, TxInbox};
 use idem_core::{
-    Backend, Claim, ClaimRequest, Consumer, DedupKey, DedupStore, InspectStore, Outcome,
-    OutcomeKind, RecordState,
+    Claim, ClaimRequest, DedupKey, DedupStore, Engine, InspectStore, Outcome, OutcomeKind,
+    RecordState,
 };
-use idem_sqlx::{InboxError, InboxOutcome, Mark, Tx, TxInbox};
 
 /// A boxed future, as harnesses return them.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The connection type of a harness's inbox.
-pub type Conn<H> = <<<H as InboxHarness>::Inbox as TxInbox>::Db as sqlx::Database>::Connection;
+pub type Conn<H> = <<H as InboxHarness>::Inbox as TxInbox>::Connection;
 
 /// A database under test: its store and inbox, in a namespace of their own (a schema, a table
 /// name, a file), with a business table `ledger` that has **no** unique constraint, so only
@@ -33,7 +33,7 @@ pub trait InboxHarness: Send + Sync + Sized + 'static {
     /// The store the inbox belongs to.
     type Store: DedupStore + InspectStore + Clone + 'static;
     /// The inbox.
-    type Inbox: TxInbox + Backend<Ctx = Tx<<Self::Inbox as TxInbox>::Db>> + Clone;
+    type Inbox: TxInbox + Clone;
 
     /// The store.
     fn store(&self) -> &Self::Store;
@@ -67,21 +67,27 @@ fn order(id: &str, cents: u32) -> Message {
     Message::new(format!(r#"{{"order_id":"{id}","cents":{cents}}}"#)).with_message_id(id)
 }
 
-fn consumer<H: InboxHarness>(h: &H) -> Consumer<H::Inbox> {
-    Consumer::builder(h.inbox()).scope(SCOPE).build().unwrap()
+/// The engine of a broker consumer in inbox mode, over the harness's inbox.
+fn engine<H: InboxHarness>(h: &H) -> Engine<Inbox<H::Inbox>> {
+    Engine::builder(Inbox::new(h.inbox())).scope(SCOPE).build().unwrap()
+}
+
+/// The connection inside one of the harness inbox's transactions.
+fn conn<H: InboxHarness>(tx: &mut <H::Inbox as TxInbox>::Transaction) -> &mut Conn<H> {
+    <H::Inbox as TxInbox>::connection(tx)
 }
 
 type Out = Outcome<String, String>;
 
-/// Decides `batch` through the backend; each first delivery writes one ledger row and answers
+/// Decides `batch` through the engine; each first delivery writes one ledger row and answers
 /// `"<id>:<cents>"`; an id starting with `fail-t`/`fail-p` fails transiently/permanently
 /// after writing.
 async fn decide<H: InboxHarness>(
     h: &Arc<H>,
-    c: &Consumer<H::Inbox>,
+    c: &Engine<Inbox<H::Inbox>>,
     batch: &[Message],
 ) -> Vec<Out> {
-    let handler = |mut tx: Tx<<H::Inbox as TxInbox>::Db>, m: Message| {
+    let handler = |mut tx: Tx<H::Inbox>, m: Message| {
         let h = Arc::clone(h);
         async move {
             let id = m.message_id.clone().unwrap_or_default();
@@ -103,43 +109,54 @@ fn kinds(outs: &[Out]) -> Vec<OutcomeKind> {
 }
 
 /// A rolled back transaction leaves no marker and no writes; the redelivery is first again.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn rollback_leaves_no_marker<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let k = key("o-1");
     let mut tx = inbox.begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    h.write(&mut tx, "o-1").await.unwrap();
-    tx.rollback().await.unwrap();
+    assert!(matches!(inbox.mark(conn::<H>(&mut tx), &k, None).await.unwrap(), Claim::Acquired(_)));
+    h.write(conn::<H>(&mut tx), "o-1").await.unwrap();
+    inbox.rollback(tx).await.unwrap();
     assert!(h.store().get(&k).await.unwrap().is_none(), "a rolled back marker must not exist");
     assert_eq!(h.ledger_rows().await, 0);
     let mut tx = inbox.begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::First);
-    tx.commit().await.unwrap();
+    assert!(matches!(inbox.mark(conn::<H>(&mut tx), &k, None).await.unwrap(), Claim::Acquired(_)));
+    inbox.commit(tx).await.unwrap();
     assert_eq!(h.store().get(&k).await.unwrap().unwrap().state, RecordState::Completed);
     let mut tx = inbox.begin().await.unwrap();
-    assert!(matches!(inbox.mark(&mut tx, &k, None).await.unwrap(), Mark::Duplicate(_)));
+    assert!(matches!(inbox.mark(conn::<H>(&mut tx), &k, None).await.unwrap(), Claim::Completed(_)));
     // A duplicate leaves the caller's transaction usable (no error was raised inside it).
-    h.write(&mut tx, "after-duplicate").await.unwrap();
-    tx.rollback().await.unwrap();
+    h.write(conn::<H>(&mut tx), "after-duplicate").await.unwrap();
+    inbox.rollback(tx).await.unwrap();
 }
 
 /// A second transaction marking a key an open one holds waits for it, then sees a duplicate
 /// (the first committed) or is first (it rolled back).
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn concurrent_mark_waits_then_sees_the_outcome<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     for commit in [true, false] {
         let inbox = h.inbox();
         let k = key(if commit { "race-commit" } else { "race-rollback" });
         let mut tx1 = inbox.begin().await.unwrap();
-        assert_eq!(inbox.mark(&mut tx1, &k, None).await.unwrap(), Mark::First);
+        assert!(matches!(
+            inbox.mark(conn::<H>(&mut tx1), &k, None).await.unwrap(),
+            Claim::Acquired(_)
+        ));
         let first_ended = Arc::new(AtomicBool::new(false));
         let second = {
             let (inbox, k, ended) = (inbox.clone(), k.clone(), Arc::clone(&first_ended));
             tokio::spawn(async move {
                 let mut tx2 = inbox.begin().await.unwrap();
-                let mark = inbox.mark(&mut tx2, &k, None).await.unwrap();
+                let mark = inbox.mark(conn::<H>(&mut tx2), &k, None).await.unwrap();
                 let waited = ended.load(Ordering::SeqCst);
-                tx2.commit().await.unwrap();
+                inbox.commit(tx2).await.unwrap();
                 (mark, waited)
             })
         };
@@ -147,30 +164,37 @@ pub async fn concurrent_mark_waits_then_sees_the_outcome<H: InboxHarness>(h: H) 
         assert!(!second.is_finished(), "the second mark must wait for the first transaction");
         first_ended.store(true, Ordering::SeqCst);
         if commit {
-            tx1.commit().await.unwrap()
+            inbox.commit(tx1).await.unwrap();
         } else {
-            tx1.rollback().await.unwrap()
+            inbox.rollback(tx1).await.unwrap();
         }
         let (mark, waited) =
             tokio::time::timeout(Duration::from_secs(20), second).await.unwrap().unwrap();
         assert!(waited, "the second mark returned before the first transaction ended");
         if commit {
-            assert!(matches!(mark, Mark::Duplicate(_)), "after a commit: {mark:?}");
+            assert!(matches!(mark, Claim::Completed(_)), "after a commit: {mark:?}");
         } else {
-            assert_eq!(mark, Mark::First, "after a rollback the second is first");
+            assert!(matches!(mark, Claim::Acquired(_)), "after a rollback the second is first");
         }
     }
 }
 
 /// `mark_many` answers in input order, as one `mark` per key would, over fresh, committed,
 /// conflicting and leased keys.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn mark_many_matches_single_marks<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let fp = |s: &str| Some(idem_core::Fingerprint::of_bytes(s.as_bytes()));
     for id in ["done", "conflict"] {
         let mut tx = inbox.begin().await.unwrap();
-        assert_eq!(inbox.mark(&mut tx, &key(id), fp("a")).await.unwrap(), Mark::First);
-        tx.commit().await.unwrap();
+        assert!(matches!(
+            inbox.mark(conn::<H>(&mut tx), &key(id), fp("a")).await.unwrap(),
+            Claim::Acquired(_)
+        ));
+        inbox.commit(tx).await.unwrap();
     }
     let req = ClaimRequest::new(key("leased"), None, Duration::from_secs(60), WEEK);
     let Claim::Acquired(_lease) = h.store().claim(&req).await.unwrap() else {
@@ -182,20 +206,24 @@ pub async fn mark_many_matches_single_marks<H: InboxHarness>(h: H) {
             .map(|(id, f)| (key(id), fp(f)))
             .collect();
     let mut tx = inbox.begin().await.unwrap();
-    let marks = inbox.mark_many(&mut tx, &items).await.unwrap();
-    tx.commit().await.unwrap();
+    let marks = inbox.mark_many(conn::<H>(&mut tx), &items).await.unwrap();
+    inbox.commit(tx).await.unwrap();
     assert_eq!(marks.len(), items.len());
-    assert_eq!(marks[0], Mark::First, "fresh");
-    assert!(matches!(marks[1], Mark::Duplicate(_)), "committed: {:?}", marks[1]);
-    assert!(matches!(marks[2], Mark::InProgress(_)), "leased: {:?}", marks[2]);
-    assert_eq!(marks[3], Mark::First, "fresh");
-    assert!(matches!(marks[4], Mark::Conflict(_)), "other payload: {:?}", marks[4]);
+    assert!(matches!(marks[0], Claim::Acquired(_)), "fresh: {:?}", marks[0]);
+    assert!(matches!(marks[1], Claim::Completed(_)), "committed: {:?}", marks[1]);
+    assert!(matches!(marks[2], Claim::InProgress { .. }), "leased: {:?}", marks[2]);
+    assert!(matches!(marks[3], Claim::Acquired(_)), "fresh: {:?}", marks[3]);
+    assert!(matches!(marks[4], Claim::Conflict(_)), "other payload: {:?}", marks[4]);
     let rec = h.store().get(&key("fresh-2")).await.unwrap().unwrap();
     assert_eq!(rec.state, RecordState::Completed);
 }
 
 /// `process` (one message, its own transaction) runs the writes once, replays their result, and
 /// rolls the marker back with writes that fail.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn process_writes_once_and_replays_the_result<H: InboxHarness>(h: H) {
     let inbox = h.inbox();
     let k = key("o-1");
@@ -204,40 +232,50 @@ pub async fn process_writes_once_and_replays_the_result<H: InboxHarness>(h: H) {
             .process(&k, None, |mut tx| {
                 let h = &h;
                 async move {
-                    h.write(&mut tx, "o-1").await?;
-                    Ok::<_, sqlx::Error>(format!("receipt-{round}"))
+                    h.write(&mut tx, "o-1").await.map_err(HandlerError::transient)?;
+                    Ok::<_, HandlerError<sqlx::Error>>(format!("receipt-{round}"))
                 }
             })
-            .await
-            .unwrap();
+            .await;
         match (round, out) {
-            (0, InboxOutcome::Processed(r)) => assert_eq!(r, "receipt-0"),
-            (_, InboxOutcome::Duplicate(Some(r))) => assert_eq!(r, "receipt-0"),
+            (0, Outcome::Processed(r)) => assert_eq!(r, "receipt-0"),
+            (_, Outcome::Duplicate(Some(r))) => assert_eq!(r, "receipt-0"),
             (r, other) => panic!("round {r}: {other:?}"),
         }
     }
     assert_eq!(h.ledger_rows().await, 1);
     let k2 = key("o-2");
-    let err = inbox
+    let out = inbox
         .process(&k2, None, |mut tx| {
             let h = &h;
             async move {
-                h.write(&mut tx, "o-2").await?;
-                Err::<(), _>(sqlx::Error::Protocol("the writes failed".into()))
+                h.write(&mut tx, "o-2").await.map_err(HandlerError::transient)?;
+                Err::<(), HandlerError<sqlx::Error>>(HandlerError::transient(
+                    sqlx::Error::Protocol("the writes failed".into()),
+                ))
             }
         })
-        .await
-        .unwrap_err();
-    assert!(matches!(err, InboxError::Writes(_)), "{err:?}");
+        .await;
+    match &out {
+        Outcome::Failed(f) => {
+            assert_eq!(f.kind, FailureKind::Transient, "{out:?}");
+            assert!(matches!(f.cause, Cause::Handler(_)), "{out:?}");
+        }
+        other => panic!("failed writes: {other:?}"),
+    }
     assert!(h.store().get(&k2).await.unwrap().is_none(), "failed writes left a marker");
     assert_eq!(h.ledger_rows().await, 1);
 }
 
 /// A handler's result is stored with its marker and replayed to duplicates; a batch's copies of
 /// one key run once.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn result_is_replayed_and_repeats_run_once<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = consumer(&*h);
+    let c = engine(&*h);
     let batch = [order("o-1", 5), order("o-2", 7), order("o-1", 5)];
     let outs = decide(&h, &c, &batch).await;
     assert_eq!(
@@ -254,9 +292,13 @@ pub async fn result_is_replayed_and_repeats_run_once<H: InboxHarness>(h: H) {
 
 /// A message whose handler fails rolls back alone: the rest of the batch commits, the failed
 /// one leaves no marker and no row (transient: retried; permanent: dead-lettered).
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn a_failing_message_rolls_back_alone<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = consumer(&*h);
+    let c = engine(&*h);
     let batch = [
         order("ok-1", 1),
         order("fail-t-1", 2),
@@ -289,9 +331,13 @@ pub async fn a_failing_message_rolls_back_alone<H: InboxHarness>(h: H) {
 }
 
 /// Same key, another payload: a conflict, and nothing is written.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn reused_key_with_other_content_is_a_conflict<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = consumer(&*h);
+    let c = engine(&*h);
     decide(&h, &c, &[order("o-9", 1)]).await;
     let outs = decide(&h, &c, &[order("o-9", 2)]).await;
     let Outcome::Conflict(conflict) = &outs[0] else { panic!("{outs:?}") };
@@ -301,9 +347,13 @@ pub async fn reused_key_with_other_content_is_a_conflict<H: InboxHarness>(h: H) 
 
 /// A key a two-phase consumer of the same scope holds under a live lease is in progress
 /// elsewhere for the inbox, and nothing is written.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn a_leased_key_is_in_progress_elsewhere<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = consumer(&*h);
+    let c = engine(&*h);
     let req = ClaimRequest::new(key("held"), None, Duration::from_secs(60), WEEK);
     let Claim::Acquired(_lease) = h.store().claim(&req).await.unwrap() else {
         panic!("a fresh key is acquired")
@@ -315,13 +365,17 @@ pub async fn a_leased_key_is_in_progress_elsewhere<H: InboxHarness>(h: H) {
 
 /// Without a key: rejected (dead-lettered) by default; processed without a marker under
 /// `ProcessWithoutDedup`.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = consumer(&*h);
+    let c = engine(&*h);
     let keyless = Message::new(r#"{"cents":1}"#);
     let outs = decide(&h, &c, &[keyless.clone(), order("o-1", 1)]).await;
     assert_eq!(kinds(&outs), [OutcomeKind::FailedPermanent, OutcomeKind::Processed]);
-    let lax = Consumer::builder(h.inbox())
+    let lax = Engine::builder(Inbox::new(h.inbox()))
         .scope(SCOPE)
         .missing_key(MissingKeyPolicy::ProcessWithoutDedup)
         .build()
@@ -333,24 +387,36 @@ pub async fn missing_keys_follow_the_policy<H: InboxHarness>(h: H) {
 
 /// A result above the consumer's limit is not stored (the duplicate carries none, the delivery
 /// still counts); the inbox's own limit refuses a result above 1 MiB with `TooLarge`.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn result_limit<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
-    let c = Consumer::builder(h.inbox()).scope(SCOPE).max_result_bytes(8).build().unwrap();
+    let c =
+        Engine::builder(Inbox::new(h.inbox())).scope(SCOPE).max_result_bytes(8).build().unwrap();
     let outs = decide(&h, &c, &[order("long-result", 1)]).await;
     assert_eq!(kinds(&outs), [OutcomeKind::Processed]);
     let again = decide(&h, &c, &[order("long-result", 1)]).await;
     assert!(matches!(again[0], Outcome::Duplicate(None)), "{again:?}");
     let inbox = h.inbox();
     let mut tx = inbox.begin().await.unwrap();
-    assert_eq!(inbox.mark(&mut tx, &key("huge"), None).await.unwrap(), Mark::First);
+    assert!(matches!(
+        inbox.mark(conn::<H>(&mut tx), &key("huge"), None).await.unwrap(),
+        Claim::Acquired(_)
+    ));
     let huge = vec![b'x'; (1 << 20) + 1];
-    let err = inbox.set_results(&mut tx, &[(key("huge"), huge)]).await.unwrap_err();
+    let err = inbox.set_results(conn::<H>(&mut tx), &[(key("huge"), huge)]).await.unwrap_err();
     assert!(matches!(err, idem_core::StoreError::TooLarge { field: "result", .. }), "{err}");
-    tx.rollback().await.unwrap();
+    inbox.rollback(tx).await.unwrap();
 }
 
 /// 32 processors over 1,000 keys with 30 % duplicate deliveries, in batches of 8, write each
 /// business row exactly once.
+///
+/// # Cancel safety
+/// Dropped midway, its open transactions roll back; what committed stays in the harness's
+/// namespace, which the harness drops.
 pub async fn concurrent_processors_write_each_key_once<H: InboxHarness>(h: H) {
     let h = Arc::new(h);
     let mut deliveries: Vec<usize> = (0..1000).collect();
@@ -363,7 +429,7 @@ pub async fn concurrent_processors_write_each_key_once<H: InboxHarness>(h: H) {
     for _ in 0..32 {
         let (h, queue, processed) = (Arc::clone(&h), Arc::clone(&queue), Arc::clone(&processed));
         tasks.push(tokio::spawn(async move {
-            let c = consumer(&*h);
+            let c = engine(&*h);
             loop {
                 let batch: Vec<Message> = {
                     let mut q = queue.lock().unwrap();

@@ -4,16 +4,21 @@
 //!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
 //! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_sqlx::TxInbox`] and the
 //!   consumer backend every broker adapter drives), against each SQL inbox.
-//! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::driver::Source`] through
+//! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::consumer::Source`] through
 //!   the driver): every mode through the same builder calls on a real broker.
 //! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
 //!   leases, fencing, ordering keys, retries and parking, purge.
+//! - `crash_conformance!` (feature `source`): the crash suite every broker adapter runs —
+//!   abort between commit and ack, SIGKILL mid-handler, a connection cut mid-handler — in inbox
+//!   and two-phase mode, over the same harness as the source suite plus [`crash::CrashHarness`].
 //! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
 //!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
 pub mod cases;
+#[cfg(feature = "source")]
+pub mod crash;
 pub mod faults;
 pub mod inbox;
 pub mod outbox;
@@ -38,6 +43,9 @@ use idem_core::time::ManualClock;
 /// Moves a store's clock forward.
 pub trait TimeControl: Send + Sync {
     /// Returns once the store's clock reads at least `d` later than when called.
+    ///
+    /// # Cancel safety
+    /// Implementations must be: dropped, the clock has moved by at most `d`.
     fn advance(&self, d: Duration) -> impl Future<Output = ()> + Send;
 }
 

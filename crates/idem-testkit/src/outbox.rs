@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use idem_core::outbox::{Failure, MessageId, OutboxStore, Outgoing, Pending, Ticket};
+use idem_core::outbox::{OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket};
 
 use crate::{Harness, TimeControl};
 
@@ -25,6 +25,12 @@ fn bodies(p: &[Pending]) -> Vec<String> {
     v
 }
 
+/// A claim leases its rows alone until the lease runs out; a stale ticket is fenced; sent rows
+/// are never leased again.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn claim_leases_exclusively<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     s.send(vec![msg("q", "a"), msg("q", "b"), msg("q", "c")]).await.unwrap();
@@ -45,6 +51,11 @@ pub async fn claim_leases_exclusively<S: OutboxStore, C: TimeControl>(h: Harness
     assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "sent rows are never leased");
 }
 
+/// Concurrent claims lease disjoint rows.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn concurrent_claims_are_disjoint<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let store = Arc::new(h.store);
     let all: Vec<_> = (0..200).map(|i| msg("q", &format!("m{i}"))).collect();
@@ -63,7 +74,7 @@ pub async fn concurrent_claims_are_disjoint<S: OutboxStore, C: TimeControl>(h: H
             }
         })
     });
-    let mut seen: HashSet<MessageId> = HashSet::new();
+    let mut seen: HashSet<OutboxId> = HashSet::new();
     for t in tasks {
         for id in t.await.unwrap() {
             assert!(seen.insert(id.clone()), "{id} was leased twice");
@@ -72,6 +83,11 @@ pub async fn concurrent_claims_are_disjoint<S: OutboxStore, C: TimeControl>(h: H
     assert_eq!(seen.len(), 200);
 }
 
+/// One row per (destination, ordering key) is leased at a time, in enqueue order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn ordering_keys_go_one_at_a_time<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     let k = |dest: &str, body: &str, key: &str| msg(dest, body).ordering_key(key);
@@ -83,7 +99,7 @@ pub async fn ordering_keys_go_one_at_a_time<S: OutboxStore, C: TimeControl>(h: H
     assert_eq!(bodies(&first), ["a1", "b1", "free", "x1"], "one row per (destination, key)");
     let a1 = first.iter().find(|p| p.message.payload() == b"a1").unwrap().ticket;
     // a1 fails and waits for a retry: a2 must not overtake it.
-    let fail = Failure { ticket: a1, reason: "nack".into(), retry_in: Some(h.unit) };
+    let fail = PublishFailure { ticket: a1, reason: "nack".into(), retry_in: Some(h.unit) };
     assert_eq!(s.mark_failed(&[fail]).await.unwrap(), 1);
     assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a2 overtook a1 waiting for a retry");
     h.time.advance(h.unit * 2).await;
@@ -98,6 +114,11 @@ pub async fn ordering_keys_go_one_at_a_time<S: OutboxStore, C: TimeControl>(h: H
     assert_eq!(bodies(&s.claim(10, h.unit).await.unwrap()), ["a3"]);
 }
 
+/// Concurrent relays publish each ordering key's messages in enqueue order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn concurrent_relays_keep_key_order<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     use std::sync::Mutex;
     let store = Arc::new(h.store);
@@ -160,13 +181,18 @@ pub async fn concurrent_relays_keep_key_order<S: OutboxStore, C: TimeControl>(h:
     assert_eq!(store.counts().await.unwrap().sent, 120);
 }
 
+/// A failed row is retried after its backoff, or parked; a marked lease is spent.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn failures_retry_then_park<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     s.send(vec![msg("q", "a"), msg("q", "b")]).await.unwrap();
     let batch = s.claim(10, h.unit * 10).await.unwrap();
     let (a, b) = (batch[0].ticket, batch[1].ticket);
-    let retry = Failure { ticket: a, reason: "broker away".into(), retry_in: Some(h.unit) };
-    let park = Failure { ticket: b, reason: "x".repeat(5000), retry_in: None };
+    let retry = PublishFailure { ticket: a, reason: "broker away".into(), retry_in: Some(h.unit) };
+    let park = PublishFailure { ticket: b, reason: "x".repeat(5000), retry_in: None };
     assert_eq!(s.mark_failed(&[retry.clone(), park]).await.unwrap(), 2);
     assert_eq!(s.mark_failed(&[retry]).await.unwrap(), 0, "a marked lease is spent");
     assert!(s.claim(10, h.unit).await.unwrap().is_empty(), "a retry waits for its backoff");
@@ -182,6 +208,12 @@ pub async fn failures_retry_then_park<S: OutboxStore, C: TimeControl>(h: Harness
     assert_eq!(revived[0].failures, 0, "an operator's retry starts the count again");
 }
 
+/// Purge removes sent rows older than the retention, a bounded number at a time, never
+/// unsent ones.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn purge_removes_only_old_sent_rows<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     s.send((0..5).map(|i| msg("q", &format!("m{i}"))).collect()).await.unwrap();
@@ -195,6 +227,11 @@ pub async fn purge_removes_only_old_sent_rows<S: OutboxStore, C: TimeControl>(h:
     assert_eq!((c.pending, c.sent, c.parked), (2, 0, 0), "unsent rows are never purged");
 }
 
+/// `remove_sent` deletes only rows its tickets still hold.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn remove_sent_deletes_only_held_rows<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     s.send(vec![msg("q", "a"), msg("q", "b"), msg("q", "c")]).await.unwrap();
@@ -209,9 +246,14 @@ pub async fn remove_sent_deletes_only_held_rows<S: OutboxStore, C: TimeControl>(
     assert_eq!(bodies(&s.claim(10, h.unit).await.unwrap()), ["c"]);
 }
 
+/// A message id is enqueued once; messages without one get distinct random ids.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
-    let id = MessageId::new("order-7-accepted").unwrap();
+    let id = OutboxId::new("order-7-accepted").unwrap();
     let a = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
     let b = s.send(vec![msg("q", "x").id(id.clone())]).await.unwrap();
     assert_eq!((a[0].clone(), b[0].clone()), (id.clone(), id));
@@ -222,12 +264,17 @@ pub async fn an_id_is_enqueued_once<S: OutboxStore, C: TimeControl>(h: Harness<S
 
 /// Ids are compared byte for byte: ids differing only by case or a trailing space are three
 /// messages, whatever the database's collation does with text.
+/// Ids differing by case or a trailing space are distinct messages.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn ids_differing_by_case_or_a_trailing_space_are_apart<S: OutboxStore, C: TimeControl>(
     h: Harness<S, C>,
 ) {
     let s = &h.store;
     for id in ["order-8", "Order-8", "order-8 "] {
-        s.send(vec![msg("q", "x").id(MessageId::new(id).unwrap())]).await.unwrap();
+        s.send(vec![msg("q", "x").id(OutboxId::new(id).unwrap())]).await.unwrap();
     }
     assert_eq!(s.counts().await.unwrap().pending, 3, "three ids, three messages");
     let mut ids: Vec<String> =
@@ -236,6 +283,11 @@ pub async fn ids_differing_by_case_or_a_trailing_space_are_apart<S: OutboxStore,
     assert_eq!(ids, ["Order-8", "order-8", "order-8 "]);
 }
 
+/// A send with a message over a limit is refused whole, naming the field.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn bad_messages_are_refused_whole<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     let e = s.send(vec![msg("q", "ok"), msg("bad\ndest", "x")]).await.unwrap_err();
@@ -246,6 +298,11 @@ pub async fn bad_messages_are_refused_whole<S: OutboxStore, C: TimeControl>(h: H
     assert_eq!(s.counts().await.unwrap().pending, 0, "nothing of a refused send is enqueued");
 }
 
+/// A message comes back from a claim as it was sent: id, destination, key, payload, headers.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
 pub async fn messages_round_trip<S: OutboxStore, C: TimeControl>(h: Harness<S, C>) {
     let s = &h.store;
     let payload: Vec<u8> = (0..=255u8).collect();

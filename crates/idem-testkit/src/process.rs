@@ -17,6 +17,9 @@ use tokio::io::AsyncBufReadExt;
 /// # Panics
 /// When the child cannot be started, ends normally (a crash test's child must crash or be
 /// killed), or neither ends nor prints `until` within `limit`.
+///
+/// # Cancel safety
+/// Cancel safe: dropped, the child is killed with its handle (`kill_on_drop`).
 pub async fn run_child(
     entry: &str,
     env: (&str, &str),
@@ -66,6 +69,9 @@ pub fn spawn_child(entry: &str, env: &[(&str, &str)]) -> tokio::process::Child {
 }
 
 /// Resolves when this process's stdin is closed: the stop signal of a [`spawn_child`] child.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads stdin.
 pub async fn stdin_closed() {
     use tokio::io::AsyncReadExt;
     let mut stdin = tokio::io::stdin();

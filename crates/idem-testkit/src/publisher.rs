@@ -2,7 +2,7 @@
 //! [`publisher_conformance!`](crate::publisher_conformance), on the real broker.
 //!
 //! Each case publishes to a destination of its own and reads what arrived through the same
-//! crate's idem source (the [`Driver`] in two-phase mode over a [`MemoryStore`]), so it checks
+//! crate's idem source (the [`Consumer`] in two-phase mode over a [`MemoryStore`]), so it checks
 //! the whole way: the message id lands where the consumer's default key extractor reads it,
 //! payload and headers survive, a message published twice is a duplicate downstream, an ordering
 //! key keeps the enqueue order, and a destination nothing receives is a failure, not a success.
@@ -12,13 +12,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Report, Source, SourceConfig};
+use idem_core::consumer::{Report, Source, SourceConfig};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
 use idem_core::outbox::{
-    MemoryOutbox, MessageId, OutboxMessage, OutboxStore, Outgoing, Publisher, Relay,
+    MemoryOutbox, OutboxId, OutboxMessage, OutboxStore, Outgoing, Publisher, Relay,
 };
-use idem_core::{Driver, MemoryStore, OutcomeKind};
+use idem_core::{Consumer, MemoryStore, OutcomeKind};
 
 pub use crate::inbox::BoxFuture;
 
@@ -88,7 +88,7 @@ async fn consume<H: PublisherHarness>(
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
     let hook = {
         let seen = Arc::clone(&seen);
-        move |s: &idem_core::driver::Settlement<'_, <H::Source as Source>::Message>| {
+        move |s: &idem_core::consumer::Settlement<'_, <H::Source as Source>::Delivery>| {
             seen.lock().unwrap().push(Seen {
                 key: s.key.map(|k| k.id().to_owned()),
                 outcome: s.outcome,
@@ -97,7 +97,7 @@ async fn consume<H: PublisherHarness>(
             });
         }
     };
-    let consumer = Driver::builder(h.config())
+    let consumer = Consumer::builder(h.config())
         .store(MemoryStore::new())
         .scope(SCOPE)
         .batch(32)
@@ -125,7 +125,7 @@ async fn consume<H: PublisherHarness>(
 /// An outbox message with a fresh id for `h`'s destination.
 fn message<H: PublisherHarness>(h: &H, payload: &str, header: &str) -> OutboxMessage {
     OutboxMessage::from_parts(
-        MessageId::random(),
+        OutboxId::random(),
         h.destination().to_owned(),
         payload.as_bytes().to_vec(),
         vec![(HEADER.to_owned(), header.to_owned())],
@@ -135,6 +135,10 @@ fn message<H: PublisherHarness>(h: &H, payload: &str, header: &str) -> OutboxMes
 
 /// A relay from a [`MemoryOutbox`] publishes 200 messages with headers in batches of 64; the
 /// consumer processes each once, keyed by its outbox id, with its payload and header.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped.
 pub async fn relay_delivers_every_message<H: PublisherHarness>(h: H) {
     const N: usize = 200;
     let outbox = MemoryOutbox::new();
@@ -165,6 +169,10 @@ pub async fn relay_delivers_every_message<H: PublisherHarness>(h: H) {
 
 /// A message published twice under one id (a relay that died before marking it sent) is
 /// confirmed both times, processed once and found a duplicate once.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped.
 pub async fn republished_message_is_a_duplicate<H: PublisherHarness>(h: H) {
     let p = h.publisher();
     assert!(p.publish(&[]).await.is_empty(), "an empty batch has no results");
@@ -181,6 +189,10 @@ pub async fn republished_message_is_a_duplicate<H: PublisherHarness>(h: H) {
 }
 
 /// Messages with one ordering key, enqueued among others, arrive in enqueue order.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped.
 pub async fn ordering_key_keeps_enqueue_order<H: PublisherHarness>(h: H) {
     const KEYED: usize = 20;
     let outbox = MemoryOutbox::new();
@@ -209,6 +221,10 @@ pub async fn ordering_key_keeps_enqueue_order<H: PublisherHarness>(h: H) {
 
 /// Publishing where nothing receives is a retryable failure naming that destination, in its
 /// place among the batch's results; the publisher goes on publishing afterwards.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped.
 pub async fn unroutable_destination_fails<H: PublisherHarness>(h: H) {
     let Some(missing) = h.missing_destination() else {
         eprintln!("not applicable: the broker creates whatever destination it is sent to");

@@ -16,17 +16,18 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{Driver, Report, Source, SourceConfig, headers};
+use idem_core::consumer::{Builder, Consumer, Report, Source, SourceConfig, headers};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::{Backend, Consumer, DedupStore};
-use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore, Tx};
+use idem_core::inbox::{Tx, TxInbox};
+use idem_core::{Backend, DedupStore};
+use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
 use sqlx::AssertSqlSafe;
 
 pub use crate::inbox::BoxFuture;
 
-/// The message type of a harness's source.
-pub type MessageOf<H> = <<H as SourceHarness>::Source as Source>::Message;
+/// The delivery type of a harness's source.
+pub type MessageOf<H> = <<H as SourceHarness>::Source as Source>::Delivery;
 
 /// A broker under test, with a destination of its own (a queue, stream, subject or topic, and its
 /// dead-letter destination), deleted when the harness is dropped or cleaned up.
@@ -104,13 +105,20 @@ impl Flaky {
     }
 }
 
-/// Publishes the workload, runs a consumer over `backend` with `handler` until every order has
-/// its effect (`effects()`: distinct ids, rows) and the broker has nothing unsettled, then checks
-/// the report, the effects and the dead letter.
-async fn exercise<H, B, F, Fut, C, CFut>(h: &H, name: &str, backend: B, handler: F, effects: C)
-where
+/// Publishes the workload, runs a consumer in the `mode` the builder is given (`.store(s)` or
+/// `.inbox(i)`) with `handler` until every order has its effect (`effects()`: distinct ids,
+/// rows) and the broker has nothing unsettled, then checks the report, the effects and the dead
+/// letter.
+async fn exercise<'h, H, B, M, F, Fut, C, CFut>(
+    h: &'h H,
+    name: &str,
+    mode: M,
+    handler: F,
+    effects: C,
+) where
     H: SourceHarness,
     B: Backend,
+    M: FnOnce(Builder<H::Config<'h>>) -> Builder<H::Config<'h>, B>,
     F: Fn(B::Ctx, MessageOf<H>) -> Fut + Sync,
     Fut: Future<Output = Result<(), HandlerError<String>>> + Send,
     C: Fn() -> CFut,
@@ -124,8 +132,8 @@ where
     }
     h.publish(REUSED, br#"{"order":"other"}"#).await;
     // The same calls whatever the broker and the backend.
-    let consumer = Driver::builder(h.config())
-        .engine(Consumer::builder(backend).scope(name).build().expect("engine"))
+    let consumer = mode(Consumer::builder(h.config()))
+        .scope(name)
         .batch(8)
         .idle_wait(Duration::from_millis(100))
         .build()
@@ -171,6 +179,10 @@ where
 
 /// Two-phase mode over `SqliteStore`; the effect is a row in a ledger of its own (another
 /// SQLite file), outside the store.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn two_phase<H: SourceHarness>(h: H) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
@@ -179,6 +191,10 @@ pub async fn two_phase<H: SourceHarness>(h: H) {
 
 /// Two-phase mode over `store` (an adapter's own store, say); the effect is a row in a SQLite
 /// ledger outside it.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn two_phase_on<H: SourceHarness, S: DedupStore>(h: H, store: S) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}?mode=rwc", dir.path().join("ledger.sqlite").display());
@@ -204,11 +220,15 @@ pub async fn two_phase_on<H: SourceHarness, S: DedupStore>(h: H, store: S) {
             .await
             .unwrap()
     };
-    exercise(&h, "two-phase", store, handler, effects).await;
+    exercise(&h, "two-phase", |b| b.store(store), handler, effects).await;
     h.cleanup().await;
 }
 
 /// Inbox mode on SQLite: the ledger row commits with the marker.
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn sqlite_inbox<H: SourceHarness>(h: H) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("shop.sqlite")).await.unwrap();
@@ -219,6 +239,10 @@ pub async fn sqlite_inbox<H: SourceHarness>(h: H) {
 
 /// Inbox mode on PostgreSQL (`IDEM_TEST_POSTGRES_URL`), store and ledger in a schema of their
 /// own, dropped afterwards (also when the case fails).
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn postgres_inbox<H: SourceHarness>(h: H) {
     let Some(url) = crate::service::require(
         "PostgreSQL",
@@ -243,6 +267,10 @@ pub async fn postgres_inbox<H: SourceHarness>(h: H) {
 
 /// Inbox mode on MySQL/MariaDB (`IDEM_TEST_MYSQL_URL`), store and ledger in tables of their
 /// own, dropped afterwards (also when the case fails).
+///
+/// # Cancel safety
+/// Dropped midway, what the case published stays on the harness's destination, which the
+/// harness deletes when it is dropped (a database case drops its schema or tables too).
 pub async fn mysql_inbox<H: SourceHarness>(h: H) {
     let Some(url) =
         crate::service::require("MySQL", "IDEM_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
@@ -277,7 +305,7 @@ async fn inbox_case<H, I, DB>(
 ) where
     H: SourceHarness,
     DB: sqlx::Database,
-    I: Backend<Ctx = Tx<DB>>,
+    I: TxInbox<Connection = DB::Connection>,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
     DB::Arguments: sqlx::IntoArguments<DB>,
@@ -286,7 +314,7 @@ async fn inbox_case<H, I, DB>(
 {
     let insert = format!("INSERT INTO {ledger} VALUES ({placeholder})");
     let flaky = Flaky::new();
-    let handler = |mut tx: Tx<DB>, m: MessageOf<H>| {
+    let handler = |mut tx: Tx<I>, m: MessageOf<H>| {
         let (insert, id) = (insert.clone(), id_of(&m));
         let checked = flaky.check(&id);
         async move {
@@ -304,21 +332,21 @@ async fn inbox_case<H, I, DB>(
         let (pool, count) = (pool.clone(), count.clone());
         async move { sqlx::query_as(AssertSqlSafe(count)).fetch_one(&pool).await.unwrap() }
     };
-    exercise(&h, name, inbox, handler, effects).await;
+    exercise(&h, name, |b| b.inbox(inbox), handler, effects).await;
     h.cleanup().await;
 }
 
 /// A random suffix for the case's schema or tables.
-fn rand_u64() -> u64 {
+pub(crate) fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, RandomState};
     RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 /// Runs one statement on its own connection when dropped (from a thread with a runtime of its
 /// own: the test's runtime may be unwinding), to drop what a case created.
-struct DropSql {
-    url: String,
-    sql: String,
+pub(crate) struct DropSql {
+    pub(crate) url: String,
+    pub(crate) sql: String,
 }
 
 impl Drop for DropSql {

@@ -15,6 +15,9 @@ use std::time::Duration;
 /// .await;
 /// # }
 /// ```
+///
+/// # Cancel safety
+/// Cancel safe: it only polls `cond`.
 pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut cond: F)
 where
     F: FnMut() -> Fut,

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::{Context, HandlerError};
+use idem_core::engine::{Context, HandlerError};
 use idem_core::extract::Message;
-use idem_core::{Consumer, MemoryStore, Outcome};
+use idem_core::{Engine, MemoryStore, Outcome};
 
 type Out = Outcome<String, String>;
 
@@ -17,8 +17,8 @@ fn order(id: &str, cents: u32) -> Message {
     Message::new(format!(r#"{{"order_id":"{id}","cents":{cents}}}"#)).with_message_id(id)
 }
 
-fn consumer(store: MemoryStore) -> Consumer<MemoryStore> {
-    Consumer::builder(store).scope("orders").lease(Duration::from_secs(30)).build().unwrap()
+fn consumer(store: MemoryStore) -> Engine<MemoryStore> {
+    Engine::builder(store).scope("orders").lease(Duration::from_secs(30)).build().unwrap()
 }
 
 fn counting(

@@ -15,14 +15,14 @@
 
 use std::time::Duration;
 
-use idem::consumer::HandlerError;
-use idem::driver::Action;
+use idem::engine::HandlerError;
+use idem::engine::Verb;
 use idem::kafka::rdkafka::ClientConfig;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;
 use idem::kafka::rdkafka::message::{Header, OwnedHeaders};
 use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::{Kafka, KafkaConsumer};
+use idem::kafka::{KafkaConfig, KafkaConsumer};
 use idem::{PostgresStore, sqlx};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
@@ -77,7 +77,7 @@ async fn main() -> Result<()> {
     // The whole setup: a store, and a consumer of the topic with its inbox.
     let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
     store.migrate().await?;
-    let consumer = KafkaConsumer::builder(Kafka::new(&config, &[topic.as_str()], &dlq))
+    let consumer = KafkaConsumer::builder(KafkaConfig::new(&config, &[topic.as_str()], &dlq))
         .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
         .scope("order-writer")
         .on_settle(move |s| {
@@ -88,9 +88,9 @@ async fn main() -> Result<()> {
                 m.partition(),
                 m.offset(),
                 s.outcome,
-                s.action
+                s.verb
             );
-            let _ = settled_tx.send(s.action.clone());
+            let _ = settled_tx.send(s.verb.clone());
         })
         .build()
         .await?;
@@ -105,7 +105,7 @@ async fn main() -> Result<()> {
         let mut done = 0;
         while done < total {
             match tokio::time::timeout(Duration::from_secs(60), settled_rx.recv()).await {
-                Ok(Some(Action::Retry { .. })) => {}
+                Ok(Some(Verb::Retry { .. })) => {}
                 Ok(Some(_)) => done += 1,
                 _ => return Err("not every message settled within 60 s"),
             }
@@ -116,7 +116,7 @@ async fn main() -> Result<()> {
     let insert = format!("INSERT INTO {orders} (id, cents) VALUES ($1, $2)");
     let report = consumer
         .run(
-            |mut tx: idem::Tx<sqlx::Postgres>, msg: idem::kafka::Delivery| {
+            |mut tx: idem::Tx<idem::PostgresInbox>, msg: idem::kafka::Delivery| {
                 let insert = insert.clone();
                 async move {
                     let order: serde_json::Value = serde_json::from_slice(msg.payload_bytes())

@@ -15,10 +15,10 @@
 use std::time::Duration;
 
 use idem::PostgresStore;
-use idem::consumer::HandlerError;
-use idem::driver::headers;
+use idem::consumer::headers;
+use idem::engine::HandlerError;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
-use idem::nats::{JetStream, JetStreamConsumer};
+use idem::nats::{JetStreamConfig, JetStreamConsumer};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -97,7 +97,7 @@ async fn main() -> Result<()> {
     // The whole setup: a store, and a consumer over the pull consumer with its inbox.
     let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
     store.migrate().await?;
-    let consumer = JetStreamConsumer::builder(JetStream::new(js.clone(), pull, &dlq))
+    let consumer = JetStreamConsumer::builder(JetStreamConfig::new(js.clone(), pull, &dlq))
         .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
         .scope("order-writer")
         .idle_wait(Duration::from_millis(500))
@@ -115,7 +115,7 @@ async fn main() -> Result<()> {
     .execute(store.pool())
     .await?;
     let insert = format!("INSERT INTO {orders_table} (id, body) VALUES ($1, $2)");
-    let handler = |mut tx: idem::Tx<idem::sqlx::Postgres>, msg: idem::nats::Delivery| {
+    let handler = |mut tx: idem::Tx<idem::PostgresInbox>, msg: idem::nats::Delivery| {
         let insert = insert.clone();
         async move {
             let id = idem::extract::Envelope::message_id(&msg).unwrap_or_default().to_owned();
@@ -129,7 +129,7 @@ async fn main() -> Result<()> {
             Ok(format!("stored {id}"))
         }
     };
-    let mut total = idem::driver::Report::default();
+    let mut total = idem::consumer::Report::default();
     loop {
         let report = consumer.poll(&handler).await?;
         if report.fetched == 0 {

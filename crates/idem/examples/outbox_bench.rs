@@ -31,8 +31,8 @@ use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::nats::JetStreamPublisher;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::outbox::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, Publisher, Relay, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
+    PublishError, PublishFailure, Publisher, Relay, Ticket,
 };
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{PostgresOutbox, StoreError};
@@ -272,7 +272,7 @@ struct Profiled<T> {
 }
 
 impl<S: OutboxStore> OutboxStore for Profiled<S> {
-    async fn send(&self, m: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, m: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         self.inner.send(m).await
     }
     async fn claim(&self, limit: usize, lease: Duration) -> Result<Vec<Pending>, StoreError> {
@@ -293,7 +293,7 @@ impl<S: OutboxStore> OutboxStore for Profiled<S> {
         Spent::add(&self.spent.mark, t.elapsed());
         r
     }
-    async fn mark_failed(&self, f: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, f: &[PublishFailure]) -> Result<u64, StoreError> {
         self.inner.mark_failed(f).await
     }
     async fn purge_sent(&self, d: Duration, limit: usize) -> Result<u64, StoreError> {
@@ -321,7 +321,7 @@ impl<P: Publisher> Publisher for Profiled<P> {
 struct Polling(PostgresOutbox);
 
 impl OutboxStore for Polling {
-    async fn send(&self, m: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, m: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         self.0.send(m).await
     }
     async fn claim(&self, limit: usize, lease: Duration) -> Result<Vec<Pending>, StoreError> {
@@ -333,7 +333,7 @@ impl OutboxStore for Polling {
     async fn remove_sent(&self, t: &[Ticket]) -> Result<u64, StoreError> {
         self.0.remove_sent(t).await
     }
-    async fn mark_failed(&self, f: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, f: &[PublishFailure]) -> Result<u64, StoreError> {
         self.0.mark_failed(f).await
     }
     async fn purge_sent(&self, d: Duration, limit: usize) -> Result<u64, StoreError> {
@@ -350,7 +350,7 @@ impl OutboxStore for Polling {
 /// A publisher that notes when each message was confirmed.
 struct Timed<P> {
     inner: P,
-    confirmed: Arc<Mutex<HashMap<MessageId, Instant>>>,
+    confirmed: Arc<Mutex<HashMap<OutboxId, Instant>>>,
 }
 
 impl<P: Publisher> Publisher for Timed<P> {
@@ -404,7 +404,7 @@ async fn latency<P: Publisher>(
     };
     // Let the relay reach its first wait (and LISTEN) before measuring.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut committed: Vec<(MessageId, Instant)> = Vec::new();
+    let mut committed: Vec<(OutboxId, Instant)> = Vec::new();
     let until = Instant::now() + Duration::from_secs(4);
     while Instant::now() < until {
         let mut tx = store.pool().begin().await?;

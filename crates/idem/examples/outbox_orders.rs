@@ -18,10 +18,10 @@ use std::time::Duration;
 use idem::amqp::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use idem::amqp::lapin::types::FieldTable;
 use idem::amqp::lapin::{Connection, ConnectionProperties};
-use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, AmqpPublisher};
-use idem::consumer::HandlerError;
+use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpPublisher, Delivery};
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
-use idem::outbox::{MessageId, OutboxStore, Outgoing, Publisher, Relay};
+use idem::outbox::{OutboxId, OutboxStore, Outgoing, Publisher, Relay};
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{PostgresStore, Tx};
 
@@ -46,8 +46,8 @@ async fn main() -> Result<(), Error> {
     let producer = AmqpPublisher::new(conn.create_channel().await?).await?;
     let orders = ["order-1", "order-2", "order-2", "order-3"].map(|id| {
         Outgoing::new(orders_q.clone(), format!(r#"{{"order":"{id}"}}"#))
-            .id(MessageId::new(id).expect("a valid id"))
-            .into_message(MessageId::random)
+            .id(OutboxId::new(id).expect("a valid id"))
+            .into_message(OutboxId::random)
     });
     for r in producer.publish(&orders).await {
         r?;
@@ -72,7 +72,7 @@ async fn main() -> Result<(), Error> {
         .build()
         .await?;
     let insert = format!("INSERT INTO {orders_table} (id) VALUES ($1)");
-    let write_order = |mut tx: Tx<sqlx::Postgres>, msg: AmqpMessage| {
+    let write_order = |mut tx: Tx<idem::PostgresInbox>, msg: Delivery| {
         let (insert, outbox, accepted_q) = (insert.clone(), outbox.clone(), accepted_q.clone());
         async move {
             let id = msg.message_id().unwrap_or_default().to_owned();
@@ -91,7 +91,7 @@ async fn main() -> Result<(), Error> {
             Ok(())
         }
     };
-    let mut written = idem::driver::Report::default();
+    let mut written = idem::consumer::Report::default();
     loop {
         let r = writer.poll(&write_order).await?;
         if r.fetched == 0 {
@@ -116,7 +116,7 @@ async fn main() -> Result<(), Error> {
         .build()
         .await?;
     let sent = std::sync::atomic::AtomicU64::new(0);
-    let send_mail = |ctx: idem::consumer::Context, msg: AmqpMessage| {
+    let send_mail = |ctx: idem::engine::Context, msg: Delivery| {
         let sent = &sent;
         async move {
             let body = String::from_utf8_lossy(msg.payload()).into_owned();

@@ -10,8 +10,8 @@
 
 use std::time::Duration;
 
-use idem::postgres::{InboxError, InboxOutcome};
-use idem::{DedupKey, Fingerprint, PostgresStore};
+use idem::engine::HandlerError;
+use idem::{DedupKey, Fingerprint, Outcome, PostgresStore, TxInbox as _};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -43,25 +43,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .bind(id)
                     .bind(cents)
                     .execute(&mut *tx) // the transaction the marker is in
-                    .await?;
-                Ok::<_, sqlx::Error>(format!("stored {id} for {cents} cents"))
+                    .await
+                    .map_err(HandlerError::Transient)?;
+                Ok::<_, HandlerError<sqlx::Error>>(format!("stored {id} for {cents} cents"))
             })
             .await;
         match outcome {
-            Ok(InboxOutcome::Processed(r)) => println!("{id:>4} {cents:>6}: processed ({r}); ack"),
-            Ok(InboxOutcome::Duplicate(r)) => {
+            Outcome::Processed(r) => println!("{id:>4} {cents:>6}: processed ({r}); ack"),
+            Outcome::Duplicate(r) => {
                 println!("{id:>4} {cents:>6}: duplicate, first result {r:?}; ack without writing");
             }
-            Ok(InboxOutcome::Conflict(rec)) => {
+            Outcome::Conflict(c) => {
                 conflicts += 1;
-                println!(
-                    "{id:>4} {cents:>6}: CONFLICT with the stored {}/{} ({}); dead-letter",
-                    rec.scope, rec.id, rec.state
-                );
+                println!("{id:>4} {cents:>6}: CONFLICT: {c}; dead-letter");
             }
-            Ok(other) => println!("{id:>4} {cents:>6}: {other:?}"),
-            Err(InboxError::Writes(e)) => return Err(e.into()),
-            Err(e) => return Err(e.into()),
+            other => return Err(format!("{id}: {:?}", other.verb()).into()),
         }
     }
     let rows: i64 =

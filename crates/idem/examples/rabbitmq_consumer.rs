@@ -24,9 +24,10 @@ use idem::amqp::lapin::options::{
 };
 use idem::amqp::lapin::types::{AMQPValue, FieldTable};
 use idem::amqp::lapin::{BasicProperties, Connection, ConnectionProperties};
-use idem::amqp::{AmqpConfig, AmqpConsumer, AmqpMessage, RabbitWindow};
-use idem::consumer::HandlerError;
-use idem::driver::{Action, Settlement, headers};
+use idem::amqp::{AmqpConfig, AmqpConsumer, Delivery, RabbitWindow};
+use idem::consumer::{Settlement, headers};
+use idem::engine::HandlerError;
+use idem::engine::Verb;
 use idem::sqlx::{self, AssertSqlSafe};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -77,7 +78,7 @@ async fn main() -> Result<(), Error> {
     let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
     store.migrate().await?;
     let config =
-        AmqpConfig::new(&conn, &queue).retention_window(RabbitWindow::new().delivery_limit(20));
+        AmqpConfig::new(&conn, &queue).redelivery_window(RabbitWindow::new().delivery_limit(20));
     let consumer = AmqpConsumer::builder(config)
         .inbox(store.inbox(Duration::from_secs(7 * 86_400)))
         .scope("order-writer")
@@ -93,7 +94,7 @@ async fn main() -> Result<(), Error> {
     .execute(store.pool())
     .await?;
     let insert = format!("INSERT INTO {orders_table} (id, body) VALUES ($1, $2)");
-    let handler = |mut tx: idem::Tx<sqlx::Postgres>, msg: AmqpMessage| {
+    let handler = |mut tx: idem::Tx<idem::PostgresInbox>, msg: Delivery| {
         let insert = insert.clone();
         async move {
             let id = idem::extract::Envelope::message_id(&msg).unwrap_or_default().to_owned();
@@ -106,7 +107,7 @@ async fn main() -> Result<(), Error> {
             Ok(())
         }
     };
-    let mut total = idem::driver::Report::default();
+    let mut total = idem::consumer::Report::default();
     loop {
         let report = consumer.poll(&handler).await?;
         if report.fetched == 0 {
@@ -164,11 +165,11 @@ async fn main() -> Result<(), Error> {
 }
 
 /// Each delivery's fate, once its outcome is committed and before the broker is told.
-fn print_settlement(s: &Settlement<'_, AmqpMessage>) {
-    let verb = match s.action {
-        Action::Ack => "ack".to_owned(),
-        Action::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
-        Action::DeadLettered { reason } => format!("dead-lettered ({reason}), then ack"),
+fn print_settlement(s: &Settlement<'_, Delivery>) {
+    let verb = match s.verb {
+        Verb::Ack => "ack".to_owned(),
+        Verb::Retry { after: Some(d) } => format!("delay queue ({d:?}), then ack"),
+        Verb::DeadLetter { reason } => format!("dead-lettered ({reason}), then ack"),
         _ => "nack, requeue".to_owned(),
     };
     let key = s.key.map_or("-", |k| k.id());

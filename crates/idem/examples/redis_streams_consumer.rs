@@ -14,10 +14,10 @@
 
 use std::time::{Duration, Instant};
 
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::redis::redis::{self as client, AsyncCommands};
-use idem::redis::{StreamConfig, StreamConsumer, StreamEntry};
+use idem::redis::{Delivery, StreamConfig, StreamConsumer};
 use idem::{PostgresStore, sqlx};
 
 #[tokio::main]
@@ -56,7 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .execute(store.pool())
         .await?;
     let insert = format!("INSERT INTO {orders} (id, body) VALUES ($1, $2)");
-    let write = move |mut tx: idem::Tx<sqlx::Postgres>, entry: StreamEntry| {
+    let write = move |mut tx: idem::Tx<idem::PostgresInbox>, entry: Delivery| {
         let insert = insert.clone();
         async move {
             let id = entry.message_id().unwrap_or_default().to_owned();
@@ -107,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_tx.send(true)?;
-    let mut report = idem::driver::Report::default();
+    let mut report = idem::consumer::Report::default();
     for w in workers {
         report += w.await??;
     }

@@ -23,14 +23,15 @@ use std::time::Duration;
 
 use azure_data_cosmos::clients::ContainerClient;
 use idem::OutcomeKind;
+use idem::Tx;
 use idem::amqp::lapin;
 use idem::amqp10::fe2o3_amqp::types::messaging::{Body, Data, Message, MessageId, Properties};
 use idem::amqp10::fe2o3_amqp::types::primitives::{Binary, Value};
 use idem::amqp10::fe2o3_amqp::{Connection, Receiver, Sender, Session};
-use idem::amqp10::{Amqp10Config, Amqp10Consumer, Amqp10Message, DeadLetters, ServiceBus};
-use idem::consumer::HandlerError;
-use idem::cosmos::{BatchDocs, CosmosInbox};
-use idem::driver::{Action, Settlement};
+use idem::amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, ServiceBus};
+use idem::consumer::Settlement;
+use idem::cosmos::CosmosInbox;
+use idem::engine::{HandlerError, Verb};
 use idem::extract::Envelope;
 use serde_json::json;
 
@@ -41,7 +42,10 @@ const WEEK: Duration = Duration::from_secs(7 * 86_400);
 /// The handler: the order and one document per line, in the order's partition. Cosmos DB
 /// commits them with the dedup marker in one transactional batch once this returns `Ok`; a
 /// redelivery meets the marker (409 on the batch) and is completed as a duplicate.
-async fn write_order(docs: BatchDocs, msg: Amqp10Message) -> Result<u64, HandlerError<String>> {
+async fn write_order(
+    mut docs: Tx<CosmosInbox>,
+    msg: Delivery,
+) -> Result<u64, HandlerError<String>> {
     let permanent = |e: &dyn std::fmt::Display| HandlerError::Permanent(e.to_string());
     let order: serde_json::Value =
         serde_json::from_slice(msg.payload()).map_err(|e| permanent(&e))?;
@@ -61,13 +65,13 @@ async fn write_order(docs: BatchDocs, msg: Amqp10Message) -> Result<u64, Handler
 
 type Seen = Arc<Mutex<Vec<(String, OutcomeKind)>>>;
 
-fn printer(seen: Seen) -> impl Fn(&Settlement<'_, Amqp10Message>) + Send + Sync + 'static {
+fn printer(seen: Seen) -> impl Fn(&Settlement<'_, Delivery>) + Send + Sync + 'static {
     move |s| {
         let id = s.message.message_id().unwrap_or("-").to_owned();
-        let verb = match s.action {
-            Action::Ack => "complete".to_owned(),
-            Action::DeadLettered { reason } => format!("dead-letter ({reason})"),
-            Action::Retry { .. } => "abandon".to_owned(),
+        let verb = match s.verb {
+            Verb::Ack => "complete".to_owned(),
+            Verb::DeadLetter { reason } => format!("dead-letter ({reason})"),
+            Verb::Retry { .. } => "abandon".to_owned(),
             _ => "release".to_owned(),
         };
         println!("  {id:<10} {:<18} → {verb}", s.outcome.as_str());

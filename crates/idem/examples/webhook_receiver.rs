@@ -28,14 +28,14 @@ use axum::response::Response;
 use axum::routing::post;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::{JsonPointer, Message};
 use idem::http::{IdempotencyKeyLayer, KeyFormat, Principal, PrincipalKey};
-use idem::{Consumer, Outcome, SqliteStore};
+use idem::{Engine, Outcome, SqliteStore};
 
 #[derive(Clone)]
 struct Receiver {
-    stripe: Consumer<SqliteStore>,
+    stripe: Engine<SqliteStore>,
     applied: Arc<AtomicU32>,
 }
 
@@ -62,7 +62,7 @@ async fn stripe(State(r): State<Receiver>, body: Bytes) -> (StatusCode, String) 
         Outcome::InProgressElsewhere { .. } => (StatusCode::CONFLICT, "in progress".into()),
         // Same event id, different content: refuse and alert; never drop it silently.
         Outcome::Conflict(c) => (StatusCode::UNPROCESSABLE_ENTITY, c.to_string()),
-        other => (StatusCode::SERVICE_UNAVAILABLE, format!("{:?}", other.disposition())),
+        other => (StatusCode::SERVICE_UNAVAILABLE, format!("{:?}", other.verb())),
     }
 }
 
@@ -78,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
     let store = SqliteStore::open(dir.path().join("idem.sqlite")).await?;
     let receiver = Receiver {
-        stripe: Consumer::builder(store.clone())
+        stripe: Engine::builder(store.clone())
             .scope("webhooks/stripe")
             .key(JsonPointer::new("/id"))
             .build()?,

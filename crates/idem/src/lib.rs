@@ -6,7 +6,6 @@ pub use idem_core::*;
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
     pub use idem_sqlx::sqlite::*;
-    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
 }
 
 #[cfg(feature = "sqlite")]
@@ -17,16 +16,15 @@ pub use idem_sqlx::{SqliteInbox, SqliteOutbox, SqliteStore};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use idem_sqlx::sqlx;
 
-/// The batch transaction an inbox handler gets, the inbox contract, and where outboxes
-/// enqueue ([`Enqueue`]: a handler's `Tx`, a transaction or a connection).
+/// Where outboxes enqueue ([`Enqueue`]: an inbox handler's [`Tx`], a transaction or a
+/// connection).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub use idem_sqlx::{Enqueue, Tx, TxInbox};
+pub use idem_sqlx::Enqueue;
 
 /// PostgreSQL store, transactional inbox and entity-as-marker helper (feature `postgres`).
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_sqlx::postgres::*;
-    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
 }
 
 #[cfg(feature = "postgres")]
@@ -36,7 +34,6 @@ pub use idem_sqlx::{PostgresInbox, PostgresOutbox, PostgresStore};
 #[cfg(feature = "mysql")]
 pub mod mysql {
     pub use idem_sqlx::mysql::*;
-    pub use idem_sqlx::{InboxError, InboxOutcome, Mark};
 }
 
 #[cfg(feature = "mysql")]

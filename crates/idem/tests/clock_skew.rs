@@ -12,9 +12,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Message;
-use idem::{Claim, ClaimRequest, Consumer, DedupKey, DedupStore, Outcome, PostgresStore};
+use idem::{Claim, ClaimRequest, DedupKey, DedupStore, Engine, Outcome, PostgresStore};
 use idem_testkit::process::spawn_child;
 use rand::Rng;
 use tokio::io::AsyncBufReadExt;
@@ -83,7 +83,7 @@ fn word(c: &Claim) -> String {
 async fn skewed_side<S: DedupStore + Clone>(store: S, spec: &Spec) {
     println!("clock {}", unix_now());
     // The consumer path: a delivery of the key the other process holds must not run.
-    let consumer = Consumer::builder(store.clone()).scope("skew").lease(LEASE).build().unwrap();
+    let consumer = Engine::builder(store.clone()).scope("skew").lease(LEASE).build().unwrap();
     let msg = Message::new("{}").with_message_id(spec.held.as_str());
     let ran = std::sync::atomic::AtomicBool::new(false);
     let _: Outcome<(), String> = consumer

@@ -13,7 +13,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use idem::consumer::HandlerError;
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxMessage, OutboxStore, Outgoing, Publisher, Relay};
 use idem::sqlx::{self, AssertSqlSafe};
@@ -74,7 +74,7 @@ async fn stores(spec: &Spec) -> (PostgresStore, PostgresStore) {
 fn order_writer<M: Envelope>(
     spec: &Spec,
     store: &PostgresStore,
-) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     let insert = format!("INSERT INTO \"{}\".orders (id) VALUES ($1)", spec.schema);
     let (outbox, dest) = (store.outbox(), spec.b.clone());
     move |mut tx, m| {
@@ -100,7 +100,7 @@ fn order_writer<M: Envelope>(
 /// an order is a duplicated effect).
 fn ledger_writer<M: Envelope>(
     spec: &Spec,
-) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     let insert = format!("INSERT INTO \"{}\".ledger (order_id) VALUES ($1)", spec.schema);
     move |mut tx, m| {
         let insert = insert.clone();
@@ -129,13 +129,13 @@ async fn run_relay<P: Publisher>(store: &PostgresStore, publisher: P) {
 }
 
 /// Runs consumer 1 or 2 on its queue until stdin closes.
-async fn consume<C: idem::driver::SourceConfig>(
+async fn consume<C: idem::consumer::SourceConfig>(
     config: C,
     role: &str,
     spec: &Spec,
     store: &PostgresStore,
 ) {
-    let consumer = idem::Driver::builder(config)
+    let consumer = idem::Consumer::builder(config)
         .inbox(store.inbox(WEEK))
         .scope(role)
         .batch(32)
@@ -200,9 +200,9 @@ async fn chain<B: Broker>(broker: B, name: &str) {
     let messages: Vec<OutboxMessage> = ids
         .iter()
         .map(|id| {
-            Outgoing::new(spec.a.clone(), id.clone()).id(idem::outbox::MessageId::new(id).unwrap())
+            Outgoing::new(spec.a.clone(), id.clone()).id(idem::outbox::OutboxId::new(id).unwrap())
         })
-        .map(|m| m.into_message(idem::outbox::MessageId::random))
+        .map(|m| m.into_message(idem::outbox::OutboxId::random))
         .collect();
     for chunk in messages.chunks(500) {
         for r in broker.publisher().await.publish(chunk).await {
@@ -405,7 +405,7 @@ mod amqp {
 mod nats {
     use super::*;
     use idem::nats::async_nats::{self, jetstream};
-    use idem::nats::{JetStream, JetStreamPublisher};
+    use idem::nats::{JetStreamConfig, JetStreamPublisher};
 
     fn url() -> Option<String> {
         idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
@@ -497,7 +497,7 @@ mod nats {
                 let (subject, store) =
                     if role == "consumer1" { (&spec.a, one) } else { (&spec.b, two) };
                 let pull = js.get_consumer_from_stream(role, &stream(subject)).await.unwrap();
-                let source = JetStream::new(js.clone(), pull, format!("{subject}.dlq"));
+                let source = JetStreamConfig::new(js.clone(), pull, format!("{subject}.dlq"));
                 consume(source, role, spec, store).await;
             }
         }

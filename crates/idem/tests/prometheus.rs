@@ -7,11 +7,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use idem::consumer::{HandlerError, Prepared};
-use idem::driver::MemoryQueue;
+use idem::consumer::MemoryQueue;
+use idem::engine::HandlerError;
 use idem::extract::Message;
 use idem::time::ManualClock;
-use idem::{Claim, DedupStore, Driver, MemoryStore};
+use idem::{Claim, ClaimRequest, Consumer, DedupStore, MemoryStore};
 use idem_testkit::faults::{FaultyStore, Op};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -26,7 +26,7 @@ async fn scrape_after_known_traffic_shows_exact_counts() {
     let clock = ManualClock::new();
     let store = FaultyStore::new(MemoryStore::with_clock(clock.clone()));
     let queue = MemoryQueue::new();
-    let driver = Driver::builder(queue.clone())
+    let driver = Consumer::builder(queue.clone())
         .store(store.clone())
         .scope("billing")
         .batch(4)
@@ -39,14 +39,15 @@ async fn scrape_after_known_traffic_shows_exact_counts() {
     // A consumer that crashed holding o-5: its lease runs out before o-5 is delivered here,
     // so this consumer takes it over (attempt 2).
     let crashed = Message::new(payload(5)).with_message_id("o-5");
-    let Prepared::Claim(req) = driver.consumer().prepare::<_, (), ()>(&crashed) else {
-        panic!("o-5 has a key and a JSON payload")
-    };
+    let engine = driver.engine();
+    let key = engine.key_of(&crashed).expect("o-5 has a key");
+    let fingerprint = engine.fingerprint_of(&crashed).expect("a JSON payload");
+    let req = ClaimRequest::new(key, fingerprint, engine.lease(), engine.retain());
     let Ok(Claim::Acquired(lease)) = store.inner().claim(&req).await else {
         panic!("the first claim of o-5 is acquired")
     };
     drop(lease); // the crash: never completed, never released
-    clock.advance(driver.consumer().lease() + Duration::from_secs(1));
+    clock.advance(driver.engine().lease() + Duration::from_secs(1));
 
     // Batch 1: o-1..o-4, new. Batch 2: o-5 (taken over), o-1 and o-2 again (duplicates), o-3
     // with another payload (a conflict, dead-lettered).

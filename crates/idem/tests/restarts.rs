@@ -27,10 +27,10 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::consumer::HandlerError;
-use idem::driver::{Report, SourceConfig};
+use idem::consumer::{Report, SourceConfig};
+use idem::engine::HandlerError;
 use idem::extract::Envelope;
-use idem::outbox::{MessageId, OutboxMessage, Outgoing, Publisher};
+use idem::outbox::{OutboxId, OutboxMessage, Outgoing, Publisher};
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{MySqlStore, PostgresStore, Tx};
 use rand::Rng;
@@ -110,8 +110,8 @@ fn messages(destination: &str, ids: &[String]) -> Vec<OutboxMessage> {
     ids.iter()
         .map(|id| {
             Outgoing::new(destination, id.clone())
-                .id(MessageId::new(id).unwrap())
-                .into_message(MessageId::random)
+                .id(OutboxId::new(id).unwrap())
+                .into_message(OutboxId::random)
         })
         .collect()
 }
@@ -250,7 +250,9 @@ async fn my_pool(url: &str) -> Result<sqlx::MySqlPool, sqlx::Error> {
         .await
 }
 
-fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::Postgres>, M) -> HandlerFuture + Sync {
+fn pg_writer<M: Envelope>(
+    table: String,
+) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES ($1)");
         let id = m.message_id().unwrap_or_default().to_owned();
@@ -265,7 +267,9 @@ fn pg_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::Postgres>, M) -> Ha
     }
 }
 
-fn my_writer<M: Envelope>(table: String) -> impl Fn(Tx<sqlx::MySql>, M) -> HandlerFuture + Sync {
+fn my_writer<M: Envelope>(
+    table: String,
+) -> impl Fn(Tx<idem::MySqlInbox>, M) -> HandlerFuture + Sync {
     move |mut tx, m| {
         let sql = format!("INSERT INTO {table} (id) VALUES (?)");
         let id = m.message_id().unwrap_or_default().to_owned();
@@ -288,7 +292,7 @@ async fn run_once<C: SourceConfig>(
     stop: impl Future<Output = ()> + Send,
 ) -> Result<Report, String> {
     let err = |e: &(dyn std::error::Error + 'static)| chain(e);
-    let builder = idem::Driver::builder(config).batch(32).idle_wait(Duration::from_millis(100));
+    let builder = idem::Consumer::builder(config).batch(32).idle_wait(Duration::from_millis(100));
     match store {
         StoreSpec::PgInbox { url, schema } => {
             let pool = pg_pool(url).await.map_err(|e| err(&e))?;
@@ -317,7 +321,8 @@ async fn run_once<C: SourceConfig>(
             let d = builder.store(store).scope("restarts").build().await;
             let d = d.map_err(|e| err(&e))?;
             let handler =
-                |_ctx: idem::consumer::Context, m: <C::Source as idem::driver::Source>::Message| {
+                |_ctx: idem::engine::Context,
+                 m: <C::Source as idem::consumer::Source>::Delivery| {
                     let sql = format!("INSERT INTO {table} (id) VALUES ($1)");
                     let id = m.message_id().unwrap_or_default().to_owned();
                     let pool = pool.clone();
@@ -364,11 +369,11 @@ async fn consume_once(
                 .get_consumer_from_stream("restarts", &stream(subject))
                 .await
                 .map_err(|e| chain(&e))?;
-            let source = idem::nats::JetStream::new(js, pull, format!("{subject}.dlq"));
+            let source = idem::nats::JetStreamConfig::new(js, pull, format!("{subject}.dlq"));
             run_once(source, store, stop).await
         }
         BrokerSpec::Kafka { brokers, topic } => {
-            let config = idem::kafka::Kafka::new(
+            let config = idem::kafka::KafkaConfig::new(
                 &kafka::config(brokers),
                 &[topic.as_str()],
                 format!("{topic}-dlq"),

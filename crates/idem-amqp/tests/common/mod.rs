@@ -10,8 +10,9 @@ use idem_amqp::lapin::options::{
 };
 use idem_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use idem_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use idem_amqp::{AmqpMessage, Topology};
-use idem_core::driver::{Action, Settlement, headers};
+use idem_amqp::{Delivery, Topology};
+use idem_core::consumer::{Settlement, headers};
+use idem_core::engine::Verb;
 use tokio::sync::mpsc;
 
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -29,21 +30,21 @@ pub fn suffix() -> String {
 pub struct Seen {
     pub key: Option<String>,
     pub outcome: &'static str,
-    pub action: Action,
+    pub verb: Verb,
     pub redelivered: bool,
     pub delays: u32,
     pub payload: Vec<u8>,
 }
 
-pub type Hook = Box<dyn Fn(&Settlement<'_, AmqpMessage>) + Send + Sync>;
+pub type Hook = Box<dyn Fn(&Settlement<'_, Delivery>) + Send + Sync>;
 
 pub fn reporter() -> (Hook, mpsc::UnboundedReceiver<Seen>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let hook = move |r: &Settlement<'_, AmqpMessage>| {
+    let hook = move |r: &Settlement<'_, Delivery>| {
         let _ = tx.send(Seen {
             key: r.key.map(|k| k.id().to_owned()),
             outcome: r.outcome.as_str(),
-            action: r.action.clone(),
+            verb: r.verb.clone(),
             redelivered: r.message.redelivered(),
             delays: r.message.delays(),
             payload: r.message.payload().to_vec(),
@@ -127,6 +128,14 @@ impl Broker {
         .await
         .unwrap();
         Some(Self { url, conn, ch, topology: Topology::for_queue(queue), cleaned: false })
+    }
+
+    /// The broker of another process's `queue` (a crash test's child): never deletes it.
+    pub async fn attach(queue: &str) -> Self {
+        let url = url().expect("RabbitMQ");
+        let conn = Connection::connect(&url, ConnectionProperties::default()).await.unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        Self { url, conn, ch, topology: Topology::for_queue(queue), cleaned: true }
     }
 
     pub fn queue(&self) -> &str {

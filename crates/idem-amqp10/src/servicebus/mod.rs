@@ -18,7 +18,8 @@ use std::time::Duration;
 use fe2o3_amqp::link::Receiver;
 use fe2o3_amqp::types::definitions::{self, ErrorCondition, Fields};
 use fe2o3_amqp::types::primitives::{Symbol, Value};
-use idem_core::driver::{DeadLetter, Opening, SourceConfig};
+use idem_core::RedeliveryWindow;
+use idem_core::consumer::{DeadLetter, Opening, SourceConfig};
 
 pub use auth::{AccessToken, BoxError, TokenKind, TokenSource};
 pub(crate) use auth::{Credential, authorize};
@@ -26,8 +27,8 @@ pub(crate) use management::Management;
 
 use crate::config::{Amqp10Config, DeadLetters};
 use crate::connect::Endpoint;
+use crate::delivery::Delivery;
 use crate::error::Error;
-use crate::message::Amqp10Message;
 use crate::source::{Amqp10Source, Dialect};
 use crate::tls::Tls;
 
@@ -181,15 +182,8 @@ pub(crate) struct ServiceBusSettings {
 impl ServiceBusSettings {
     /// A message can come back until its deliveries reach `MaxDeliveryCount`, each ending at
     /// the latest when its lock expires.
-    pub(crate) fn window(&self) -> (Duration, String) {
-        let window = self.lock_duration.saturating_mul(self.max_delivery_count);
-        (
-            window,
-            format!(
-                "LockDuration {:?} × MaxDeliveryCount {}",
-                self.lock_duration, self.max_delivery_count
-            ),
-        )
+    pub(crate) fn window(&self) -> RedeliveryWindow {
+        RedeliveryWindow::new(self.max_delivery_count, self.lock_duration)
     }
 
     /// Locks are renewed on the engine's heartbeat, and at least twice per lock duration.
@@ -199,7 +193,7 @@ impl ServiceBusSettings {
     }
 }
 
-/// A Service Bus queue or subscription as a driver source: PeekLock, complete / abandon /
+/// A Service Bus queue or subscription as a consumer source: PeekLock, complete / abandon /
 /// dead-letter, locks renewed while handlers run, sessions. Made by [`ServiceBus::queue`].
 ///
 /// Service Bus does not tell an AMQP client the entity's `LockDuration` and
@@ -328,7 +322,7 @@ pub(crate) fn dead_letter_error(dl: Option<&DeadLetter>, description: &str) -> d
 
 /// The lock token: the `x-opt-lock-token` annotation, else the delivery tag read as a .NET
 /// GUID (little-endian fields), as Service Bus sends it.
-pub(crate) fn lock_token(msg: &Amqp10Message) -> uuid::Uuid {
+pub(crate) fn lock_token(msg: &Delivery) -> uuid::Uuid {
     let annotated = msg.message().message_annotations.as_ref().and_then(|a| {
         a.0.iter().find_map(|(k, v)| match (k, v) {
             (fe2o3_amqp::types::messaging::annotations::OwnedKey::Symbol(s), Value::Uuid(u))
@@ -351,10 +345,7 @@ pub(crate) fn lock_token(msg: &Amqp10Message) -> uuid::Uuid {
 /// The AMQP encoding of a copy of `msg` to be enqueued at `at`: the bare message with
 /// `x-opt-scheduled-enqueue-time` set and `idem-delays` counted up (the broker's own
 /// annotations — lock token, sequence number — are not copied).
-pub(crate) fn scheduled_copy(
-    msg: &Amqp10Message,
-    at: std::time::SystemTime,
-) -> Result<Vec<u8>, Error> {
+pub(crate) fn scheduled_copy(msg: &Delivery, at: std::time::SystemTime) -> Result<Vec<u8>, Error> {
     use fe2o3_amqp::types::messaging::MessageAnnotations;
     use fe2o3_amqp::types::messaging::message::__private::Serializable;
     use fe2o3_amqp::types::primitives::Timestamp;
@@ -372,7 +363,7 @@ pub(crate) fn scheduled_copy(
         Value::Timestamp(Timestamp::from_milliseconds(millis)),
     );
     let mut copy =
-        msg.copy_with([(crate::message::DELAYS, msg.delays().saturating_add(1).to_string())]);
+        msg.copy_with([(crate::delivery::DELAYS, msg.delays().saturating_add(1).to_string())]);
     copy.message_annotations = Some(annotations);
     if let Some(h) = copy.header.as_mut() {
         h.delivery_count = 0;

@@ -44,24 +44,36 @@ pub struct Broker {
 impl Broker {
     pub async fn new(test: &str) -> Option<Self> {
         let url = url()?;
-        let admin_url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| ADMIN_URL.into());
-        let conn = lapin::Connection::connect(&admin_url, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        let admin = conn.create_channel().await.unwrap();
         let name = format!("idem-amqp10-{test}-{}", suffix());
+        let broker = Self::open(url, name).await;
         let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-        admin
-            .queue_declare(format!("{name}.dlq").as_str().into(), durable, FieldTable::default())
+        let dlq = format!("{}.dlq", broker.name);
+        broker
+            .admin
+            .queue_declare(dlq.as_str().into(), durable, FieldTable::default())
             .await
             .unwrap();
         let mut args = FieldTable::default();
         args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString(LongString::from("")));
         args.insert(
             "x-dead-letter-routing-key".into(),
-            AMQPValue::LongString(LongString::from(format!("{name}.dlq"))),
+            AMQPValue::LongString(LongString::from(dlq)),
         );
-        admin.queue_declare(name.as_str().into(), durable, args).await.unwrap();
+        broker.admin.queue_declare(broker.name.as_str().into(), durable, args).await.unwrap();
+        Some(broker)
+    }
+
+    /// The queue `name` of another process (a crash test's child): declares nothing.
+    pub async fn attach(name: &str) -> Self {
+        Self::open(url().expect("RabbitMQ's AMQP 1.0 plugin"), name.to_owned()).await
+    }
+
+    async fn open(url: String, name: String) -> Self {
+        let admin_url = std::env::var("IDEM_TEST_AMQP_URL").unwrap_or_else(|_| ADMIN_URL.into());
+        let conn = lapin::Connection::connect(&admin_url, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let admin = conn.create_channel().await.unwrap();
         let mut connection =
             Connection::open(format!("idem-test-producer-{}", suffix()), url.as_str())
                 .await
@@ -69,13 +81,13 @@ impl Broker {
         let mut session = Session::begin(&mut connection).await.unwrap();
         let sender =
             Sender::attach(&mut session, "producer", format!("/amq/queue/{name}")).await.unwrap();
-        Some(Self {
+        Self {
             url,
             name,
             admin,
             _admin_conn: conn,
             producer: Mutex::new((connection, session, sender)),
-        })
+        }
     }
 
     pub fn address(&self) -> String {

@@ -14,7 +14,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use idem::outbox::{MessageId, OutboxMessage, Outgoing};
+use idem::outbox::{OutboxId, OutboxMessage, Outgoing};
 use idem::redact::Redacted;
 use rand::Rng;
 use rand::seq::SliceRandom;
@@ -244,7 +244,7 @@ impl Plan {
 
 fn message(destination: &str, id: &str, body: &str) -> anyhow::Result<OutboxMessage> {
     let payload = serde_json::json!({ "id": id, "body": body }).to_string();
-    Ok(Outgoing::new(destination, payload).id(MessageId::new(id)?).into_message(MessageId::random))
+    Ok(Outgoing::new(destination, payload).id(OutboxId::new(id)?).into_message(OutboxId::random))
 }
 
 /// One worker process.

@@ -7,12 +7,12 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use idem::consumer::{Context, HandlerError};
-use idem::driver::{Source, SourceConfig};
+use idem::consumer::{Source, SourceConfig};
+use idem::engine::{Context, HandlerError};
 use idem::extract::Envelope;
 use idem::redis::redis::AsyncCommands as _;
 use idem::sqlx::{self, AssertSqlSafe};
-use idem::{Consumer, Driver, MySqlStore, PostgresStore, SqliteStore, Tx};
+use idem::{Consumer, MySqlStore, PostgresStore, SqliteStore, Tx};
 
 use super::broker::{self, BrokerUrl, NATS_CONSUMER};
 use super::store::{self, Names, StoreUrl};
@@ -44,8 +44,9 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
                 .get_consumer_from_stream(NATS_CONSUMER, &BrokerUrl::stream(tag))
                 .await
                 .with_context(|| format!("opening consumer {NATS_CONSUMER} of the run's stream"))?;
-            let source = idem::nats::JetStream::new(js, pull, BrokerUrl::dead_letter_subject(tag))
-                .retry_delay(Duration::from_millis(200));
+            let source =
+                idem::nats::JetStreamConfig::new(js, pull, BrokerUrl::dead_letter_subject(tag))
+                    .retry_delay(Duration::from_millis(200));
             consume(source, &store, &names, args).await
         }
         BrokerUrl::Redis(url) => {
@@ -63,7 +64,7 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
         #[cfg(feature = "kafka")]
         BrokerUrl::Kafka(brokers) => {
             let topic = broker.destination(tag);
-            let config = idem::kafka::Kafka::new(
+            let config = idem::kafka::KafkaConfig::new(
                 &super::kafka::consumer_config(brokers),
                 &[topic.as_str()],
                 format!("{topic}.dlq"),
@@ -106,9 +107,9 @@ fn read(m: &impl Envelope) -> Result<(String, String), HandlerError<String>> {
 /// The inbox handler for one SQL database: the ledger row joins the batch's transaction, or
 /// (under `--fault effect-outside-tx`) commits on its own before it.
 macro_rules! sql_writer {
-    ($db:ty, $pool:expr, $sql:expr, $fault:expr) => {{
+    ($inbox:ty, $pool:expr, $sql:expr, $fault:expr) => {{
         let (pool, sql, outside) = ($pool.clone(), $sql, $fault);
-        move |mut tx: Tx<$db>, m: <C::Source as Source>::Message| -> HandlerFuture {
+        move |mut tx: Tx<$inbox>, m: <C::Source as Source>::Delivery| -> HandlerFuture {
             let read = read(&m);
             let (pool, sql) = (pool.clone(), sql.clone());
             Box::pin(async move {
@@ -130,42 +131,45 @@ async fn consume<C>(
 ) -> anyhow::Result<u8>
 where
     C: SourceConfig,
-    <C::Source as Source>::Message: Envelope,
+    <C::Source as Source>::Delivery: Envelope,
     <C::Source as Source>::Error: Send + Sync,
 {
     let outside = args.fault == Some(Fault::EffectOutsideTx);
     let ledger = names.ledger_table(store);
-    let builder = Driver::builder(config).batch(32).idle_wait(Duration::from_millis(100));
+    let builder = Consumer::builder(config)
+        .scope(SCOPE)
+        .lease(args.lease)
+        .batch(32)
+        .idle_wait(Duration::from_millis(100));
     match store {
         StoreUrl::Postgres(url) => {
             let pool = store::pg_pool(url, 4).await?;
             let inbox = PostgresStore::new(pool.clone()).with_schema(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
-            let driver = builder.engine(engine).build().await?;
+            let driver = builder.inbox(inbox).build().await?;
             ready()?;
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES ($1, $2)");
-            driver.run(sql_writer!(sqlx::Postgres, pool, sql, outside), stdin_closed()).await?;
+            driver
+                .run(sql_writer!(idem::PostgresInbox, pool, sql, outside), stdin_closed())
+                .await?;
         }
         StoreUrl::MySql(url) => {
             let pool = store::my_pool(url, 4).await?;
             let inbox = MySqlStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
-            let driver = builder.engine(engine).build().await?;
+            let driver = builder.inbox(inbox).build().await?;
             ready()?;
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
-            driver.run(sql_writer!(sqlx::MySql, pool, sql, outside), stdin_closed()).await?;
+            driver.run(sql_writer!(idem::MySqlInbox, pool, sql, outside), stdin_closed()).await?;
         }
         StoreUrl::Sqlite(path) => {
             let pool = store::sqlite_pool(path).await?;
             let inbox = SqliteStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN);
-            let engine = Consumer::builder(inbox).scope(SCOPE).lease(args.lease).build()?;
-            let driver = builder.engine(engine).build().await?;
+            let driver = builder.inbox(inbox).build().await?;
             ready()?;
             // SQLite has one connection per worker, held by the batch: a write "outside" it
             // would wait for itself, so the fault opens a second pool.
             let pool = if outside { store::sqlite_pool(path).await? } else { pool };
             let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
-            driver.run(sql_writer!(sqlx::Sqlite, pool, sql, outside), stdin_closed()).await?;
+            driver.run(sql_writer!(idem::SqliteInbox, pool, sql, outside), stdin_closed()).await?;
         }
         StoreUrl::Redis(url) => {
             anyhow::ensure!(
@@ -176,24 +180,24 @@ where
                 Ok(builder.namespace(&names.base)?.response_timeout(Duration::from_secs(2)))
             })
             .await?;
-            let engine = Consumer::builder(dedup).scope(SCOPE).lease(args.lease).build()?;
-            let driver = builder.engine(engine).build().await?;
+            let driver = builder.store(dedup).build().await?;
             let conn = connect::redis_manager(url).await?;
             let key = names.redis_ledger();
             ready()?;
-            let handler = move |ctx: Context, m: <C::Source as Source>::Message| -> HandlerFuture {
-                let read = read(&m);
-                let (mut conn, key) = (conn.clone(), key.clone());
-                Box::pin(async move {
-                    let (id, body) = read?;
-                    let entry = format!("{id}:{}:{body}", ctx.attempt());
-                    let _: i64 = conn
-                        .rpush(key, entry)
-                        .await
-                        .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                    Ok(())
-                })
-            };
+            let handler =
+                move |ctx: Context, m: <C::Source as Source>::Delivery| -> HandlerFuture {
+                    let read = read(&m);
+                    let (mut conn, key) = (conn.clone(), key.clone());
+                    Box::pin(async move {
+                        let (id, body) = read?;
+                        let entry = format!("{id}:{}:{body}", ctx.attempt());
+                        let _: i64 = conn
+                            .rpush(key, entry)
+                            .await
+                            .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                        Ok(())
+                    })
+                };
             driver.run(handler, stdin_closed()).await?;
         }
     }

@@ -15,10 +15,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use idem::consumer::{Disposition, HandlerError};
+use idem::engine::{HandlerError, Verb};
 use idem::extract::Message;
-use idem::sqlite::{InboxOutcome, SqliteStore};
-use idem::{Consumer, DedupKey, Fingerprint};
+use idem::sqlite::SqliteStore;
+use idem::{DedupKey, Engine, Fingerprint, Outcome, TxInbox as _};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
@@ -251,7 +251,7 @@ async fn run_mode(
     .await?;
     let queue = Arc::new(Queue::new(t.messages.clone(), Duration::from_millis(args.visibility_ms)));
     let payments = Arc::new(PaymentApi::default());
-    let consumer = Consumer::builder(store.clone())
+    let consumer = Engine::builder(store.clone())
         .scope(format!("orders-payment-{nonce}"))
         .lease(Duration::from_millis(args.lease_ms))
         .retain(Duration::from_secs(86_400))
@@ -348,7 +348,7 @@ struct Worker {
     mode: Mode,
     queue: Arc<Queue>,
     payments: Arc<PaymentApi>,
-    consumer: Consumer<SqliteStore>,
+    consumer: Engine<SqliteStore>,
     inbox: idem::sqlite::SqliteInbox,
     pool: sqlx::SqlitePool,
     table: String,
@@ -438,26 +438,29 @@ impl Worker {
                 let stored = self
                     .inbox
                     .process(&key, fp, move |mut tx| async move {
-                        insert(&mut tx, &table, &Order { id, cents }, charge).await
+                        insert(&mut tx, &table, &Order { id, cents }, charge)
+                            .await
+                            .map_err(|e| HandlerError::Transient(e.to_string()))
                     })
-                    .await
-                    .map_err(|e| HandlerError::Transient(e.to_string()))?;
-                if let InboxOutcome::Conflict(_) = stored {
-                    return Err(HandlerError::Permanent(
-                        "order row exists with other content".to_owned(),
-                    ));
+                    .await;
+                match stored {
+                    Outcome::Processed(()) | Outcome::Duplicate(_) => {}
+                    Outcome::Conflict(_) => {
+                        return Err(HandlerError::Permanent(
+                            "order row exists with other content".to_owned(),
+                        ));
+                    }
+                    other => return Err(HandlerError::Transient(format!("{:?}", other.verb()))),
                 }
                 crash.at(CrashPoint::AfterCommit).await;
                 Ok::<u64, HandlerError<String>>(charge)
             })
             .await;
         crash.at(CrashPoint::BeforeAck).await;
-        match outcome.disposition() {
-            Disposition::Ack => self.queue.ack(d),
-            Disposition::Retry { after } => {
-                self.queue.nack(d, after.unwrap_or(Duration::from_millis(20)))
-            }
-            Disposition::DeadLetter { reason } => self.queue.dead_letter(d, reason),
+        match outcome.verb() {
+            Verb::Ack => self.queue.ack(d),
+            Verb::Retry { after } => self.queue.nack(d, after.unwrap_or(Duration::from_millis(20))),
+            Verb::DeadLetter { reason } => self.queue.dead_letter(d, reason),
             _ => self.queue.nack(d, Duration::from_millis(20)),
         }
         Ok(())

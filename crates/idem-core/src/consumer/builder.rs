@@ -1,234 +1,220 @@
-//! Consumer configuration.
+//! Building a [`Consumer`]: the broker side, then the store or the inbox, and every engine
+//! setting, on one builder.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Consumer;
-use crate::extract::{KeyExtractor, MessageId};
-use crate::retention::{RetentionTooShort, RetentionWindow};
-use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, KeyError};
+use super::{BuildError, Consumer, Hook, Opening, Settlement, Source, SourceConfig};
+use crate::DedupStore;
+use crate::engine::{Backend, Settings as EngineSettings, engine_setters};
+use crate::inbox::{Inbox, TxInbox};
 
-/// What to do with a message that carries no key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum MissingKeyPolicy {
-    /// Fail it permanently (dead-letter). The default: a message that cannot be deduplicated is
-    /// an error of the producer.
-    #[default]
-    Reject,
-    /// Run the handler without deduplication and count it in `idem_missing_key_total`.
-    ProcessWithoutDedup,
-}
-
-/// What to do when a claim takes over a lease that ran out (a consumer crashed or stalled
-/// mid-effect, so the effect may or may not have happened).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum ExpiredLeasePolicy {
-    /// Run the handler again with the next attempt number and the same downstream idempotency
-    /// key, so an external callee deduplicates the repeated call. The default.
-    #[default]
-    Rerun,
-    /// Park the key as in doubt, fail the delivery permanently and let an operator decide.
-    Park,
-}
-
-/// Invalid consumer configuration.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// No scope was set.
-    #[error("consumer scope is not set: call `.scope(\"<consumer name>\")`")]
-    MissingScope,
-    /// The scope is not a valid key scope (empty, longer than 512 bytes, or with a NUL byte).
-    /// The message carries the key error's, naming the field and the limit; the key error is
-    /// kept as the field, not as a `source()`, so a report does not print it twice.
-    #[error("invalid consumer scope: {0}")]
-    InvalidScope(KeyError),
-    /// A duration must be positive.
-    #[error("{field} must be longer than zero")]
-    ZeroDuration {
-        /// The setting (`"lease"`, `"retain"`).
-        field: &'static str,
-    },
-    /// Retention shorter than the broker's redelivery window.
-    #[error(transparent)]
-    Retention(#[from] RetentionTooShort),
-}
-
-pub(crate) struct Config {
-    pub(crate) scope: String,
-    pub(crate) lease: Duration,
-    pub(crate) retain: Duration,
-    pub(crate) heartbeat: Option<Duration>,
-    pub(crate) extractor: Box<dyn KeyExtractor>,
-    pub(crate) fingerprint: FingerprintSpec,
-    pub(crate) missing_key: MissingKeyPolicy,
-    pub(crate) expired_lease: ExpiredLeasePolicy,
-    pub(crate) max_key_bytes: usize,
-    pub(crate) max_result_bytes: usize,
-    pub(crate) complete_retry: Duration,
-}
-
-/// Builds a [`Consumer`]. Only the scope is required.
+/// What to do when fetching fails.
 ///
-/// Defaults: lease 30 s, retention 7 days, key from the producer's message id, fingerprint of
-/// the canonical JSON payload (raw bytes if it is not JSON), reject messages without a key, rerun
-/// after an expired lease, keys up to 512 bytes, stored results up to 64 KiB, completions
-/// retried for up to 5 s when the store fails.
-#[must_use]
-pub struct ConsumerBuilder<S> {
-    store: S,
-    scope: Option<String>,
-    lease: Duration,
-    retain: Duration,
-    window: Option<RetentionWindow>,
-    heartbeat: Option<Duration>,
-    extractor: Box<dyn KeyExtractor>,
-    fingerprint: FingerprintSpec,
-    missing_key: MissingKeyPolicy,
-    expired_lease: ExpiredLeasePolicy,
-    max_key_bytes: usize,
-    max_result_bytes: usize,
-    complete_retry: Duration,
+/// Default: retry, waiting `backoff` (1 s) between tries, and stop the run after 10 failures
+/// in a row. A source can also declare an error fatal (its channel is gone), which stops the
+/// run at once.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::consumer::FetchFailures;
+///
+/// let patient = FetchFailures::new(100, Duration::from_millis(500));
+/// assert_eq!(patient.max_in_a_row, 100);
+/// assert_eq!(FetchFailures::stop_at_first().max_in_a_row, 1);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FetchFailures {
+    /// Failed fetches in a row that end the run (at least 1).
+    pub max_in_a_row: u32,
+    /// The wait before the next fetch after a failure.
+    pub backoff: Duration,
 }
 
-impl<S> ConsumerBuilder<S> {
-    pub(crate) fn new(store: S) -> Self {
+impl Default for FetchFailures {
+    fn default() -> Self {
+        Self { max_in_a_row: 10, backoff: Duration::from_secs(1) }
+    }
+}
+
+impl FetchFailures {
+    /// Stop after `max_in_a_row` failures in a row (at least 1), waiting `backoff` between.
+    pub fn new(max_in_a_row: u32, backoff: Duration) -> Self {
+        Self { max_in_a_row: max_in_a_row.max(1), backoff }
+    }
+
+    /// Stop at the first failure.
+    pub fn stop_at_first() -> Self {
+        Self::new(1, Duration::ZERO)
+    }
+}
+
+/// How the consumer fetches and bounds broker calls.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) batch: usize,
+    pub(crate) idle_wait: Duration,
+    pub(crate) fetch_failures: FetchFailures,
+    pub(crate) broker_timeout: Duration,
+    pub(crate) concurrency: usize,
+}
+
+/// Builds a [`Consumer`]: the broker side first ([`Consumer::builder`]), then the backend — a
+/// store (two-phase) or an inbox (transactional) — and the engine's settings, the scope among
+/// them, all on this one builder.
+///
+/// Defaults: batches of up to 64 messages, one batch in flight, wait up to 1 s for a first
+/// message, broker calls bounded at 30 s, [`FetchFailures::default`]; the engine's defaults
+/// are [`EngineBuilder`](crate::engine::EngineBuilder)'s.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::{Consumer, MemoryStore, consumer::MemoryQueue};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let consumer = Consumer::builder(MemoryQueue::new())
+///     .store(MemoryStore::new())          // or .inbox(store.inbox(retain))
+///     .scope("billing")
+///     .lease(Duration::from_secs(60))     // every engine setting is here too
+///     .batch(32)
+///     .build()
+///     .await?;
+/// assert_eq!(consumer.engine().scope(), "billing");
+/// # Ok(()) }
+/// ```
+#[must_use]
+pub struct Builder<C: SourceConfig, B = ()> {
+    config: C,
+    backend: B,
+    engine: EngineSettings,
+    settings: Settings,
+    hook: Option<Hook<<C::Source as Source>::Delivery>>,
+}
+
+impl<C: SourceConfig> Builder<C, ()> {
+    pub(crate) fn new(config: C) -> Self {
         Self {
-            store,
-            scope: None,
-            lease: Duration::from_secs(30),
-            retain: Duration::from_secs(7 * 86_400),
-            window: None,
-            heartbeat: None,
-            extractor: Box::new(MessageId),
-            fingerprint: FingerprintSpec::default(),
-            missing_key: MissingKeyPolicy::default(),
-            expired_lease: ExpiredLeasePolicy::default(),
-            max_key_bytes: DEFAULT_MAX_KEY_BYTES,
-            max_result_bytes: 64 * 1024,
-            complete_retry: Duration::from_secs(5),
+            config,
+            backend: (),
+            engine: EngineSettings::default(),
+            settings: Settings {
+                batch: 64,
+                idle_wait: Duration::from_secs(1),
+                fetch_failures: FetchFailures::default(),
+                broker_timeout: Duration::from_secs(30),
+                concurrency: 1,
+            },
+            hook: None,
         }
     }
 
-    /// The consumer's identity (a consumer group, a handler name). Required.
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = Some(scope.into());
+    fn with<B>(self, backend: B) -> Builder<C, B> {
+        Builder {
+            config: self.config,
+            backend,
+            engine: self.engine,
+            settings: self.settings,
+            hook: self.hook,
+        }
+    }
+
+    /// **Two-phase mode** over `store`: each batch is claimed with one `claim_many`, the
+    /// acquired handlers run under leases (they get a [`Context`](crate::engine::Context)
+    /// with the downstream idempotency key), and their completions are recorded with one
+    /// `complete_many`. For effects outside the database: a payment API, an e-mail.
+    pub fn store<S: DedupStore>(self, store: S) -> Builder<C, S> {
+        self.with(store)
+    }
+
+    /// **Transactional-inbox mode** over `inbox` (`store.inbox(retain)` of a SQL store): each
+    /// batch's markers and the handlers' writes commit in one database transaction, which the
+    /// handler receives ([`Tx`](crate::inbox::Tx)). For effects in that database.
+    pub fn inbox<I: TxInbox>(self, inbox: I) -> Builder<C, Inbox<I>> {
+        self.with(Inbox::new(inbox))
+    }
+}
+
+impl<C: SourceConfig, B> Builder<C, B> {
+    engine_setters!(engine);
+
+    /// The most messages fetched, claimed and committed together (at least 1).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.settings.batch = n.max(1);
         self
     }
 
-    /// How long a claim holds a key before another delivery may take it over. Make it longer
-    /// than the slowest handler, or set a [`heartbeat`](Self::heartbeat).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+    /// How many batches are in flight at once (default 1, at least 1): each is its own
+    /// fetch → decide → settle loop over the same source and engine, so one batch's broker
+    /// round trips and database commit overlap another's. Above 1 the order of messages between
+    /// batches is lost (on Kafka: the order within a partition) — keys still run exactly once;
+    /// in inbox mode each batch holds its own connection (SQLite's single writer serializes
+    /// them).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.settings.concurrency = n.max(1);
         self
     }
 
-    /// How long completed records are kept. Must outlast the broker's redelivery window. (An
-    /// inbox keeps its markers for the retention it was made with; this does not apply.)
-    pub fn retain(mut self, retain: Duration) -> Self {
-        self.retain = retain;
+    /// How long one fetch waits for a first message. Shutdown waits for the fetch in progress,
+    /// so this bounds how long a stop takes when the broker is idle.
+    pub fn idle_wait(mut self, d: Duration) -> Self {
+        self.settings.idle_wait = d;
         self
     }
 
-    /// Checks at build time that the retention (the store's, or the inbox's own) covers this
-    /// redelivery window.
-    pub fn retention_window(mut self, window: RetentionWindow) -> Self {
-        self.window = Some(window);
+    /// What to do when fetching fails.
+    pub fn fetch_failures(mut self, policy: FetchFailures) -> Self {
+        self.settings.fetch_failures = policy;
         self
     }
 
-    /// Extends the lease every `interval` while the handler runs (for long handlers). A handler
-    /// that hangs then holds the key for as long as it hangs.
-    pub fn heartbeat(mut self, interval: Duration) -> Self {
-        self.heartbeat = Some(interval);
+    /// How long any broker call (a fetch beyond its idle wait, the dead-letter copies of a
+    /// batch, the verbs of a batch, the close) may take before the connection is taken for
+    /// lost and the run stops with [`Error::BrokerTimeout`](super::Error::BrokerTimeout)
+    /// (default 30 s; at least 1 ms).
+    pub fn broker_timeout(mut self, d: Duration) -> Self {
+        self.settings.broker_timeout = d.max(Duration::from_millis(1));
         self
     }
 
-    /// Where the key comes from (default: the producer's message id).
-    pub fn key(mut self, extractor: impl KeyExtractor) -> Self {
-        self.extractor = Box::new(extractor);
-        self
-    }
-
-    /// How payloads are fingerprinted.
-    pub fn fingerprint(mut self, spec: FingerprintSpec) -> Self {
-        self.fingerprint = spec;
-        self
-    }
-
-    /// What to do with messages that carry no key.
-    pub fn missing_key(mut self, policy: MissingKeyPolicy) -> Self {
-        self.missing_key = policy;
-        self
-    }
-
-    /// What to do when a claim takes over an expired lease.
-    pub fn on_expired_lease(mut self, policy: ExpiredLeasePolicy) -> Self {
-        self.expired_lease = policy;
-        self
-    }
-
-    /// Longest key id accepted, in bytes.
-    pub fn max_key_bytes(mut self, limit: usize) -> Self {
-        self.max_key_bytes = limit;
-        self
-    }
-
-    /// Largest serialized result stored for duplicates; a larger one is not stored (the
-    /// duplicate then carries no result) and a warning is logged.
-    pub fn max_result_bytes(mut self, limit: usize) -> Self {
-        self.max_result_bytes = limit;
-        self
-    }
-
-    /// How long a completion that failed for a retryable reason (the store restarting, a
-    /// connection cut) is tried again before the delivery is given up as a transient failure.
-    /// The effect has happened by then; a completion given up on leaves the key leased, so the
-    /// redelivered copy waits for the lease to run out and runs the handler again. Default 5 s,
-    /// and never more than half the lease. Zero turns the retries off.
-    pub fn complete_retry(mut self, limit: Duration) -> Self {
-        self.complete_retry = limit;
+    /// Called for every message once its outcome (and any dead-letter copy) is durable, just
+    /// before the broker is told: for logs, metrics, tests.
+    pub fn on_settle(
+        mut self,
+        hook: impl Fn(&Settlement<'_, <C::Source as Source>::Delivery>) + Send + Sync + 'static,
+    ) -> Self {
+        self.hook = Some(Arc::new(hook));
         self
     }
 }
 
-impl<S: super::Backend> ConsumerBuilder<S> {
-    /// Validates the configuration.
+impl<C: SourceConfig, B: Backend> Builder<C, B> {
+    /// Builds the engine, runs the store's checks (its table exists with the columns it needs),
+    /// then opens the source, which checks the broker's redelivery window against the engine's
+    /// retention (and the rest of the broker's configuration).
     ///
     /// # Errors
-    /// [`ConfigError`] naming the bad setting.
-    pub fn build(self) -> Result<Consumer<S>, ConfigError> {
-        let scope = self.scope.ok_or(ConfigError::MissingScope)?;
-        DedupKey::with_limit(scope.clone(), "x", DEFAULT_MAX_KEY_BYTES)
-            .map_err(ConfigError::InvalidScope)?;
-        if self.lease.is_zero() {
-            return Err(ConfigError::ZeroDuration { field: "lease" });
-        }
-        if self.retain.is_zero() {
-            return Err(ConfigError::ZeroDuration { field: "retain" });
-        }
-        let window = self.window;
-        let consumer = Consumer {
-            store: self.store,
-            cfg: Arc::new(Config {
-                scope,
-                lease: self.lease,
-                retain: self.retain,
-                heartbeat: self.heartbeat,
-                extractor: self.extractor,
-                fingerprint: self.fingerprint,
-                missing_key: self.missing_key,
-                expired_lease: self.expired_lease,
-                max_key_bytes: self.max_key_bytes,
-                max_result_bytes: self.max_result_bytes,
-                complete_retry: self.complete_retry.min(self.lease / 2),
-            }),
+    /// [`BuildError::Config`] for a missing or invalid setting (the scope above all);
+    /// [`BuildError::Store`] when the store is not ready (a table not created: the message
+    /// names the `migrate()` to run); [`BuildError::Open`] when the source cannot open or
+    /// refuses the configuration.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is consumed before it returns (a source opened halfway is dropped).
+    pub async fn build(
+        self,
+    ) -> Result<Consumer<C::Source, B>, BuildError<<C::Source as Source>::Error>> {
+        let engine = self.engine.build(self.backend)?;
+        Backend::check(engine.store()).await.map_err(BuildError::Store)?;
+        let opening = Opening {
+            scope: engine.scope(),
+            retention: B::retention(&engine),
+            lease: B::lease(&engine),
+            heartbeat: engine.heartbeat(),
+            batch: self.settings.batch,
+            concurrency: self.settings.concurrency,
         };
-        if let Some(w) = window {
-            w.check(S::retention(&consumer))?;
-        }
-        Ok(consumer)
+        let source = self.config.open(opening).await.map_err(BuildError::Open)?;
+        Ok(Consumer { source, engine, settings: self.settings, hook: self.hook })
     }
 }

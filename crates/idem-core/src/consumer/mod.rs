@@ -1,648 +1,535 @@
-//! The consumer engine: claim, run the handler, record the outcome.
+//! The consumer loop, written once for every broker.
+//!
+//! A broker adapter supplies a [`Source`]: how to fetch a batch, how to copy a message to the
+//! dead-letter destination, how to send the final verbs. The [`Consumer`] owns everything else:
+//!
+//! 1. **fetch** a batch (up to [`Builder::batch`] messages, waiting up to
+//!    [`Builder::idle_wait`] for a first one; failures follow [`FetchFailures`]);
+//! 2. **decide** it with its [`Engine`] over its [`Backend`] — one `claim_many`, the
+//!    handlers, one `complete_many` in two-phase mode; one transaction in inbox mode — while
+//!    the source keeps the batch alive at the broker ([`Source::keep_alive`]);
+//! 3. **dead-letter** the conflicts and permanent failures (and retries past the broker's
+//!    delivery limit), waiting for the broker to confirm each copy; a copy that fails turns
+//!    into a retry, never into an ack;
+//! 4. **settle**: one verb per message, always last, after the effect is durable.
+//!
+//! | outcome | verb ([`Verb`]) |
+//! | --- | --- |
+//! | processed, duplicate | `Ack` |
+//! | in progress elsewhere | `Retry` after the other lease's remaining time |
+//! | transient failure | `Retry` (the claim was released) |
+//! | conflict, permanent failure, missing key | dead-letter copy with [`headers`], then `DeadLetter` (the original is removed) |
+//! | fetched while shutting down | `Release` |
+//!
+//! With [`Builder::concurrency`] above 1, that many of these loops run at once on one source
+//! and one engine, so one batch's broker round trips and commit overlap another's.
+//!
+//! Every broker call is bounded by [`Builder::broker_timeout`]. Shutdown is checked between
+//! batches: the batch in flight is finished and settled, a fetch in progress is awaited (never
+//! dropped) and its messages released, then the source is closed.
 
-mod backend;
 mod builder;
-mod complete;
-mod context;
-mod outcome;
+mod error;
+pub mod headers;
+mod memory;
+mod report;
+mod source;
 
 use std::fmt::Display;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use tracing::Instrument;
+pub use builder::{Builder, FetchFailures};
+pub use error::{BuildError, Error};
+pub use memory::{MemoryDelivery, MemoryQueue};
+pub use report::Report;
+pub use source::{DeadLetter, Opening, Settlement, Source, SourceConfig};
 
-pub use backend::Backend;
-pub use builder::{ConfigError, ConsumerBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
-pub use context::Context;
-pub use outcome::{
-    Cause, Conflict, Disposition, Failure, FailureKind, HandlerError, Outcome, OutcomeKind,
-};
+use crate::engine::{Backend, Cause, Engine, Handler, Outcome, Verb};
+use crate::telemetry::{BATCH_SIZE, DEAD_LETTERS_TOTAL, FETCH_FAILURES_TOTAL, SOURCE_LAG_MESSAGES};
+use builder::Settings;
 
-use crate::extract::{Envelope, ExtractError};
-use crate::telemetry::{
-    self, CLAIM_DURATION_SECONDS, COMPLETE_DURATION_SECONDS, MISSING_KEY_TOTAL, OUTCOMES_TOTAL,
-    TAKEOVERS_TOTAL,
-};
-use crate::{
-    Claim, ClaimRequest, DedupKey, DedupStore, FailKind, KeyError, Lease, RecordState, StoreError,
-};
-use builder::Config;
-use complete::completed;
+type Hook<M> = Arc<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// Makes a handler idempotent over a [`DedupStore`] (two-phase) or a transactional inbox.
+/// A broker consumer made idempotent: a [`Source`] driven through an [`Engine`].
 ///
-/// For each delivery: extract the key, fingerprint the payload, claim `(scope, key)` in the
-/// store, then run the handler only if the claim was acquired, and record its completion before
-/// returning. The returned [`Outcome`] says what to tell the broker
-/// ([`Outcome::disposition`]); ack only after `process` returns.
-///
-/// Over a transactional inbox (`Consumer::builder(store.inbox(retain))`) the engine marks keys
-/// inside one database transaction with the handler's own writes; broker adapters drive it
-/// through [`Consumer::decide_batch`].
+/// Broker adapters name it for their source (`AmqpConsumer<B>`, `JetStreamConsumer<B>`,
+/// `KafkaConsumer<B>`, `StreamConsumer<B>`); `B` is the store (two-phase) or the
+/// [`Inbox`](crate::inbox::Inbox).
 ///
 /// ```
-/// use idem_core::{Consumer, MemoryStore, Outcome, extract::Message, consumer::HandlerError};
+/// use idem_core::{Consumer, MemoryStore, engine::HandlerError, consumer::MemoryQueue};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let consumer = Consumer::builder(MemoryStore::new()).scope("billing").build()?;
-/// let msg = Message::new(br#"{"order":"o-1","cents":1200}"#.to_vec()).with_message_id("o-1");
+/// let queue = MemoryQueue::new();
+/// queue.push("o-1", r#"{"cents":1200}"#);
+/// queue.push("o-1", r#"{"cents":1200}"#); // the producer retried
+/// let consumer = Consumer::builder(queue.clone()).store(MemoryStore::new()).scope("billing").build().await?;
 ///
-/// let charge = |ctx: idem_core::consumer::Context| async move {
-///     // Pass ctx.downstream_key() to the payment API as its idempotency key.
-///     Ok::<_, HandlerError<std::io::Error>>(format!("charged at attempt {}", ctx.attempt()))
-/// };
-/// assert!(matches!(consumer.process(&msg, charge).await, Outcome::Processed(_)));
-/// // The redelivery is a duplicate and gets the stored result back.
-/// match consumer.process(&msg, charge).await {
-///     Outcome::Duplicate(Some(r)) => assert_eq!(r, "charged at attempt 1"),
-///     other => panic!("{other:?}"),
-/// }
+/// let report = consumer
+///     .run(|ctx, msg| async move {
+///         // charge the customer, passing ctx.downstream_key() as the payment's idempotency key
+///         Ok::<_, HandlerError<String>>(msg.payload().len())
+///     }, queue.drained())
+///     .await?;
+/// assert_eq!((report.processed, report.duplicates, report.acked), (1, 1, 2));
 /// # Ok(()) }
 /// ```
-pub struct Consumer<B> {
-    store: B,
-    cfg: Arc<Config>,
+pub struct Consumer<S: Source, B> {
+    source: S,
+    engine: Engine<B>,
+    settings: Settings,
+    hook: Option<Hook<S::Delivery>>,
 }
 
-impl<B: Clone> Clone for Consumer<B> {
-    fn clone(&self) -> Self {
-        Self { store: self.store.clone(), cfg: Arc::clone(&self.cfg) }
-    }
-}
-
-impl<B> std::fmt::Debug for Consumer<B> {
+impl<S: Source, B> std::fmt::Debug for Consumer<S, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
-            .field("scope", &self.cfg.scope)
-            .field("lease", &self.cfg.lease)
-            .field("retain", &self.cfg.retain)
+            .field("engine", &self.engine)
+            .field("batch", &self.settings.batch)
             .finish_non_exhaustive()
     }
 }
 
-/// A delivery made ready for its claim: the request, or an outcome decided without the store.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Prepared<T, E> {
-    /// Claim (or mark) this key with this fingerprint.
-    Claim(ClaimRequest),
-    /// The message has no key and the policy processes such messages without dedup.
-    Unkeyed,
-    /// Decided already: no usable key, or a payload the fingerprint cannot read.
-    Done(Outcome<T, E>),
+impl<S: Source> Consumer<S, ()> {
+    /// Starts a builder over a broker source's settings.
+    pub fn builder<C: SourceConfig<Source = S>>(config: C) -> Builder<C> {
+        Builder::new(config)
+    }
 }
 
-/// What became of an acquired claim's handler: its outcome, or a completion still to record.
-enum Ran<T, E> {
-    Done(Outcome<T, E>),
-    Complete { lease: Lease, value: T, stored: Option<Vec<u8>> },
+impl<S: Source, B> Consumer<S, B> {
+    /// The broker source (for its broker-specific accessors).
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// The dedup engine.
+    pub fn engine(&self) -> &Engine<B> {
+        &self.engine
+    }
 }
 
-/// One delivery being decided: its span (closed with the outcome) and what it knows so far.
-struct Decision<T, E> {
-    span: tracing::Span,
-    attempt: u32,
-    ran: Ran<T, E>,
-}
-
-impl<B> Consumer<B> {
-    /// Starts a builder over `store`: a [`DedupStore`] (two-phase) or a transactional inbox.
-    pub fn builder(store: B) -> ConsumerBuilder<B> {
-        ConsumerBuilder::new(store)
-    }
-
-    /// The store (or inbox).
-    pub fn store(&self) -> &B {
-        &self.store
-    }
-
-    /// The consumer's scope.
-    pub fn scope(&self) -> &str {
-        &self.cfg.scope
-    }
-
-    /// How long a claim holds a key.
-    pub fn lease(&self) -> Duration {
-        self.cfg.lease
-    }
-
-    /// How long completed records are kept (adapters check it against their broker's
-    /// redelivery window at startup). An inbox keeps its markers for its own retention.
-    pub fn retain(&self) -> Duration {
-        self.cfg.retain
-    }
-
-    /// The lease heartbeat interval, if one is set. Broker adapters extend the broker's own ack
-    /// deadline on the same beat.
-    pub fn heartbeat(&self) -> Option<Duration> {
-        self.cfg.heartbeat
-    }
-
-    /// The fingerprint this consumer would record for `msg`.
+impl<S: Source, B: Backend> Consumer<S, B> {
+    /// Fetches, decides and settles batches until `shutdown` completes, then closes the source.
+    /// In two-phase mode the handler gets a [`Context`](crate::consumer::Context); in inbox
+    /// mode, the batch's transaction. It gets its own copy of the message, so its future may
+    /// own what it reads.
     ///
     /// # Errors
-    /// The parse error when the fingerprint spec needs JSON and the payload is not JSON.
-    pub fn fingerprint_of<M: Envelope>(
-        &self,
-        msg: &M,
-    ) -> Result<Option<crate::Fingerprint>, serde_json::Error> {
-        self.cfg.fingerprint.fingerprint(msg.payload())
-    }
-
-    /// The key this consumer would use for `msg`.
+    /// [`Error::Fetch`] when the fetch-failure policy gives up, [`Error::Settle`] when the
+    /// broker can no longer be told, [`Error::BrokerTimeout`] when a broker call hangs. The
+    /// source is closed in every case; unacknowledged messages are redelivered.
     ///
-    /// # Errors
-    /// [`KeyFailure`]: what would fail the delivery (missing or invalid key).
-    pub fn key_of<M: Envelope>(&self, msg: &M) -> Result<DedupKey, KeyFailure> {
-        let id = self.cfg.extractor.extract(msg as &dyn Envelope).map_err(|e| {
-            if e.is_missing() { KeyFailure::Missing(e) } else { KeyFailure::Extract(e) }
-        })?;
-        DedupKey::with_limit(self.cfg.scope.clone(), id, self.cfg.max_key_bytes)
-            .map_err(KeyFailure::Invalid)
-    }
-
-    /// The key and fingerprint of `msg` as a claim request, or the outcome that needs no store
-    /// (a missing key under [`MissingKeyPolicy::Reject`], an invalid key, a payload that is not
-    /// JSON when the fingerprint needs JSON). For backends and adapters; [`Consumer::process`]
-    /// calls it itself.
-    pub fn prepare<M: Envelope, T, E>(&self, msg: &M) -> Prepared<T, E> {
-        let key = match self.key_of(msg) {
-            Ok(k) => k,
-            Err(KeyFailure::Missing(_))
-                if self.cfg.missing_key == MissingKeyPolicy::ProcessWithoutDedup =>
-            {
-                return Prepared::Unkeyed;
-            }
-            Err(e) => return Prepared::Done(Outcome::failed(FailureKind::Permanent, e.into())),
-        };
-        match self.cfg.fingerprint.fingerprint(msg.payload()) {
-            Ok(fp) => Prepared::Claim(ClaimRequest::new(key, fp, self.cfg.lease, self.cfg.retain)),
-            Err(e) => Prepared::Done(Outcome::failed(FailureKind::Permanent, Cause::Payload(e))),
-        }
-    }
-
-    /// The handler result as it is stored for duplicates: its JSON, or `None` (with a warning)
-    /// when it does not serialize or is larger than the consumer's `max_result_bytes`, the one
-    /// result limit of both modes.
-    pub fn encode_result<T: Serialize>(&self, key: &DedupKey, value: &T) -> Option<Vec<u8>> {
-        match serde_json::to_vec(value) {
-            Ok(b) if b.len() <= self.cfg.max_result_bytes => Some(b),
-            Ok(b) => {
-                tracing::warn!(target: "idem", %key, len = b.len(),
-                    limit = self.cfg.max_result_bytes,
-                    "handler result larger than max_result_bytes; duplicates will carry no result");
-                None
-            }
-            Err(e) => {
-                tracing::warn!(target: "idem", %key, error = %e,
-                    "handler result does not serialize; duplicates will carry no result");
-                None
-            }
-        }
-    }
-
-    /// Records how long a claim (or a batch of marks) took, in `idem_claim_duration_seconds`.
-    pub fn observe_claim(&self, started: Instant) {
-        telemetry::observe_duration(CLAIM_DURATION_SECONDS, &self.cfg.scope, started);
-    }
-
-    /// Records how long a completion (or an inbox batch's commit) took, in
-    /// `idem_complete_duration_seconds`.
-    pub fn observe_complete(&self, started: Instant) {
-        telemetry::observe_duration(COMPLETE_DURATION_SECONDS, &self.cfg.scope, started);
-    }
-
-    /// Counts a failed store call in `idem_store_errors_total{scope, op, retryable}`; `op`
-    /// names the call (`claim`, `complete_many`, `commit`, …). For backends; the engine's own
-    /// calls are counted already.
-    pub fn observe_store_error(&self, op: &'static str, e: &StoreError) {
-        telemetry::store_error(&self.cfg.scope, op, e);
-    }
-
-    /// Emits a finished delivery's `tracing` event and its `idem_outcomes_total` count: what
-    /// every path of the engine does once an outcome is decided (backends call it too).
-    pub fn observe<T, E: Display>(
+    /// # Cancel safety
+    /// Not cancel safe; stop it with `shutdown` instead. Dropped midway, nothing is lost (no
+    /// message is acknowledged before its outcome is durable, so the broker redelivers the
+    /// rest), but the source is not closed and in-progress claims wait for their leases.
+    pub async fn run<H>(
         &self,
-        key: Option<&DedupKey>,
-        correlation: Option<&str>,
-        outcome: &Outcome<T, E>,
-        attempt: u32,
-    ) {
-        let label = outcome.kind().as_str();
-        metrics::counter!(OUTCOMES_TOTAL, "scope" => self.cfg.scope.clone(), "outcome" => label)
-            .increment(1);
-        let scope = self.cfg.scope.as_str();
-        let key = key.map_or("", DedupKey::id);
-        let correlation_id = correlation.unwrap_or("");
-        match outcome {
-            Outcome::Conflict(c) => tracing::warn!(target: "idem", scope, key, correlation_id,
-                outcome = label, attempt, detail = %c, "delivery finished"),
-            Outcome::Failed(f) => tracing::warn!(target: "idem", scope, key, correlation_id,
-                outcome = label, attempt, detail = %f.cause, "delivery finished"),
-            _ => tracing::debug!(target: "idem", scope, key, correlation_id, outcome = label,
-                attempt, "delivery finished"),
-        }
-    }
-
-    /// Runs a handler for a message without a key (the missing-key policy processes such
-    /// messages without dedup) and counts it in `idem_missing_key_total`.
-    pub async fn run_unkeyed<C, T, E, F, Fut>(
-        &self,
-        ctx: C,
-        handler: F,
-        correlation: Option<&str>,
-    ) -> Outcome<T, E>
+        handler: H,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<Report, Error<S::Error>>
     where
-        E: Display,
-        F: FnOnce(C) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
+        H: Handler<B::Ctx, S::Delivery>,
     {
-        metrics::counter!(MISSING_KEY_TOTAL, "scope" => self.cfg.scope.clone()).increment(1);
-        let outcome = match handler(ctx).await {
-            Ok(v) => Outcome::Processed(v),
-            Err(e) => Outcome::from_handler_error(e),
-        };
-        self.observe(None, correlation, &outcome, 1);
-        outcome
-    }
-}
-
-impl<B: Backend> Consumer<B> {
-    /// Decides a batch of owned messages with whatever this consumer's store is: claims, runs
-    /// and records in two-phase mode, one transaction in inbox mode. What broker adapters call;
-    /// outcomes are in message order, and every effect they acknowledge is durable.
-    pub async fn decide_batch<M, H, Fut, T, E>(
-        &self,
-        batch: &[M],
-        handler: &H,
-    ) -> Vec<Outcome<T, E>>
-    where
-        M: Envelope + Clone + Send + Sync + 'static,
-        H: Fn(B::Ctx, M) -> Fut + Sync,
-        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
-        T: Serialize + DeserializeOwned + Send,
-        E: Display + Send,
-    {
-        // Boxed as `dyn Future + Send`: the Send proof is made here, with the lifetimes known.
-        // Left to the caller, rustc must prove it for every lifetime of the backend's future
-        // and fails ("implementation of `Send` is not general enough") for a spawned run.
-        let fut: BoxFuture<'_, Vec<Outcome<T, E>>> = Box::pin(B::decide(self, batch, handler));
-        fut.await
-    }
-}
-
-impl<S: DedupStore> Consumer<S> {
-    /// Processes one delivery. Every call ends in exactly one [`Outcome`]; store failures are
-    /// [`Outcome::Failed`] with [`Cause::Store`], never a panic or a silent ack.
-    ///
-    /// The handler runs at most once per call, and only while this call holds the key's lease.
-    pub async fn process<M, T, E, F, Fut>(&self, msg: &M, handler: F) -> Outcome<T, E>
-    where
-        M: Envelope,
-        T: Serialize + DeserializeOwned,
-        E: Display,
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
-    {
-        let correlation = msg.correlation_id();
-        let req = match self.prepare(msg) {
-            Prepared::Claim(req) => req,
-            Prepared::Unkeyed => {
-                return self.run_unkeyed(Context::unkeyed(), handler, correlation).await;
-            }
-            Prepared::Done(outcome) => {
-                self.observe(None, correlation, &outcome, 0);
-                return outcome;
-            }
-        };
-        let started = Instant::now();
-        let claim = self.store.claim(&req).await;
-        self.observe_claim(started);
-        if let Err(e) = &claim {
-            self.observe_store_error("claim", e);
-        }
-        let Decision { span, attempt, ran } = self.decide(claim, &req, handler, correlation).await;
-        let outcome = match ran {
-            Ran::Done(o) => o,
-            Ran::Complete { lease, value, stored } => {
-                let done = self.complete_retrying(lease, stored.as_deref()).await;
-                completed(value, done)
-            }
-        };
-        self.finish(span, attempt, outcome, &req.key, correlation)
-    }
-
-    /// Processes deliveries fetched together: one `claim_many` round trip for the batch, the
-    /// acquired handlers concurrently, then one `complete_many` for their completions (one
-    /// commit on the SQL stores: group commit). A key repeated inside the batch runs once; its
-    /// later copies become duplicates once the first completes. Outcomes are in message order.
-    pub async fn process_batch<'m, M, T, E, F, Fut>(
-        &self,
-        msgs: &'m [M],
-        handler: F,
-    ) -> Vec<Outcome<T, E>>
-    where
-        M: Envelope,
-        T: Serialize + DeserializeOwned,
-        E: Display,
-        F: Fn(Context, &'m M) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
-    {
-        let mut outcomes: Vec<Option<Outcome<T, E>>> = msgs.iter().map(|_| None).collect();
-        let mut pending: Vec<(usize, ClaimRequest)> = Vec::new();
-        let mut unkeyed = Vec::new();
-        for (i, m) in msgs.iter().enumerate() {
-            match self.prepare(m) {
-                Prepared::Claim(req) => pending.push((i, req)),
-                Prepared::Unkeyed => unkeyed.push(i),
-                Prepared::Done(o) => {
-                    self.observe(None, m.correlation_id(), &o, 0);
-                    outcomes[i] = Some(o);
-                }
-            }
-        }
-        let handler = &handler;
-        let unkeyed_runs = unkeyed.iter().map(|&i| {
-            let m = &msgs[i];
+        // Every lane watches the same shutdown; a lane that fails stops the others.
+        let shutdown: BoxFuture<'_, ()> = Box::pin(shutdown);
+        let shutdown = futures_util::FutureExt::shared(shutdown);
+        let failed = AtomicBool::new(false);
+        let lanes = (0..self.settings.concurrency).map(|_| {
+            let (shutdown, failed) = (shutdown.clone(), &failed);
+            let handler = &handler;
             async move {
-                let o =
-                    self.run_unkeyed(Context::unkeyed(), |ctx| handler(ctx, m), m.correlation_id());
-                (i, o.await)
+                let mut report = Report::default();
+                let ended = self.drive(handler, shutdown, failed, &mut report).await;
+                if ended.is_err() {
+                    failed.store(true, Ordering::SeqCst);
+                }
+                (ended, report)
             }
         });
-        for (i, o) in futures_util::future::join_all(unkeyed_runs).await {
-            outcomes[i] = Some(o);
+        let mut report = Report::default();
+        let mut ended = Ok(());
+        for (e, r) in futures_util::future::join_all(lanes).await {
+            report += r;
+            if ended.is_ok() {
+                ended = e;
+            }
         }
+        match self.close().await {
+            Ok(n) => report.released += n,
+            Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
+        }
+        ended.map(|()| report)
+    }
 
-        while !pending.is_empty() {
-            let claims = self.claim_all(&pending).await;
-            let mut acquired_here = std::collections::HashSet::new();
-            let mut deferred = Vec::new();
-            let mut runs = Vec::new();
-            for ((i, req), claim) in pending.drain(..).zip(claims) {
-                let hash = req.key.hash();
-                match claim {
-                    Ok(Claim::Acquired(_)) => {
-                        acquired_here.insert(hash);
+    /// Closes the source: gives back what the broker delivered but was never fetched, makes
+    /// final commits, closes channels; returns how many messages it gave back. [`run`](Self::run)
+    /// does it when it ends; call it after driving [`poll`](Self::poll) or the steps yourself.
+    /// The source cannot be used afterwards.
+    ///
+    /// # Errors
+    /// The source's error ([`Error::Settle`]), or [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, some messages may not be given back (the broker
+    /// redelivers them once the connection closes).
+    pub async fn close(&self) -> Result<u64, Error<S::Error>> {
+        self.bounded("closing the source", self.source.close()).await?.map_err(Error::Settle)
+    }
+
+    /// One round without closing anything: fetch a batch (waiting up to the idle wait), decide
+    /// it, settle it. For tests, and for callers that drive their own loop.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run), except that a failed fetch is returned at once.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`run`](Self::run): nothing is lost, but a fetched batch dropped
+    /// before it is settled waits for the broker's redelivery.
+    pub async fn poll<H>(&self, handler: H) -> Result<Report, Error<S::Error>>
+    where
+        H: Handler<B::Ctx, S::Delivery>,
+    {
+        let batch = self.fetch().await?;
+        let decided = self.decide_ref(batch, &handler).await?;
+        self.settle(decided).await
+    }
+
+    /// One lane: fetch, decide, settle, until shutdown (or another lane failed).
+    async fn drive<H>(
+        &self,
+        handler: &H,
+        mut shutdown: futures_util::future::Shared<BoxFuture<'_, ()>>,
+        failed: &AtomicBool,
+        report: &mut Report,
+    ) -> Result<(), Error<S::Error>>
+    where
+        H: Handler<B::Ctx, S::Delivery>,
+    {
+        let mut failures = 0u32;
+        loop {
+            if failed.load(Ordering::SeqCst) || is_ready(Pin::new(&mut shutdown)).await {
+                return Ok(());
+            }
+            // A fetch in progress is never dropped (sources need not be cancel safe): on
+            // shutdown it is awaited, and what it brought is released.
+            let mut stopping = false;
+            let fetched = {
+                let mut fetch = std::pin::pin!(self.fetch_bounded());
+                loop {
+                    tokio::select! {
+                        biased;
+                        b = &mut fetch => break b,
+                        () = &mut shutdown, if !stopping => stopping = true,
                     }
-                    Ok(Claim::InProgress { .. }) if acquired_here.contains(&hash) => {
-                        // The same key earlier in this batch holds the lease: decide this copy
-                        // after that one's completion is recorded.
-                        deferred.push((i, req));
-                        continue;
-                    }
-                    _ => {}
                 }
-                let m = &msgs[i];
-                runs.push(async move {
-                    let d =
-                        self.decide(claim, &req, |ctx| handler(ctx, m), m.correlation_id()).await;
-                    (i, req, d)
+            };
+            let batch = match fetched {
+                Ok(batch) => batch,
+                Err(Err(e)) => return Err(e),
+                Err(Ok(_)) if stopping => return Ok(()),
+                Err(Ok(e)) => {
+                    failures += 1;
+                    let policy = self.settings.fetch_failures;
+                    if self.source.is_fatal(&e) || failures >= policy.max_in_a_row {
+                        return Err(Error::Fetch { attempts: failures, source: e });
+                    }
+                    report.fetch_failures += 1;
+                    metrics::counter!(FETCH_FAILURES_TOTAL, "scope" => self.engine.scope().to_owned())
+                        .increment(1);
+                    tracing::warn!(target: "idem", error = %e, failures, "fetch failed; retrying");
+                    tokio::select! {
+                        () = &mut shutdown => return Ok(()),
+                        () = tokio::time::sleep(policy.backoff) => continue,
+                    }
+                }
+            };
+            failures = 0;
+            if stopping {
+                *report += self.release(batch).await?;
+                return Ok(());
+            }
+            if !batch.is_empty() {
+                let decided = self.decide_ref(batch, handler).await?;
+                *report += self.settle(decided).await?;
+            }
+        }
+    }
+
+    /// A fetch bounded by the idle wait plus the broker timeout. `Err(Ok(e))` is the source's
+    /// error (retryable by policy); `Err(Err(e))` ends the run.
+    async fn fetch_bounded(&self) -> Result<Vec<S::Delivery>, Result<S::Error, Error<S::Error>>> {
+        let s = &self.settings;
+        let limit = s.idle_wait + s.broker_timeout;
+        match tokio::time::timeout(limit, self.source.fetch(s.batch, s.idle_wait)).await {
+            Ok(Ok(batch)) => {
+                if let Some(lag) = self.source.lag(&batch) {
+                    // Precision is lost only past 2^53 messages.
+                    #[allow(clippy::cast_precision_loss)]
+                    metrics::gauge!(SOURCE_LAG_MESSAGES, "scope" => self.engine.scope().to_owned())
+                        .set(lag as f64);
+                }
+                Ok(batch)
+            }
+            Ok(Err(e)) => Err(Ok(e)),
+            Err(_) => Err(Err(Error::BrokerTimeout { what: "a fetch", timeout: limit })),
+        }
+    }
+
+    /// Fetches one batch (waiting up to the idle wait). With [`decide`](Self::decide) and
+    /// [`settle`](Self::settle), the steps of [`poll`](Self::poll), for callers that interpose
+    /// between them (tests that crash between commit and ack).
+    ///
+    /// # Errors
+    /// [`Error::Fetch`] with the source's error, [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Only as cancel safe as the source's fetch; the broker redelivers what a dropped fetch
+    /// had taken.
+    pub async fn fetch(&self) -> Result<Vec<S::Delivery>, Error<S::Error>> {
+        self.fetch_bounded().await.map_err(|e| match e {
+            Ok(source) => Error::Fetch { attempts: 1, source },
+            Err(e) => e,
+        })
+    }
+
+    /// Decides a batch and makes every outcome durable — effects committed, dead-letter copies
+    /// confirmed — then calls the [`on_settle`](Builder::on_settle) hook; nothing is
+    /// acknowledged yet: pass the result to [`settle`](Self::settle).
+    ///
+    /// # Errors
+    /// [`Error::BrokerTimeout`] when the dead-letter copies hang.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, claims stay in progress until their leases run out
+    /// (two-phase) or the transaction is rolled back (inbox). Nothing is acknowledged, so the
+    /// broker redelivers the batch.
+    pub async fn decide<H>(
+        &self,
+        batch: Vec<S::Delivery>,
+        handler: H,
+    ) -> Result<Decided<S::Delivery>, Error<S::Error>>
+    where
+        H: Handler<B::Ctx, S::Delivery>,
+    {
+        self.decide_ref(batch, &handler).await
+    }
+
+    async fn decide_ref<H>(
+        &self,
+        batch: Vec<S::Delivery>,
+        handler: &H,
+    ) -> Result<Decided<S::Delivery>, Error<S::Error>>
+    where
+        H: Handler<B::Ctx, S::Delivery>,
+    {
+        let mut report = Report { batches: 1, fetched: batch.len() as u64, ..Report::default() };
+        // Empty fetches (an idle `poll`) say nothing about batch sizes.
+        if !batch.is_empty() {
+            #[allow(clippy::cast_precision_loss)] // a batch is far below 2^53 messages
+            metrics::histogram!(BATCH_SIZE, "scope" => self.engine.scope().to_owned())
+                .record(batch.len() as f64);
+        }
+        let outcomes = {
+            let decide = std::pin::pin!(self.engine.decide_batch(&batch, handler));
+            let beat = std::pin::pin!(self.source.keep_alive(&batch));
+            match futures_util::future::select(decide, beat).await {
+                futures_util::future::Either::Left((outcomes, _)) => outcomes,
+                // A keep-alive that ends has nothing more to say; the handlers go on.
+                futures_util::future::Either::Right(((), decide)) => decide.await,
+            }
+        };
+        self.note_store_failures(&outcomes, &mut report);
+        let mut actions = Vec::with_capacity(batch.len());
+        let mut dead = Vec::new();
+        for (i, (m, o)) in batch.iter().zip(&outcomes).enumerate() {
+            report.count_outcome(o.kind());
+            let action = match o.verb() {
+                Verb::Ack | Verb::Release => Verb::Ack,
+                Verb::DeadLetter { reason } => {
+                    dead.push((i, self.dead_letter_of(o, reason)));
+                    Verb::Release
+                }
+                Verb::Retry { after } => match self.source.give_up(m) {
+                    Some(why) => {
+                        let reason = format!("{why}; last outcome {}: {}", o.kind(), describe(o));
+                        dead.push((i, self.dead_letter_of(o, reason)));
+                        Verb::Release
+                    }
+                    None => Verb::Retry { after },
+                },
+            };
+            actions.push(action);
+        }
+        if !dead.is_empty() {
+            let items: Vec<(&S::Delivery, _)> =
+                dead.iter().map(|(i, dl)| (&batch[*i], dl.clone())).collect();
+            let copied =
+                self.bounded("the dead-letter copies", self.source.dead_letter(&items)).await?;
+            let mut copied = copied.into_iter();
+            for (i, dl) in dead {
+                actions[i] = match copied.next() {
+                    Some(Ok(())) => {
+                        metrics::counter!(DEAD_LETTERS_TOTAL, "scope" => dl.scope.clone(),
+                            "outcome" => dl.outcome.as_str())
+                        .increment(1);
+                        Verb::DeadLetter { reason: dl.reason }
+                    }
+                    failed => {
+                        report.dead_letter_failures += 1;
+                        let error = failed.and_then(Result::err).map(|e| e.to_string());
+                        // Never remove what is not safely elsewhere: let it come back instead.
+                        tracing::error!(target: "idem", error = error.as_deref().unwrap_or("no answer"),
+                            reason = %dl.reason, "dead-letter copy failed; retrying the message instead");
+                        Verb::Retry { after: None }
+                    }
+                };
+            }
+        }
+        if let Some(hook) = &self.hook {
+            for ((m, o), action) in batch.iter().zip(&outcomes).zip(&actions) {
+                let key = self.engine.key_of(m).ok();
+                hook(&Settlement {
+                    message: m,
+                    key: key.as_ref(),
+                    outcome: o.kind(),
+                    verb: action,
                 });
             }
-            let decided = futures_util::future::join_all(runs).await;
-            for (i, _, o) in self.complete_all(decided, msgs).await {
-                outcomes[i] = Some(o);
-            }
-            pending = deferred;
         }
-        // Every index was decided above: prepared, run, or deferred until nothing is deferred.
-        outcomes
-            .into_iter()
-            .map(|o| o.expect("every message of the batch has an outcome"))
-            .collect()
+        for a in &actions {
+            report.count_verb(a);
+        }
+        Ok(Decided { items: batch.into_iter().zip(actions).collect(), report })
     }
 
-    /// The claims of a batch: one `claim_many`, or one claim each when the batch call fails
-    /// (each message then gets its own answer, or its own error).
-    async fn claim_all(&self, pending: &[(usize, ClaimRequest)]) -> Vec<Result<Claim, StoreError>> {
-        let reqs: Vec<ClaimRequest> = pending.iter().map(|(_, r)| r.clone()).collect();
-        let started = Instant::now();
-        let batch = self.store.claim_many(&reqs).await;
-        self.observe_claim(started);
-        match batch {
-            Ok(c) if c.len() == reqs.len() => return c.into_iter().map(Ok).collect(),
-            Ok(c) => {
-                tracing::error!(target: "idem", asked = reqs.len(), got = c.len(),
-                    "store answered a batch with the wrong number of claims; claiming one by one");
-            }
-            Err(e) => {
-                self.observe_store_error("claim_many", &e);
-                tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
-            }
-        }
-        let claims = futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await;
-        for e in claims.iter().filter_map(|c| c.as_ref().err()) {
-            self.observe_store_error("claim", e);
-        }
-        claims
-    }
-
-    /// Turns a claim into a decision: the outcome of a claim that was not acquired, or the
-    /// handler's run under an acquired lease (its completion still to record).
-    async fn decide<T, E, F, Fut>(
-        &self,
-        claim: Result<Claim, StoreError>,
-        req: &ClaimRequest,
-        handler: F,
-        correlation: Option<&str>,
-    ) -> Decision<T, E>
-    where
-        T: Serialize + DeserializeOwned,
-        E: Display,
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
-    {
-        let key = &req.key;
-        let span = tracing::info_span!(
-            target: "idem",
-            "idem.delivery",
-            scope = %key.scope(),
-            key = %key.id(),
-            correlation_id = correlation.unwrap_or(""),
-            attempt = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
-        let (ran, attempt) = async {
-            let done = |o| Ran::Done(o);
-            match claim {
-                Err(e) => (done(Outcome::failed(FailureKind::Transient, Cause::Store(e))), 0),
-                Ok(Claim::Completed(rec)) if rec.state == RecordState::InDoubt => (
-                    done(Outcome::failed(
-                        FailureKind::Permanent,
-                        Cause::InDoubt { attempt: rec.attempt },
-                    )),
-                    rec.attempt,
-                ),
-                Ok(Claim::Completed(rec)) => {
-                    let decoded = rec.result.as_deref().map(serde_json::from_slice).transpose();
-                    let o = match decoded {
-                        Ok(r) => Outcome::Duplicate(r),
-                        Err(e) => Outcome::failed(FailureKind::Permanent, Cause::Decode(e)),
-                    };
-                    (done(o), rec.attempt)
-                }
-                Ok(Claim::Conflict(rec)) => (
-                    done(Outcome::Conflict(Box::new(Conflict {
-                        key: key.clone(),
-                        stored: rec.fingerprint,
-                        incoming: req.fingerprint,
-                        stored_state: rec.state,
-                    }))),
-                    rec.attempt,
-                ),
-                Ok(Claim::InProgress { retry_after, attempt }) => {
-                    (done(Outcome::InProgressElsewhere { retry_after }), attempt)
-                }
-                Ok(Claim::Acquired(lease)) => {
-                    let attempt = lease.attempt();
-                    (self.run(lease, handler).await, attempt)
-                }
-            }
-        }
-        .instrument(span.clone())
-        .await;
-        Decision { span, attempt, ran }
-    }
-
-    /// Closes a decided delivery: its span's fields, its event and metrics.
-    fn finish<T, E: Display>(
-        &self,
-        span: tracing::Span,
-        attempt: u32,
-        outcome: Outcome<T, E>,
-        key: &DedupKey,
-        correlation: Option<&str>,
-    ) -> Outcome<T, E> {
-        span.record("attempt", attempt);
-        span.record("outcome", outcome.kind().as_str());
-        self.observe(Some(key), correlation, &outcome, attempt);
-        outcome
-    }
-
-    async fn run<T, E, F, Fut>(&self, mut lease: Lease, handler: F) -> Ran<T, E>
-    where
-        T: Serialize + DeserializeOwned,
-        E: Display,
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Result<T, HandlerError<E>>>,
-    {
-        let cfg = &self.cfg;
-        let attempt = lease.attempt();
-        let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
-        if lease.took_over_expired() {
-            let policy = if park { "park" } else { "run" };
-            metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
-                .increment(1);
-        }
-        if lease.took_over_expired() && park {
-            let reason = Cause::<String>::InDoubt { attempt }.to_string();
-            if let Err(e) = self.store.fail(lease, FailKind::InDoubt, &reason, cfg.retain).await {
-                self.observe_store_error("fail", &e);
-                return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
-            }
-            return Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt }));
-        }
-        let ctx = Context {
-            downstream_key: Some(lease.key().downstream_key()),
-            key: Some(lease.key().clone()),
-            attempt,
-            token: lease.token(),
-            took_over: lease.took_over_expired(),
-        };
-        let result = self.drive(&mut lease, handler(ctx)).await;
-        match result {
-            Ok(value) => {
-                let stored = self.encode_result(lease.key(), &value);
-                Ran::Complete { lease, value, stored }
-            }
-            Err(HandlerError::Transient(e)) => {
-                let key = lease.key().to_string();
-                if let Err(re) = self.store.release(lease).await {
-                    self.observe_store_error("release", &re);
-                    tracing::warn!(target: "idem", %key, error = %re,
-                        "could not release the claim after a transient failure; it frees itself when the lease ends");
-                }
-                Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Handler(e)))
-            }
-            Err(HandlerError::Permanent(e)) => {
-                let key = lease.key().to_string();
-                let mut reason = e.to_string();
-                truncate_utf8(&mut reason, 4096);
-                if let Err(fe) =
-                    self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain).await
-                {
-                    self.observe_store_error("fail", &fe);
-                    tracing::warn!(target: "idem", %key, error = %fe,
-                        "could not record the permanent failure; the key frees itself when the lease ends");
-                }
-                Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::Handler(e)))
-            }
-        }
-    }
-
-    /// Runs the handler, extending the lease on every heartbeat tick when one is configured.
+    /// Sends a decided batch's verbs to the broker (the ack is always this last step).
     ///
-    /// The heartbeat runs beside the handler, never instead of it: awaiting `extend` while the
-    /// handler is not polled would deadlock a handler that holds what `extend` needs (the one
-    /// connection of a SQLite pool, say) until the pool's acquire timeout.
-    async fn drive<Fut: Future>(&self, lease: &mut Lease, fut: Fut) -> Fut::Output {
-        let Some(every) = self.cfg.heartbeat else { return fut.await };
-        let beat = async {
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            loop {
-                tick.tick().await;
-                if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
-                    self.observe_store_error("extend", &e);
-                    tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
-                }
-            }
-        };
-        tokio::select! {
-            biased;
-            out = fut => out,
-            _ = beat => unreachable!("the heartbeat loop never ends"),
+    /// # Errors
+    /// [`Error::Settle`] when the source can no longer settle, [`Error::BrokerTimeout`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, some verbs may not be sent; those messages come back
+    /// and are found done.
+    pub async fn settle(&self, decided: Decided<S::Delivery>) -> Result<Report, Error<S::Error>> {
+        let Decided { items, mut report } = decided;
+        report.settle_failures += self.send_verbs(items).await?;
+        Ok(report)
+    }
+
+    /// Gives a batch back untouched (fetched while shutting down).
+    async fn release(&self, batch: Vec<S::Delivery>) -> Result<Report, Error<S::Error>> {
+        let mut report = Report { fetched: batch.len() as u64, ..Report::default() };
+        report.released = batch.len() as u64;
+        let items = batch.into_iter().map(|m| (m, Verb::Release)).collect();
+        report.settle_failures += self.send_verbs(items).await?;
+        Ok(report)
+    }
+
+    async fn send_verbs(&self, items: Vec<(S::Delivery, Verb)>) -> Result<u64, Error<S::Error>> {
+        if items.is_empty() {
+            return Ok(0);
         }
+        self.bounded("the batch's verbs", self.source.settle(items)).await?.map_err(Error::Settle)
+    }
+
+    /// Keeps the batch's first store failure in its report, and logs a warning when every
+    /// message of the batch failed on the store: a store that cannot work (a table dropped, a
+    /// schema never migrated) fails everything, and the retries alone would say nothing.
+    fn note_store_failures<T, E: Display>(&self, outcomes: &[Outcome<T, E>], report: &mut Report) {
+        let mut failed = outcomes.iter().filter_map(|o| match o {
+            Outcome::Failed(f) if matches!(f.cause, Cause::Store(_)) => Some(&f.cause),
+            _ => None,
+        });
+        let Some(first) = failed.next() else { return };
+        let first = first.to_string();
+        let n = 1 + failed.count();
+        if n == outcomes.len() {
+            tracing::warn!(target: "idem", scope = self.engine.scope(), failed = n,
+                error = %first, "every message of the batch failed on the store; retrying them");
+        }
+        report.first_store_error = Some(first);
+    }
+
+    fn dead_letter_of<T, E>(&self, o: &Outcome<T, E>, reason: String) -> DeadLetter {
+        DeadLetter::new(o.kind(), reason, self.engine.scope())
+    }
+
+    /// `fut`, or [`Error::BrokerTimeout`] once the broker timeout has passed.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        fut: impl Future<Output = T>,
+    ) -> Result<T, Error<S::Error>> {
+        let timeout = self.settings.broker_timeout;
+        tokio::time::timeout(timeout, fut).await.map_err(|_| Error::BrokerTimeout { what, timeout })
     }
 }
 
-/// Why a message yields no usable key.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyFailure {
-    /// The message carries no key where the extractor looks.
-    #[error(transparent)]
-    Missing(ExtractError),
-    /// The key is there but unreadable (wrong JSON type, not JSON).
-    #[error(transparent)]
-    Extract(ExtractError),
-    /// The key is malformed (empty, too long, NUL).
-    #[error("invalid dedup key: {0}")]
-    Invalid(KeyError),
+/// A batch whose outcomes are durable and whose verbs are not sent yet
+/// ([`Consumer::decide`]); pass it to [`Consumer::settle`]. Dropped unsettled, its messages are
+/// redelivered by the broker and found done.
+#[derive(Debug)]
+#[must_use = "nothing is acknowledged until the batch is settled"]
+pub struct Decided<M> {
+    items: Vec<(M, Verb)>,
+    report: Report,
 }
 
-impl<E> From<KeyFailure> for Cause<E> {
-    fn from(f: KeyFailure) -> Self {
-        match f {
-            KeyFailure::Missing(e) => Cause::MissingKey(e),
-            KeyFailure::Extract(e) => Cause::Extract(e),
-            KeyFailure::Invalid(e) => Cause::InvalidKey(e),
-        }
+impl<M> Decided<M> {
+    /// The counts so far (outcomes, and the verbs about to be sent).
+    pub fn report(&self) -> Report {
+        self.report.clone()
+    }
+
+    /// Each message with the verb it will get.
+    pub fn items(&self) -> &[(M, Verb)] {
+        &self.items
     }
 }
 
-fn truncate_utf8(s: &mut String, max: usize) {
-    if s.len() > max {
-        let mut cut = max;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
+/// Whether `fut` is ready now (it is polled once; a ready future must not be polled again).
+async fn is_ready(fut: Pin<&mut impl Future<Output = ()>>) -> bool {
+    let mut fut = Some(fut);
+    std::future::poll_fn(|cx| {
+        let ready = fut.take().is_some_and(|f| f.poll(cx).is_ready());
+        std::task::Poll::Ready(ready)
+    })
+    .await
+}
+
+/// An outcome's cause in words, for a dead letter made of a retry.
+fn describe<T, E: Display>(o: &Outcome<T, E>) -> String {
+    match o {
+        Outcome::Failed(f) => f.cause.to_string(),
+        Outcome::InProgressElsewhere { retry_after } => {
+            format!("another consumer holds the key for {retry_after:?} more")
         }
-        s.truncate(cut);
+        other => other.kind().to_string(),
     }
+}
+
+/// The delay to use for a retry: the suggestion clamped to `[min, max]`, or `default`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::consumer::retry_delay;
+///
+/// let s = Duration::from_secs;
+/// assert_eq!(retry_delay(Some(s(900)), s(1), s(1), s(300)), s(300));
+/// assert_eq!(retry_delay(None, s(5), s(1), s(300)), s(5));
+/// ```
+pub fn retry_delay(
+    after: Option<Duration>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
+) -> Duration {
+    after.map_or(default, |d| d.clamp(min, max.max(min)))
 }

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, Publisher, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
+    PublishError, PublishFailure, Publisher, Ticket,
 };
 use crate::time::{Clock, SystemClock};
 use crate::{StoreError, Timestamp};
@@ -60,7 +60,7 @@ impl MemoryOutbox {
     }
 
     /// The last failure recorded for `id`, if any.
-    pub fn reason(&self, id: &MessageId) -> Option<String> {
+    pub fn reason(&self, id: &OutboxId) -> Option<String> {
         self.rows().values().find(|r| r.message.id() == id).and_then(|r| r.reason.clone())
     }
 }
@@ -70,7 +70,7 @@ fn row_of<'a>(rows: &'a mut BTreeMap<i64, Row>, t: &Ticket) -> Option<&'a mut Ro
 }
 
 impl OutboxStore for MemoryOutbox {
-    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         for m in &messages {
             m.validate()?;
         }
@@ -78,7 +78,7 @@ impl OutboxStore for MemoryOutbox {
         let mut rows = self.rows();
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
-            let message = m.into_message(MessageId::random);
+            let message = m.into_message(OutboxId::random);
             ids.push(message.id().clone());
             if rows.values().any(|r| r.message.id() == message.id()) {
                 continue; // enqueued before: the same message
@@ -156,7 +156,7 @@ impl OutboxStore for MemoryOutbox {
         Ok(n)
     }
 
-    async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, failures: &[PublishFailure]) -> Result<u64, StoreError> {
         let now = self.clock.now();
         let mut rows = self.rows();
         let mut n = 0;

@@ -97,19 +97,19 @@ fn check(field: &'static str, value: &str, limit: usize) -> Result<(), OutboxErr
 /// The id an outgoing message carries to the broker (AMQP `message_id`, `Nats-Msg-Id`, a Kafka
 /// `message-id` header, a Redis Streams field): what the next idem consumer deduplicates on.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct MessageId(String);
+pub struct OutboxId(String);
 
-impl MessageId {
+impl OutboxId {
     /// The id of the `seq`-th message (from 0) a handler produces while handling the message
     /// with key `inbound`: the same on every run of that handler, so a handler that runs again
     /// after a rollback produces the same ids, and a consumer downstream sees duplicates, not
     /// new messages.
     ///
     /// ```
-    /// use idem_core::{DedupKey, outbox::MessageId};
+    /// use idem_core::{DedupKey, outbox::OutboxId};
     /// let key = DedupKey::new("billing", "o-1").unwrap();
-    /// assert_eq!(MessageId::derived(&key, 0), MessageId::derived(&key, 0));
-    /// assert_ne!(MessageId::derived(&key, 0), MessageId::derived(&key, 1));
+    /// assert_eq!(OutboxId::derived(&key, 0), OutboxId::derived(&key, 0));
+    /// assert_ne!(OutboxId::derived(&key, 0), OutboxId::derived(&key, 1));
     /// ```
     pub fn derived(inbound: &DedupKey, seq: u32) -> Self {
         let mut h = Sha256::new();
@@ -146,13 +146,13 @@ impl MessageId {
     }
 }
 
-impl fmt::Debug for MessageId {
+impl fmt::Debug for OutboxId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "MessageId({:?})", self.0)
+        write!(f, "OutboxId({:?})", self.0)
     }
 }
 
-impl fmt::Display for MessageId {
+impl fmt::Display for OutboxId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
     }
@@ -179,7 +179,7 @@ pub struct Outgoing {
     pub(crate) payload: Vec<u8>,
     pub(crate) headers: Vec<(String, String)>,
     pub(crate) ordering_key: Option<String>,
-    pub(crate) id: Option<MessageId>,
+    pub(crate) id: Option<OutboxId>,
 }
 
 impl Outgoing {
@@ -221,7 +221,7 @@ impl Outgoing {
     }
 
     /// Publishes under this id instead of a derived or random one.
-    pub fn id(mut self, id: MessageId) -> Self {
+    pub fn id(mut self, id: OutboxId) -> Self {
         self.id = Some(id);
         self
     }
@@ -273,7 +273,7 @@ impl Outgoing {
     }
 
     /// The message with its id settled: its own, else `fallback`.
-    pub fn into_message(self, fallback: impl FnOnce() -> MessageId) -> OutboxMessage {
+    pub fn into_message(self, fallback: impl FnOnce() -> OutboxId) -> OutboxMessage {
         OutboxMessage {
             id: self.id.unwrap_or_else(fallback),
             destination: self.destination,
@@ -287,7 +287,7 @@ impl Outgoing {
 /// A message with its id, as stored in an outbox and handed to a [`Publisher`](super::Publisher).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutboxMessage {
-    id: MessageId,
+    id: OutboxId,
     destination: String,
     payload: Vec<u8>,
     headers: Vec<(String, String)>,
@@ -297,7 +297,7 @@ pub struct OutboxMessage {
 impl OutboxMessage {
     /// A message read back from a store.
     pub fn from_parts(
-        id: MessageId,
+        id: OutboxId,
         destination: String,
         payload: Vec<u8>,
         headers: Vec<(String, String)>,
@@ -307,7 +307,7 @@ impl OutboxMessage {
     }
 
     /// The id to publish under.
-    pub fn id(&self) -> &MessageId {
+    pub fn id(&self) -> &OutboxId {
         &self.id
     }
 
@@ -375,17 +375,17 @@ mod tests {
         assert!(e.to_string().contains("header name"), "{e}");
         assert!(Outgoing::new("q", "x").header("h", "v\r\nX: 1").validate().is_err());
         assert!(Outgoing::new("q", "x").header("x-trace", "a b=c;d").validate().is_ok());
-        assert!(MessageId::new("").is_err());
+        assert!(OutboxId::new("").is_err());
     }
 
     #[test]
     fn derived_ids_depend_on_key_and_sequence_only() {
         let a = DedupKey::new("s", "1").unwrap();
         let b = DedupKey::new("s", "2").unwrap();
-        assert_eq!(MessageId::derived(&a, 3), MessageId::derived(&a.clone(), 3));
-        assert_ne!(MessageId::derived(&a, 0), MessageId::derived(&b, 0));
-        assert_ne!(MessageId::random(), MessageId::random());
-        assert_eq!(MessageId::derived(&a, 0).as_str().len(), 37);
+        assert_eq!(OutboxId::derived(&a, 3), OutboxId::derived(&a.clone(), 3));
+        assert_ne!(OutboxId::derived(&a, 0), OutboxId::derived(&b, 0));
+        assert_ne!(OutboxId::random(), OutboxId::random());
+        assert_eq!(OutboxId::derived(&a, 0).as_str().len(), 37);
     }
 
     #[test]

@@ -5,10 +5,10 @@
 //! publishing after it can be lost in a crash. Instead it *enqueues* the message into an outbox
 //! table, in the same database transaction as its inbox marker and business rows
 //! (`idem-sqlx`'s outboxes on SQLite, PostgreSQL and MySQL/MariaDB). A [`Relay`] then publishes
-//! the committed rows, at least once, each under a stable [`MessageId`]; the idem consumer
+//! the committed rows, at least once, each under a stable [`OutboxId`]; the idem consumer
 //! downstream deduplicates the copies.
 //!
-//! - [`Outgoing`] / [`OutboxMessage`]: a message, its limits and its id ([`MessageId::derived`]
+//! - [`Outgoing`] / [`OutboxMessage`]: a message, its limits and its id ([`OutboxId::derived`]
 //!   from the inbound key and a per-handler sequence, so a handler that runs again produces
 //!   the same ids).
 //! - [`OutboxStore`]: what an outbox table offers a relay (leases, fenced marks, ordering keys,
@@ -31,9 +31,9 @@ mod store;
 pub use memory::{MemoryOutbox, RecordingPublisher};
 pub use message::{
     MAX_DESTINATION_BYTES, MAX_HEADER_BYTES, MAX_HEADER_NAME_BYTES, MAX_HEADERS, MAX_ID_BYTES,
-    MAX_PAYLOAD_BYTES, MessageId, OutboxError, OutboxMessage, Outgoing, decode_headers,
+    MAX_PAYLOAD_BYTES, OutboxError, OutboxId, OutboxMessage, Outgoing, decode_headers,
     encode_headers,
 };
 pub use publish::{PublishError, Publisher};
 pub use relay::{Builder, Relay, RelayError, RelayReport};
-pub use store::{Failure, OutboxCounts, OutboxStore, Pending, Ticket};
+pub use store::{OutboxCounts, OutboxStore, Pending, PublishFailure, Ticket};

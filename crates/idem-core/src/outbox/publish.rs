@@ -39,7 +39,7 @@ impl PublishError {
     }
 }
 
-/// Publishes outbox messages to one broker, each with its [`MessageId`](super::MessageId) where
+/// Publishes outbox messages to one broker, each with its [`OutboxId`](super::OutboxId) where
 /// the broker's consumers read a message id, and waits for the broker to confirm them.
 ///
 /// # Contract

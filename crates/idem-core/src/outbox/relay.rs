@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 
-use super::{Failure, OutboxMessage, OutboxStore, PublishError, Publisher, Ticket};
+use super::{OutboxMessage, OutboxStore, PublishError, PublishFailure, Publisher, Ticket};
 use crate::StoreError;
 use crate::telemetry::{OUTBOX_FAILURES_TOTAL, OUTBOX_PUBLISH_SECONDS, OUTBOX_PUBLISHED_TOTAL};
 
@@ -264,6 +264,10 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     ///
     /// # Errors
     /// [`RelayError::Store`] when the outbox fails for good.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe; stop it with `shutdown`. Dropped midway, claimed rows stay claimed
+    /// until their lease runs out and are then published again (at least once).
     pub async fn run(
         &self,
         shutdown: impl Future<Output = ()> + Send,
@@ -302,6 +306,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     ///
     /// # Errors
     /// [`RelayError::Store`] when the outbox fails.
+    ///
+    /// # Cancel safety
+    /// As [`run`](Self::run).
     pub async fn run_until_empty(&self) -> Result<RelayReport, RelayError> {
         let lanes = (0..self.settings.concurrency).map(|_| async {
             let mut report = RelayReport::default();
@@ -442,7 +449,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         failed_before: u32,
         m: &OutboxMessage,
         e: &PublishError,
-    ) -> Failure {
+    ) -> PublishFailure {
         let s = &self.settings;
         let attempts = failed_before + 1;
         let reason = error_chain(e);
@@ -456,7 +463,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 tracing::error!(id = %m.id(), attempts, error = %reason, "publish failed; row parked")
             }
         }
-        Failure { ticket, reason, retry_in }
+        PublishFailure { ticket, reason, retry_in }
     }
 }
 

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::{MessageId, OutboxMessage, Outgoing};
+use super::{OutboxId, OutboxMessage, Outgoing};
 use crate::StoreError;
 
 /// A row leased to one relay: publish it, then report it [`sent`](OutboxStore::mark_sent) or
@@ -38,7 +38,7 @@ pub struct Ticket {
 
 /// A failed publish, as the relay reports it.
 #[derive(Clone, Debug)]
-pub struct Failure {
+pub struct PublishFailure {
     /// The row and lease.
     pub ticket: Ticket,
     /// Why it failed (stored for operators; cut to 1,000 bytes).
@@ -87,7 +87,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn send(
         &self,
         messages: Vec<Outgoing>,
-    ) -> impl Future<Output = Result<Vec<MessageId>, super::OutboxError>> + Send;
+    ) -> impl Future<Output = Result<Vec<OutboxId>, super::OutboxError>> + Send;
 
     /// Leases up to `limit` due rows for `lease`, oldest first.
     ///
@@ -135,7 +135,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Cancel safe in effect: a row left unmarked is due again after its lease.
     fn mark_failed(
         &self,
-        failures: &[Failure],
+        failures: &[PublishFailure],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Deletes at most `limit` rows sent more than `older_than` ago; returns how many.

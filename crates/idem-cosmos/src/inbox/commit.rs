@@ -1,35 +1,47 @@
-//! The batch: marker first, then the handler's documents; a 409 answered by reading the marker.
+//! The batch to Cosmos DB: marker first, then the handler's documents; a 409 answered by
+//! reading the marker.
 
 use azure_data_cosmos::TransactionalBatch;
 use azure_data_cosmos::models::TransactionalBatchResponse;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
-use idem_core::{DedupKey, Fingerprint};
+use idem_core::{Claim, DedupKey, Fingerprint, Record, Timestamp};
 use serde_json::{Map, Value};
 
 use super::CosmosInbox;
-use super::docs::Op;
+use super::docs::{Op, PendingMarker};
 use crate::Error;
 use crate::limits::{
     MAX_BATCH_BYTES, MAX_BATCH_OPERATIONS, MAX_ITEM_BYTES, check_id, check_partition,
     check_partition_key, check_size,
 };
-use crate::marker::DEFAULT_FINGERPRINT_FIELD;
+use crate::marker::{DEFAULT_FINGERPRINT_FIELD, entity_lease};
 use crate::store::doc::fingerprint_field;
-
-/// How a batch ended (its errors aside).
-pub(super) enum Committed {
-    /// Marker and documents are written.
-    Done,
-    /// The marker existed: a duplicate (or a conflict); nothing was written.
-    Marked(Marker),
-}
 
 /// A stored marker, as far as the decision needs it.
 #[derive(Debug, PartialEq)]
 pub(super) struct Marker {
     pub(super) fingerprint: Option<Fingerprint>,
     pub(super) result: Option<Vec<u8>>,
+    /// When it was written (`idemCreated`), if it says.
+    pub(super) created: Option<Timestamp>,
+}
+
+impl Marker {
+    /// The answer for a delivery of `key` with `incoming` that found this marker: a duplicate
+    /// ([`Claim::Completed`], with the stored result) unless both fingerprints are known and
+    /// differ ([`Claim::Conflict`]).
+    pub(super) fn claim(self, key: &DedupKey, incoming: Option<Fingerprint>) -> Claim {
+        let mut rec = Record::entity(key, self.fingerprint);
+        rec.result = self.result;
+        if let Some(at) = self.created {
+            (rec.created_at, rec.updated_at) = (at, at);
+        }
+        match (self.fingerprint, incoming) {
+            (Some(stored), Some(asked)) if stored != asked => Claim::Conflict(rec),
+            _ => Claim::Completed(rec),
+        }
+    }
 }
 
 /// The marker's document id: the key hash (always a valid id), prefixed so it cannot meet an
@@ -55,21 +67,16 @@ fn set_path(doc: &mut Map<String, Value>, path: &str, value: Value) {
 }
 
 impl CosmosInbox {
-    fn marker_doc(
-        &self,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
-        partition: &str,
-        result: Option<&[u8]>,
-    ) -> Value {
+    fn marker_doc(&self, marker: &PendingMarker, partition: &str) -> Value {
+        let key = &marker.key;
         let mut doc = Map::new();
         doc.insert("id".into(), marker_id(key).into());
         doc.insert("idemScope".into(), key.scope().into());
         doc.insert("idemKey".into(), key.id().into());
-        if let Some(fp) = fingerprint {
+        if let Some(fp) = marker.fingerprint {
             doc.insert(DEFAULT_FINGERPRINT_FIELD.into(), hex::encode(fp.as_bytes()).into());
         }
-        if let Some(r) = result {
+        if let Some(r) = &marker.result {
             doc.insert("idemResult".into(), STANDARD.encode(r).into());
         }
         doc.insert("idemCreated".into(), self.clock.now().as_micros().into());
@@ -120,21 +127,21 @@ impl CosmosInbox {
         Ok(batch)
     }
 
-    /// Writes the marker of `key` and `ops` in one transactional batch under `partition`.
-    pub(super) async fn commit(
+    /// Writes `marker` and `ops` in one transactional batch under `partition`; the answer is
+    /// the marker's: acquired when the batch committed, else what the existing marker says.
+    pub(super) async fn commit_marked(
         &self,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
+        marker: &PendingMarker,
         partition: &str,
         ops: Vec<Op>,
-        result: Option<&[u8]>,
-    ) -> Result<Committed, Error> {
-        let marker = self.marker_doc(key, fingerprint, partition, result);
-        let batch = self.build(partition, Some(marker), ops)?;
+    ) -> Result<Claim, Error> {
+        let doc = self.marker_doc(marker, partition);
+        let batch = self.build(partition, Some(doc), ops)?;
+        let key = &marker.key;
         match self.execute(batch).await? {
-            None => Ok(Committed::Done),
+            None => Ok(Claim::Acquired(entity_lease(key, marker.fingerprint))),
             Some((409, index)) => match self.read_marker(key, partition).await? {
-                Some(m) => Ok(Committed::Marked(m)),
+                Some(m) => Ok(m.claim(key, marker.fingerprint)),
                 None => Err(Error::Exists { id: format!("operation {index} of the batch") }),
             },
             Some((status, index)) => Err(Error::BatchFailed { status, index }),
@@ -203,7 +210,8 @@ fn marker_of(doc: &Value, id: &str) -> Result<Marker, Error> {
         Some(Value::String(b)) => Some(STANDARD.decode(b).map_err(|_| corrupt("result"))?),
         Some(_) => return Err(corrupt("result")),
     };
-    Ok(Marker { fingerprint, result })
+    let created = doc.get("idemCreated").and_then(Value::as_i64).map(Timestamp::from_micros);
+    Ok(Marker { fingerprint, result, created })
 }
 
 /// Validates one document of the batch; its size in bytes.
@@ -275,7 +283,7 @@ mod props {
             }
             match (marker_of(&doc, "m"), fp.1, result.1) {
                 (Ok(m), Some(f), Some(r)) => {
-                    prop_assert_eq!(m, Marker { fingerprint: f, result: r });
+                    prop_assert_eq!(m, Marker { fingerprint: f, result: r, created: None });
                 }
                 (Err(Error::Corrupt { what }), f, r) => {
                     prop_assert!(f.is_none() || r.is_none(), "corrupt ({}) but both are fine", what);
@@ -293,6 +301,9 @@ mod props {
         let doc = json!({"id": "m", DEFAULT_FINGERPRINT_FIELD: 5});
         assert!(matches!(marker_of(&doc, "m"), Err(Error::Corrupt { .. })));
         let none = json!({"id": "m"});
-        assert_eq!(marker_of(&none, "m").unwrap(), Marker { fingerprint: None, result: None });
+        assert_eq!(
+            marker_of(&none, "m").unwrap(),
+            Marker { fingerprint: None, result: None, created: None }
+        );
     }
 }

@@ -1,8 +1,7 @@
-//! `BatchDocs`: what an inbox handler writes, committed with the marker in one batch.
+//! `BatchDocs`: the transactional batch being built — what the handler writes, and the marker
+//! the inbox writes with it.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-use idem_core::DedupKey;
+use idem_core::{DedupKey, Fingerprint};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -17,18 +16,19 @@ pub(crate) enum Op {
     Delete(String),
 }
 
-/// What the handler has written so far.
-#[derive(Debug, Default)]
-pub(crate) struct Pending {
-    pub(crate) partition_key: Option<String>,
-    pub(crate) ops: Vec<Op>,
-    closed: bool,
+/// The dedup marker to write with the batch: the message's key and fingerprint, and the
+/// handler's result once it has one.
+#[derive(Debug)]
+pub(crate) struct PendingMarker {
+    pub(crate) key: DedupKey,
+    pub(crate) fingerprint: Option<Fingerprint>,
+    pub(crate) result: Option<Vec<u8>>,
 }
 
-/// The handler's side of a [`CosmosInbox`](crate::CosmosInbox) delivery: the business
-/// documents to commit with the dedup marker, in one transactional batch under one partition
-/// key. Nothing is written until the handler returns `Ok`; then the marker and these
-/// documents commit together or not at all.
+/// One [`CosmosInbox`](crate::CosmosInbox) transaction: the business documents to commit with
+/// the dedup marker, in one transactional batch under one partition key. An inbox handler
+/// writes through its `Tx<CosmosInbox>`, which dereferences to this. Nothing is written until
+/// the handler returns `Ok`; then the marker and these documents commit together or not at all.
 ///
 /// Set the partition key (the entity, e.g. the order id) before or after adding documents;
 /// without one the batch goes to the partition named by the dedup key's id. Every document
@@ -36,55 +36,52 @@ pub(crate) struct Pending {
 /// with [`Error::WrongPartition`] before any request.
 ///
 /// ```
-/// # fn f(docs: idem_cosmos::BatchDocs) -> Result<(), idem_cosmos::Error> {
+/// # fn f(docs: &mut idem_cosmos::BatchDocs) -> Result<(), idem_cosmos::Error> {
 /// docs.set_partition_key("o-42")?;
 /// docs.create(&serde_json::json!({"id": "o-42", "orderId": "o-42", "total": 10}))?;
 /// docs.create(&serde_json::json!({"id": "o-42-line-1", "orderId": "o-42", "sku": "A"}))?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
 pub struct BatchDocs {
-    key: Option<DedupKey>,
-    shared: Arc<Mutex<Pending>>,
+    pub(crate) partition_key: Option<String>,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) marker: Option<PendingMarker>,
+}
+
+// Counts only: the documents are business data, and the key belongs to the message.
+impl std::fmt::Debug for BatchDocs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchDocs")
+            .field("partition_key_set", &self.partition_key.is_some())
+            .field("operations", &self.ops.len())
+            .field("marked", &self.marker.is_some())
+            .finish()
+    }
 }
 
 impl BatchDocs {
-    /// A context for one delivery and the inbox's handle on what it writes.
-    pub(crate) fn new(key: Option<DedupKey>) -> (Self, Arc<Mutex<Pending>>) {
-        let shared = Arc::new(Mutex::new(Pending::default()));
-        (Self { key, shared: Arc::clone(&shared) }, shared)
-    }
-
-    fn lock(&self) -> Result<MutexGuard<'_, Pending>, Error> {
-        // A panic while holding the lock leaves at most one half-pushed op: still a valid list.
-        let guard = self.shared.lock().unwrap_or_else(PoisonError::into_inner);
-        if guard.closed { Err(Error::BatchClosed) } else { Ok(guard) }
-    }
-
-    /// The key of the message being handled (`None` for a message without one, processed
-    /// without dedup by the consumer's missing-key policy).
-    pub fn key(&self) -> Option<&DedupKey> {
-        self.key.as_ref()
+    /// An empty batch: no documents, no marker.
+    pub(crate) fn new() -> Self {
+        Self { partition_key: None, ops: Vec::new(), marker: None }
     }
 
     /// Commits the batch under partition key `value`.
     ///
     /// # Errors
-    /// [`Error::InvalidPartitionKey`] (empty, over 2 KiB); [`Error::BatchClosed`].
-    pub fn set_partition_key(&self, value: impl Into<String>) -> Result<(), Error> {
+    /// [`Error::InvalidPartitionKey`] (empty, over 2 KiB).
+    pub fn set_partition_key(&mut self, value: impl Into<String>) -> Result<(), Error> {
         let value = value.into();
         check_partition_key(&value)?;
-        self.lock()?.partition_key = Some(value);
+        self.partition_key = Some(value);
         Ok(())
     }
 
     /// Creates `doc` (fails the batch with a 409 if it exists).
     ///
     /// # Errors
-    /// [`Error::Json`] when it does not serialize; [`Error::BatchClosed`].
-    pub fn create<T: Serialize>(&self, doc: &T) -> Result<(), Error> {
-        let v = to_value(doc)?;
-        self.lock()?.ops.push(Op::Create(v));
+    /// [`Error::Json`] when it does not serialize.
+    pub fn create<T: Serialize>(&mut self, doc: &T) -> Result<(), Error> {
+        self.ops.push(Op::Create(to_value(doc)?));
         Ok(())
     }
 
@@ -92,27 +89,16 @@ impl BatchDocs {
     ///
     /// # Errors
     /// As [`BatchDocs::create`].
-    pub fn upsert<T: Serialize>(&self, doc: &T) -> Result<(), Error> {
-        let v = to_value(doc)?;
-        self.lock()?.ops.push(Op::Upsert(v));
+    pub fn upsert<T: Serialize>(&mut self, doc: &T) -> Result<(), Error> {
+        self.ops.push(Op::Upsert(to_value(doc)?));
         Ok(())
     }
 
-    /// Deletes the document `id` of the batch's partition (fails the batch with a 404 if absent).
-    ///
-    /// # Errors
-    /// [`Error::BatchClosed`].
-    pub fn delete(&self, id: impl Into<String>) -> Result<(), Error> {
-        self.lock()?.ops.push(Op::Delete(id.into()));
-        Ok(())
+    /// Deletes the document `id` of the batch's partition (fails the batch with a 404 if
+    /// absent).
+    pub fn delete(&mut self, id: impl Into<String>) {
+        self.ops.push(Op::Delete(id.into()));
     }
-}
-
-/// Takes what the handler wrote and closes its context to further writes.
-pub(crate) fn close(shared: &Arc<Mutex<Pending>>) -> (Option<String>, Vec<Op>) {
-    let mut p = shared.lock().unwrap_or_else(PoisonError::into_inner);
-    p.closed = true;
-    (p.partition_key.take(), std::mem::take(&mut p.ops))
 }
 
 fn to_value<T: Serialize>(doc: &T) -> Result<Value, Error> {

@@ -1,20 +1,21 @@
 //! Azure Event Hubs through its Kafka endpoint (feature `event-hubs`).
 //!
 //! An Event Hubs namespace answers the Kafka protocol on `<namespace>.servicebus.windows.net:9093`
-//! (Standard tier and above), an event hub being a topic. [`EventHubs`] turns a connection
+//! (Standard tier and above), an event hub being a topic. [`EventHubsConfig`] turns a connection
 //! string and a consumer group into the [`ClientConfig`] the adapter needs — SASL PLAIN over
 //! TLS, user `$ConnectionString`, the connection string as the password — plus the client
-//! settings Microsoft recommends for Event Hubs, and into a [`Kafka`] ready for the driver.
+//! settings Microsoft recommends for Event Hubs, and into a [`KafkaConfig`] ready for the
+//! consumer.
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_kafka::{EventHubs, KafkaConsumer};
+//! use idem_kafka::{EventHubsConfig, KafkaConsumer};
 //! use idem_sqlx::PostgresStore;
 //!
 //! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! const DAY: Duration = Duration::from_secs(86_400);
 //! let connection = std::env::var("EVENTHUBS_CONNECTION")?; // Endpoint=sb://…;SharedAccessKey…
-//! let hubs = EventHubs::new(&connection, "order-writer")?.retention(DAY); // the hub keeps 1 day
+//! let hubs = EventHubsConfig::new(&connection, "order-writer")?.redelivery_window(DAY); // kept 1 day
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
 //! store.migrate().await?; // once: creates the table (a consumer's build checks it)
 //! let consumer = KafkaConsumer::builder(hubs.kafka(&["orders"], "orders-dlq"))
@@ -31,8 +32,8 @@
 //! days on Standard, up to 90 on Premium and Dedicated). The adapter's usual check asks the
 //! brokers for each topic's `retention.ms` with `DescribeConfigs`, which the Event Hubs
 //! endpoint long did not answer. So the hub's retention is stated here
-//! ([`EventHubs::retention`]) and checked when the consumer opens: opening fails with
-//! [`Error::Retention`](crate::Error::Retention), naming both durations, when the
+//! ([`EventHubsConfig::redelivery_window`]) and checked when the consumer opens: opening fails with
+//! [`Error::Retention`](crate::Error::Retention), showing the arithmetic, when the
 //! records are kept for less. Without a stated retention the brokers are asked as for any
 //! Kafka cluster, and a shorter dedup retention, or an unanswered question, is only logged.
 //!
@@ -51,7 +52,7 @@ use rdkafka::config::ClientConfig;
 use connection::ConnectionString;
 pub use connection::Error;
 
-use crate::Kafka;
+use crate::KafkaConfig;
 
 /// The Kafka endpoint's port, the same in every Azure cloud.
 const PORT: u16 = 9093;
@@ -62,9 +63,9 @@ const PORT: u16 = 9093;
 /// `Debug` never shows the shared access key.
 ///
 /// ```
-/// use idem_kafka::EventHubs;
+/// use idem_kafka::EventHubsConfig;
 ///
-/// let hubs = EventHubs::new(
+/// let hubs = EventHubsConfig::new(
 ///     "Endpoint=sb://idem.servicebus.windows.net/;SharedAccessKeyName=listen;\
 ///      SharedAccessKey=c2VjcmV0;EntityPath=orders",
 ///     "order-writer",
@@ -78,13 +79,13 @@ const PORT: u16 = 9093;
 /// ```
 #[derive(Clone)]
 #[must_use]
-pub struct EventHubs {
+pub struct EventHubsConfig {
     connection: ConnectionString,
     group: String,
-    retention: Option<Duration>,
+    redelivery_window: Option<Duration>,
 }
 
-impl EventHubs {
+impl EventHubsConfig {
     /// A member of consumer group `group` on the namespace of `connection_string`
     /// (`Endpoint=sb://<ns>.servicebus.windows.net/;SharedAccessKeyName=<policy>;`
     /// `SharedAccessKey=<key>[;EntityPath=<event hub>]`, as the portal shows it; the policy
@@ -99,14 +100,14 @@ impl EventHubs {
         Ok(Self {
             connection: ConnectionString::parse(connection_string)?,
             group: group.into(),
-            retention: None,
+            redelivery_window: None,
         })
     }
 
-    /// How long the consumed event hubs keep events (their message retention). The consumer
-    /// then refuses to open when its dedup records are kept for less.
-    pub fn retention(mut self, d: Duration) -> Self {
-        self.retention = Some(d);
+    /// The consumed event hubs' redelivery window: how long they keep events (their message
+    /// retention). The consumer then refuses to open when its dedup records are kept for less.
+    pub fn redelivery_window(mut self, retention: Duration) -> Self {
+        self.redelivery_window = Some(retention);
         self
     }
 
@@ -141,13 +142,13 @@ impl EventHubs {
         c
     }
 
-    /// A [`Kafka`] consuming `topics` (event hubs) and dead-lettering to `dead_letter_topic`
+    /// A [`KafkaConfig`] consuming `topics` (event hubs) and dead-lettering to `dead_letter_topic`
     /// (another event hub of the namespace: Event Hubs creates no topic on first use), with
     /// [`client_config`](Self::client_config) and the stated retention, if any.
-    pub fn kafka(&self, topics: &[&str], dead_letter_topic: impl Into<String>) -> Kafka {
-        let kafka = Kafka::new(&self.client_config(), topics, dead_letter_topic);
-        match self.retention {
-            Some(d) => kafka.topic_retention(d),
+    pub fn kafka(&self, topics: &[&str], dead_letter_topic: impl Into<String>) -> KafkaConfig {
+        let kafka = KafkaConfig::new(&self.client_config(), topics, dead_letter_topic);
+        match self.redelivery_window {
+            Some(d) => kafka.redelivery_window(d),
             None => kafka,
         }
     }
@@ -173,12 +174,12 @@ const RECOMMENDED: &[(&str, &str)] = &[
     ("socket.timeout.ms", "60000"),
 ];
 
-impl fmt::Debug for EventHubs {
+impl fmt::Debug for EventHubsConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EventHubs")
+        f.debug_struct("EventHubsConfig")
             .field("connection", &self.connection)
             .field("group", &self.group)
-            .field("retention", &self.retention)
+            .field("redelivery_window", &self.redelivery_window)
             .finish()
     }
 }
@@ -200,7 +201,7 @@ mod tests {
     #[test]
     fn the_config_has_the_endpoint_credentials_group_and_recommended_settings() {
         let s = connection("idem-ns.servicebus.windows.net");
-        let c = EventHubs::new(&s, "order-writer").unwrap().client_config();
+        let c = EventHubsConfig::new(&s, "order-writer").unwrap().client_config();
         for (key, value) in [
             ("bootstrap.servers", "idem-ns.servicebus.windows.net:9093"),
             ("security.protocol", "SASL_SSL"),
@@ -221,7 +222,7 @@ mod tests {
 
     #[test]
     fn debug_of_the_builder_and_of_its_config_hides_the_key() {
-        let hubs = EventHubs::new(&connection("ns.servicebus.windows.net"), "g").unwrap();
+        let hubs = EventHubsConfig::new(&connection("ns.servicebus.windows.net"), "g").unwrap();
         let d = format!("{hubs:?} {:?}", hubs.kafka(&["orders"], "dlq"));
         assert!(!d.contains(KEY), "{d}");
         assert!(d.contains("ns.servicebus.windows.net") && d.contains("listen"), "{d}");
@@ -237,7 +238,7 @@ mod tests {
         assert!(features.split(',').any(|f| f == "ssl"), "{features}");
         assert!(features.split(',').any(|f| f == "sasl_plain"), "{features}");
         // `.invalid` never resolves: the client's background connection attempts go nowhere.
-        let hubs = EventHubs::new(&connection("idem-test.invalid"), "g").unwrap();
+        let hubs = EventHubsConfig::new(&connection("idem-test.invalid"), "g").unwrap();
         let consumer: BaseConsumer = hubs.client_config().create().unwrap();
         assert_eq!(consumer.subscription().unwrap().count(), 0);
     }

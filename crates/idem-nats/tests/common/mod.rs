@@ -44,31 +44,42 @@ impl Env {
 
     /// [`Env::new`] with the main stream's duplicate window set to `window`.
     pub async fn with_duplicate_window(url: &str, window: Duration) -> Self {
+        let env = Self::attach(url, &suffix()).await;
+        env.js
+            .create_stream(stream::Config {
+                name: env.name.clone(),
+                subjects: vec![format!("{}.>", env.subject)],
+                duplicate_window: window,
+                // A bounded age, which the consumer's retention check needs.
+                max_age: MAX_AGE,
+                ..Default::default()
+            })
+            .await
+            .expect("create stream");
+        env.js
+            .create_stream(stream::Config {
+                name: env.dlq_stream.clone(),
+                subjects: vec![env.dlq_subject.clone()],
+                ..Default::default()
+            })
+            .await
+            .expect("create dlq stream");
+        env
+    }
+
+    /// The streams of suffix `sfx`, made by another process (a crash test's parent); they are
+    /// deleted when this is dropped, so a child never drops it.
+    pub async fn attach(url: &str, sfx: &str) -> Self {
         let client = async_nats::connect(url).await.expect("connect to NATS");
         let js = jetstream::new(client.clone());
-        let sfx = suffix();
-        let name = format!("T_{sfx}");
-        let subject = format!("t.{sfx}");
-        js.create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![format!("{subject}.>")],
-            duplicate_window: window,
-            // A bounded age, which the consumer's retention check needs.
-            max_age: MAX_AGE,
-            ..Default::default()
-        })
-        .await
-        .expect("create stream");
-        let dlq_stream = format!("{name}_DLQ");
-        let dlq_subject = format!("dlq.{sfx}");
-        js.create_stream(stream::Config {
-            name: dlq_stream.clone(),
-            subjects: vec![dlq_subject.clone()],
-            ..Default::default()
-        })
-        .await
-        .expect("create dlq stream");
+        let (name, subject) = (format!("T_{sfx}"), format!("t.{sfx}"));
+        let (dlq_stream, dlq_subject) = (format!("{name}_DLQ"), format!("dlq.{sfx}"));
         Self { url: url.to_owned(), client, js, name, subject, dlq_stream, dlq_subject }
+    }
+
+    /// The suffix [`attach`](Self::attach) takes.
+    pub fn suffix(&self) -> &str {
+        self.subject.strip_prefix("t.").unwrap_or_default()
     }
 
     pub async fn consumer(&self, name: &str, ack_wait: Duration, max_deliver: i64) -> PullConsumer {

@@ -1,4 +1,4 @@
-//! The startup safety checks (R14): eviction policy and persistence.
+//! The startup safety checks: eviction policy and persistence.
 
 use redis::aio::ConnectionLike;
 
@@ -35,6 +35,11 @@ impl ServerSettings {
     ///
     /// # Errors
     /// [`Error::Redis`] when `INFO` fails.
+    ///
+    /// # Cancel safety
+    /// Cancel safe on a multiplexed connection or a connection manager, which discard the
+    /// reply of a dropped command; a plain connection dropped mid-command may be left with a
+    /// reply unread: drop that connection too.
     pub async fn read(conn: &mut impl ConnectionLike) -> Result<Self, Error> {
         let memory: String = redis::cmd("INFO")
             .arg("memory")

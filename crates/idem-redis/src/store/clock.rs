@@ -11,6 +11,10 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use idem_core::{StoreError, Timestamp};
+
+use super::{ClockOffset, RedisStore, backend};
+
 /// How long an anchor is used before the next claim takes a fresh one.
 pub(crate) const REFRESH: Duration = Duration::from_secs(5);
 
@@ -89,6 +93,59 @@ impl ServerClock {
         if !keep_old {
             *slot = Some(a);
         }
+    }
+}
+
+impl RedisStore {
+    /// The store's clock: Redis `TIME` (plus a test offset, if any).
+    ///
+    /// # Errors
+    /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a read; the shared connection discards the reply of a dropped call.
+    pub async fn now(&self) -> Result<Timestamp, StoreError> {
+        Ok(Timestamp::from_micros(self.server_time(self.offset_us()).await?))
+    }
+
+    /// `TIME` (µs) plus `offset`, from the node holding the namespace (the key only routes).
+    async fn server_time(&self, offset: i64) -> Result<i64, StoreError> {
+        self.scripts
+            .now
+            .key(self.ns.key_prefix())
+            .arg(offset)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| backend("now", e))
+    }
+
+    /// Reads the server clock for the fast claim path (without the test offset: it is added
+    /// when the estimate is used, so moving it takes effect at once).
+    pub(super) async fn anchor_clock(&self) -> Result<Option<Estimate>, StoreError> {
+        let Some(clock) = &self.clock else { return Ok(None) };
+        let sent = Instant::now();
+        let server = self.server_time(0).await?;
+        clock.anchor(server, sent, Instant::now());
+        Ok(clock.estimate())
+    }
+
+    /// The server clock estimate (test offset included) for a fast claim, re-anchored when
+    /// old; `None` when claims go to the script.
+    pub(super) async fn estimate(&self) -> Result<Option<Estimate>, StoreError> {
+        let Some(clock) = &self.clock else { return Ok(None) };
+        let est = match clock.estimate() {
+            Some(e) => Some(e),
+            None if clock.should_refresh() => self.anchor_clock().await?,
+            None => match clock.estimate_within(2 * REFRESH) {
+                Some(e) => Some(e),
+                None => self.anchor_clock().await?,
+            },
+        };
+        Ok(est.map(|e| Estimate { now_us: e.now_us + self.offset_us(), ..e }))
+    }
+
+    pub(super) fn offset_us(&self) -> i64 {
+        self.offset.as_ref().map_or(0, ClockOffset::micros)
     }
 }
 

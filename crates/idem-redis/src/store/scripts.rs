@@ -1,11 +1,44 @@
 //! The Lua scripts. Each runs atomically on the server, so every read-decide-write of a record
-//! is one step: no other command interleaves (R3: no check-then-set).
+//! is one step: no other command interleaves (no check-then-set).
 //!
 //! A record is one string value, packed with Redis' built-in `struct` library (see
 //! [`super::codec`] for the layout), written with `SET … PX` so the write and the native TTL
 //! are one command. One value instead of a hash keeps each script to 2–3 `redis.call`s, the
 //! main server-side cost. Times are microseconds of the server's `TIME` plus the clock offset
 //! passed as an `ARGV` (always 0 outside tests); doubles hold them exactly (below 2^53).
+
+use redis::Script;
+
+/// Every script, loaded once per store (clones share them).
+pub(super) struct Scripts {
+    pub(super) claim: Script,
+    pub(super) claim_many: Script,
+    pub(super) finish: Script,
+    pub(super) complete_many: Script,
+    pub(super) release: Script,
+    pub(super) extend: Script,
+    pub(super) force_release: Script,
+    pub(super) force_fail: Script,
+    pub(super) purge: Script,
+    pub(super) now: Script,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Self {
+            claim: Script::new(&claim()),
+            claim_many: Script::new(&claim_many()),
+            finish: Script::new(&finish()),
+            complete_many: Script::new(&complete_many()),
+            release: Script::new(&release()),
+            extend: Script::new(&extend()),
+            force_release: Script::new(&force_release()),
+            force_fail: Script::new(&force_fail()),
+            purge: Script::new(&purge()),
+            now: Script::new(&now()),
+        }
+    }
+}
 
 /// Shared helpers, prepended to every script.
 const PRELUDE: &str = r#"

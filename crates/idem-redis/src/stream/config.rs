@@ -2,19 +2,19 @@
 
 use std::time::Duration;
 
-use idem_core::RetentionWindow;
-use idem_core::driver::{Opening, SourceConfig};
+use idem_core::RedeliveryWindow;
+use idem_core::consumer::{Opening, SourceConfig};
 use redis::streams::StreamInfoGroupsReply;
 use redis::{Client, RedisError};
 
-use super::entry::Fields;
+use super::delivery::Fields;
 use super::source::{Names, StreamSource};
 use crate::store::Deployment;
 use crate::{Error, RedisConnection};
 
-/// A Redis stream's settings for the driver: the stream, the consumer group, this consumer's
+/// A Redis stream's settings for the consumer: the stream, the consumer group, this consumer's
 /// name, and what is specific to Redis. Batch size and idle wait (the `XREADGROUP` block time)
-/// are the driver's ([`Builder`](idem_core::driver::Builder)).
+/// are the consumer's ([`Builder`](idem_core::consumer::Builder)).
 ///
 /// Defaults: dead letters to `<stream>:dead-letter`; entries idle for 30 s are taken over with
 /// `XAUTOCLAIM`; no delivery limit; payload in the field `payload`, message id in `message_id`;
@@ -153,7 +153,7 @@ impl StreamConfig {
     }
 
     /// The field the entry's message id is read from (default `message_id`); the engine's key
-    /// extractor decides what the key is (see [`StreamEntry`](crate::StreamEntry)).
+    /// extractor decides what the key is (see [`Delivery`](crate::Delivery)).
     pub fn id_field(mut self, name: impl Into<String>) -> Self {
         self.id_field = name.into();
         self
@@ -217,7 +217,7 @@ impl SourceConfig for StreamConfig {
         self.validate()?;
         let window = match self.max_deliveries {
             Some(n) => {
-                let window = RetentionWindow::new(
+                let window = RedeliveryWindow::new(
                     u32::try_from(n).unwrap_or(u32::MAX),
                     self.redelivery_gap(),
                 )

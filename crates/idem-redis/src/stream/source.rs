@@ -1,19 +1,20 @@
-//! The consumer-group side of the driver: reading, reclaiming, dead letters and `XACK`.
+//! The consumer-group side of the consumer: reading, reclaiming, dead letters and `XACK`.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use idem_core::RetentionWindow;
-use idem_core::driver::{Action, DeadLetter, Source, headers};
+use idem_core::RedeliveryWindow;
+use idem_core::consumer::{DeadLetter, Source, headers};
+use idem_core::engine::Verb;
 use redis::streams::{StreamAutoClaimReply, StreamReadReply};
 use redis::{RedisError, RedisResult};
 
-use super::entry::{Fields, StreamEntry};
+use super::delivery::{Delivery, Fields};
 use crate::store::Deployment;
 use crate::{Error, RedisConnection};
 
 /// The dead-letter copy's field naming the consumer group that gave up on the entry, beside
-/// the shared [`headers`](idem_core::driver::headers).
+/// the shared [`headers`](idem_core::consumer::headers).
 pub const GROUP_FIELD: &str = "idem-group";
 
 /// How long a blocking read may take beyond its block time before its connection is taken for
@@ -47,12 +48,12 @@ pub(super) struct Names {
     pub(super) dead_letter: String,
 }
 
-/// A consumer-group member of a Redis stream, opened for the driver (see
+/// A consumer-group member of a Redis stream, opened for the consumer (see
 /// [`StreamConfig`](crate::StreamConfig) and the [crate docs](crate) for the verbs).
 ///
 /// Each fetch first takes over entries that sat unacknowledged for longer than the idle time
 /// (`XAUTOCLAIM`, at most every quarter of it unless the last scan stopped mid-way), then
-/// reads new ones (`XREADGROUP … >`, blocking for the driver's idle wait when nothing was
+/// reads new ones (`XREADGROUP … >`, blocking for the consumer's idle wait when nothing was
 /// taken over). Blocking reads run on connections of their own, one per batch in flight;
 /// claims, acks and dead letters share another.
 pub struct StreamSource {
@@ -66,7 +67,7 @@ pub struct StreamSource {
     roles: Arc<Fields>,
     reclaim_idle: Duration,
     max_deliveries: Option<u64>,
-    window: Option<RetentionWindow>,
+    window: Option<RedeliveryWindow>,
     scan: Mutex<Scan>,
 }
 
@@ -94,7 +95,7 @@ impl StreamSource {
         roles: Fields,
         reclaim_idle: Duration,
         max_deliveries: Option<u64>,
-        window: Option<RetentionWindow>,
+        window: Option<RedeliveryWindow>,
     ) -> Self {
         Self {
             client,
@@ -126,7 +127,7 @@ impl StreamSource {
 
     /// The redelivery window the retention was checked against (`None` without a
     /// [`max_deliveries`](crate::StreamConfig::max_deliveries): unbounded).
-    pub fn redelivery_window(&self) -> Option<RetentionWindow> {
+    pub fn redelivery_window(&self) -> Option<RedeliveryWindow> {
         self.window
     }
 
@@ -140,7 +141,7 @@ impl StreamSource {
 
     /// Entries that sat unacknowledged for longer than the idle time (their consumer died,
     /// stalled, or left them pending for a retry), each with its delivery count.
-    async fn reclaim(&self, max: usize) -> Result<Vec<StreamEntry>, Error> {
+    async fn reclaim(&self, max: usize) -> Result<Vec<Delivery>, Error> {
         let cursor = {
             let mut scan = self.scan();
             // A scan that stopped mid-way goes on at once; a new one waits for its period.
@@ -188,7 +189,7 @@ impl StreamSource {
             .map(|(e, row)| {
                 // Acknowledged meanwhile by its first consumer: at least a second delivery.
                 let delivered = row.first().map_or(2, |r| r.3);
-                StreamEntry::from_reply(e.id, e.map, &self.roles, delivered)
+                Delivery::from_reply(e.id, e.map, &self.roles, delivered)
             })
             .collect())
     }
@@ -200,11 +201,11 @@ impl StreamSource {
         &self,
         count: usize,
         block: Option<Duration>,
-    ) -> Result<Vec<StreamEntry>, Error> {
+    ) -> Result<Vec<Delivery>, Error> {
         let idle = self.readers().pop();
         let mut conn = match idle {
             Some(c) => c,
-            // The driver bounds each read; the connection itself waits as long as it blocks.
+            // The consumer bounds each read; the connection itself waits as long as it blocks.
             None => match &self.client {
                 Deployment::Single(client) => {
                     let config = redis::AsyncConnectionConfig::new()
@@ -250,18 +251,18 @@ impl StreamSource {
             .unwrap_or_default()
             .into_iter()
             .flat_map(|k| k.ids)
-            .map(|e| StreamEntry::from_reply(e.id, e.map, &self.roles, 1))
+            .map(|e| Delivery::from_reply(e.id, e.map, &self.roles, 1))
             .collect())
     }
 }
 
 impl Source for StreamSource {
-    type Message = StreamEntry;
+    type Delivery = Delivery;
     type Error = Error;
 
     /// Entries left pending first (`XAUTOCLAIM`), then new ones (`XREADGROUP … >`, blocking
     /// up to `wait` only when nothing was taken over).
-    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<StreamEntry>, Error> {
+    async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         let mut out = self.reclaim(max).await?;
         let room = max.saturating_sub(out.len());
         if room > 0 {
@@ -278,7 +279,7 @@ impl Source for StreamSource {
 
     /// With [`max_deliveries`](crate::StreamConfig::max_deliveries), once the entry has been
     /// delivered that many times: leaving it pending would hand it out once more.
-    fn give_up(&self, entry: &StreamEntry) -> Option<String> {
+    fn give_up(&self, entry: &Delivery) -> Option<String> {
         let max = self.max_deliveries?;
         (entry.delivered() >= max)
             .then(|| format!("gave up after {} deliveries (max_deliveries)", entry.delivered()))
@@ -288,7 +289,7 @@ impl Source for StreamSource {
     /// fields, the `idem-*` headers, `idem-source` (the stream), `idem-source-position` (the
     /// entry id), `idem-delivered` and `idem-group`. A copy made twice (a crash before the ack)
     /// is harmless.
-    async fn dead_letter(&self, items: &[(&StreamEntry, DeadLetter)]) -> Vec<Result<(), Error>> {
+    async fn dead_letter(&self, items: &[(&Delivery, DeadLetter)]) -> Vec<Result<(), Error>> {
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         for (entry, dl) in items {
@@ -340,10 +341,10 @@ impl Source for StreamSource {
     /// One `XACK` for the acknowledged and dead-lettered entries. Retries and releases are left
     /// pending: `XAUTOCLAIM` hands them out again once they have been idle for `reclaim_idle`
     /// (Redis cannot delay a redelivery, so a retry's suggested delay is not honoured).
-    async fn settle(&self, items: Vec<(StreamEntry, Action)>) -> Result<u64, Error> {
+    async fn settle(&self, items: Vec<(Delivery, Verb)>) -> Result<u64, Error> {
         let ids: Vec<&str> = items
             .iter()
-            .filter(|(_, a)| matches!(a, Action::Ack | Action::DeadLettered { .. }))
+            .filter(|(_, v)| matches!(v, Verb::Ack | Verb::DeadLetter { .. }))
             .map(|(e, _)| e.id())
             .collect();
         if ids.is_empty() {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -168,6 +168,11 @@ impl MySqlOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: MySQL commits each DDL statement on its own, so a dropped call
+    /// may leave part of it done; every statement is `IF NOT EXISTS`, so running it again
+    /// finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -190,11 +195,14 @@ impl MySqlOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<MySql>,
         msg: Outgoing,
-    ) -> Result<MessageId, OutboxError> {
+    ) -> Result<OutboxId, OutboxError> {
         let m = prepare(to, msg)?;
         let skew = self.skew.micros();
         let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.enqueue)))
@@ -285,7 +293,7 @@ impl MySqlOutbox {
 }
 
 impl OutboxStore for MySqlOutbox {
-    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox send", e))?;
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
@@ -346,7 +354,7 @@ impl OutboxStore for MySqlOutbox {
         Ok(done.rows_affected())
     }
 
-    async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, failures: &[PublishFailure]) -> Result<u64, StoreError> {
         if failures.is_empty() {
             return Ok(0);
         }

@@ -24,9 +24,9 @@
 )]
 
 use idem_core::StoreError;
-use idem_core::outbox::{MessageId, OutboxError, OutboxMessage, Outgoing, Pending, Ticket};
+use idem_core::inbox::{Tx, TxInbox};
+use idem_core::outbox::{OutboxError, OutboxId, OutboxMessage, Outgoing, Pending, Ticket};
 
-use crate::Tx;
 use crate::row::{nullable, required};
 
 /// Default outbox table name.
@@ -49,16 +49,20 @@ pub trait Enqueue<DB: sqlx::Database>: Send {
     fn connection(&mut self) -> &mut DB::Connection;
 
     /// The id for the next message without one.
-    fn next_id(&mut self) -> MessageId;
+    fn next_id(&mut self) -> OutboxId;
 }
 
-impl<DB: sqlx::Database> Enqueue<DB> for Tx<DB> {
+impl<DB, I> Enqueue<DB> for Tx<I>
+where
+    DB: sqlx::Database,
+    I: TxInbox<Connection = DB::Connection>,
+{
     fn connection(&mut self) -> &mut DB::Connection {
         self
     }
 
-    fn next_id(&mut self) -> MessageId {
-        self.next_message_id()
+    fn next_id(&mut self) -> OutboxId {
+        self.next_outbox_id()
     }
 }
 
@@ -67,8 +71,8 @@ impl<DB: sqlx::Database> Enqueue<DB> for sqlx::Transaction<'_, DB> {
         self
     }
 
-    fn next_id(&mut self) -> MessageId {
-        MessageId::random()
+    fn next_id(&mut self) -> OutboxId {
+        OutboxId::random()
     }
 }
 
@@ -83,8 +87,8 @@ macro_rules! enqueue_on_connection {
                 self
             }
 
-            fn next_id(&mut self) -> MessageId {
-                MessageId::random()
+            fn next_id(&mut self) -> OutboxId {
+                OutboxId::random()
             }
         }
     };
@@ -138,7 +142,7 @@ impl Leased {
         })?;
         let headers = idem_core::outbox::decode_headers(&self.headers)?;
         let message = OutboxMessage::from_parts(
-            MessageId::from_stored(self.id),
+            OutboxId::from_stored(self.id),
             self.destination,
             self.payload,
             headers,

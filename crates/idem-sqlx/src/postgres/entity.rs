@@ -1,29 +1,12 @@
-//! Entity as marker (R5): the business row keyed by its business id is the dedup record.
+//! Entity as marker: the business row keyed by its business id is the dedup record.
 
 use std::sync::Arc;
 
-use idem_core::{Fingerprint, Identifier, IdentifierError, StoreError};
+use idem_core::{Claim, DedupKey, Fingerprint, Identifier, IdentifierError, Record, StoreError};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnection;
 
 use super::backend;
-
-/// What inserting a business row keyed by its business id found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-#[must_use = "a conflict must be reported (dead-lettered), never dropped"]
-pub enum EntityMark {
-    /// The row is new: this delivery created it.
-    Inserted,
-    /// The row exists with the same fingerprint: a duplicate delivery.
-    Duplicate,
-    /// The row exists with another fingerprint (or none): the id was reused for different
-    /// content.
-    Conflict {
-        /// The stored fingerprint.
-        stored: Option<Fingerprint>,
-    },
-}
 
 /// A business table whose primary key is the business id (an orders table keyed by order id)
 /// and which stores the payload fingerprint in a `bytea` column. Its unique key is the marker:
@@ -33,11 +16,12 @@ pub enum EntityMark {
 /// hand the number of inserted rows to [`EntityTable::classify`].
 ///
 /// ```no_run
-/// use idem_core::Fingerprint;
-/// use idem_sqlx::postgres::{EntityMark, EntityTable};
+/// use idem_core::{Claim, DedupKey, Fingerprint};
+/// use idem_sqlx::postgres::EntityTable;
 ///
 /// # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let orders = EntityTable::new("public", "orders", "order_id", "fingerprint")?;
+/// let key = DedupKey::new("order-writer", "o-1")?;
 /// let fp = Fingerprint::of_bytes(b"o-1:1200");
 /// let mut tx = pool.begin().await?;
 /// let done = sqlx::query(
@@ -45,11 +29,11 @@ pub enum EntityMark {
 ///      ON CONFLICT (order_id) DO NOTHING")
 ///     .bind("o-1").bind(&fp.0[..]).bind(1200_i64)
 ///     .execute(&mut *tx).await?;
-/// match orders.classify(&mut tx, done.rows_affected(), "o-1", fp).await? {
-///     EntityMark::Inserted => { /* the rest of the effect, same transaction */ }
-///     EntityMark::Duplicate => { /* ack */ }
-///     EntityMark::Conflict { .. } => { /* dead-letter with the reason */ }
-///     _ => {}
+/// match orders.classify(&mut tx, done.rows_affected(), &key, fp).await? {
+///     Claim::Acquired(_) => { /* the rest of the effect, same transaction */ }
+///     Claim::Completed(_) => { /* a duplicate: ack */ }
+///     Claim::Conflict(_) => { /* dead-letter with the reason */ }
+///     Claim::InProgress { .. } => unreachable!("an entity row is never leased"),
 /// }
 /// tx.commit().await?;
 /// # Ok(()) }
@@ -80,22 +64,29 @@ impl EntityTable {
         })
     }
 
-    /// Decides the delivery after your `INSERT … ON CONFLICT DO NOTHING` inserted `inserted`
-    /// rows: 1 → [`EntityMark::Inserted`]; 0 → the stored fingerprint decides between duplicate
-    /// and conflict. Runs on your transaction's connection.
+    /// Decides the delivery of `key` after your `INSERT … ON CONFLICT DO NOTHING` of the row
+    /// whose id is `key.id()` inserted `inserted` rows: 1 → [`Claim::Acquired`] (this delivery
+    /// created it); 0 → the stored fingerprint decides between [`Claim::Completed`] (a
+    /// duplicate) and [`Claim::Conflict`] (the id reused for other content), each with the row
+    /// as a [`Record::entity`]. Runs on your transaction's connection; never answers
+    /// [`Claim::InProgress`].
     ///
     /// # Errors
     /// Backend errors; [`StoreError::Corrupt`] when the conflicting row cannot be found.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (it reads, on the caller's transaction).
     pub async fn classify(
         &self,
         conn: &mut PgConnection,
         inserted: u64,
-        id: &str,
+        key: &DedupKey,
         fingerprint: Fingerprint,
-    ) -> Result<EntityMark, StoreError> {
+    ) -> Result<Claim, StoreError> {
         if inserted > 0 {
-            return Ok(EntityMark::Inserted);
+            return Ok(Claim::Acquired(crate::row::mark_lease(key, Some(fingerprint))));
         }
+        let id = key.id();
         let stored: Option<Option<Vec<u8>>> =
             sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.select)))
                 .bind(id)
@@ -110,10 +101,7 @@ impl EntityTable {
         let stored = stored.map(|b| Fingerprint::from_slice(&b)).transpose().map_err(|n| {
             StoreError::Corrupt { what: format!("stored fingerprint of {n} bytes") }
         })?;
-        Ok(if stored == Some(fingerprint) {
-            EntityMark::Duplicate
-        } else {
-            EntityMark::Conflict { stored }
-        })
+        let rec = Record::entity(key, stored);
+        Ok(if stored == Some(fingerprint) { Claim::Completed(rec) } else { Claim::Conflict(rec) })
     }
 }

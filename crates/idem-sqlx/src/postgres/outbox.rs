@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -244,6 +244,9 @@ impl PostgresOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the DDL runs in one transaction, rolled back if it is dropped.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox migrate", e))?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
@@ -271,11 +274,14 @@ impl PostgresOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<Postgres>,
         msg: Outgoing,
-    ) -> Result<MessageId, OutboxError> {
+    ) -> Result<OutboxId, OutboxError> {
         let m = prepare(to, msg)?;
         sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.enqueue)))
             .bind(m.id().as_str())
@@ -302,7 +308,7 @@ impl PostgresOutbox {
 }
 
 impl OutboxStore for PostgresOutbox {
-    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox send", e))?;
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
@@ -356,7 +362,7 @@ impl OutboxStore for PostgresOutbox {
         Ok(done.rows_affected())
     }
 
-    async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, failures: &[PublishFailure]) -> Result<u64, StoreError> {
         if failures.is_empty() {
             return Ok(0);
         }

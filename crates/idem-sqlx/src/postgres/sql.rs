@@ -36,7 +36,6 @@ pub(super) struct Sql {
     pub force_fail: Arc<str>,
     pub count: Arc<str>,
     pub list: Arc<str>,
-    pub set_result: Arc<str>,
     pub advance: Arc<str>,
     pub version_of: Arc<str>,
 }
@@ -190,7 +189,6 @@ impl Sql {
                 "SELECT {COLUMNS} FROM {t} WHERE ($1::text IS NULL OR scope = $1) \
                  AND ($2::bigint IS NULL OR state = $2) ORDER BY updated_at DESC LIMIT $3"
             )),
-            set_result: s(format!("UPDATE {t} SET result = $2 WHERE key_hash = $1 AND state = 1")),
             // Run unprepared (an array join, like complete_many).
             set_results: s(format!(
                 "UPDATE {t} AS r SET result = u.res \

@@ -1,27 +1,28 @@
-//! The transactional inbox on SQLite: the dedup marker commits with the caller's writes.
+//! The transactional inbox on SQLite: the primitives of [`TxInbox`], in SQL.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::claim::next_token;
-use idem_core::{DedupKey, Fingerprint, StoreError};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
+use idem_core::inbox::{Savepoint, TxInbox};
+use idem_core::{Claim, DedupKey, Fingerprint, StoreError};
 use sqlx::AssertSqlSafe;
-use sqlx::sqlite::{SqliteConnection, SqlitePool};
+use sqlx::sqlite::{Sqlite, SqliteConnection, SqlitePool};
 
 use super::{SqliteStore, backend};
-use crate::row::i64_of;
-use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
+use crate::MAX_RESULT_BYTES;
+use crate::row::{claim_of, i64_of, mark_lease};
 
-/// Records dedup markers inside the caller's own SQLite transaction (R4): the marker and the
-/// business writes commit together, and a rollback leaves no marker.
+/// Records dedup markers inside a SQLite transaction: the marker and the business writes commit
+/// together, and a rollback leaves no marker. Transactions begin with `BEGIN IMMEDIATE`: a
+/// concurrent transaction marking the same key waits on SQLite's write lock, then sees this
+/// one's committed marker — or acquires if it rolled back (a deferred transaction that has read
+/// first may fail with `SQLITE_BUSY` when it writes).
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_core::{DedupKey, Fingerprint};
-/// use idem_sqlx::{Mark, SqliteStore};
+/// use idem_core::{Claim, DedupKey, Fingerprint, inbox::TxInbox};
+/// use idem_sqlx::SqliteStore;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # let dir = tempfile::tempdir()?;
@@ -31,14 +32,14 @@ use crate::{InboxError, InboxOutcome, MAX_RESULT_BYTES, Mark};
 /// let key = DedupKey::new("order-writer", "o-1")?;
 /// let fp = Fingerprint::of_bytes(b"o-1:1200");
 ///
-/// let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await?;
-/// if inbox.mark(&mut tx, &key, Some(fp)).await? == Mark::First {
+/// let mut tx = inbox.begin().await?; // BEGIN IMMEDIATE
+/// if let Claim::Acquired(_) = inbox.mark(&mut tx, &key, Some(fp)).await? {
 ///     sqlx::query("INSERT INTO orders VALUES ('o-1', 1200)").execute(&mut *tx).await?;
 /// }
-/// tx.commit().await?; // then ack the message
+/// inbox.commit(tx).await?; // then ack the message
 ///
-/// let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await?;
-/// assert!(matches!(inbox.mark(&mut tx, &key, Some(fp)).await?, Mark::Duplicate(_)));
+/// let mut tx = inbox.begin().await?;
+/// assert!(matches!(inbox.mark(&mut tx, &key, Some(fp)).await?, Claim::Completed(_)));
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -57,32 +58,74 @@ impl SqliteInbox {
         self.store.pool()
     }
 
-    /// How long markers are kept.
-    pub fn retention(&self) -> Duration {
+    /// One key on its own: the marker's upsert, then — when it did not take the row — a read of
+    /// what holds it, up to 8 times.
+    async fn mark_alone(
+        &self,
+        conn: &mut SqliteConnection,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Claim, StoreError> {
+        let s = &self.store;
+        for _ in 0..8 {
+            let now = s.now();
+            let done = sqlx::query(AssertSqlSafe(Arc::clone(&s.sql.mark)))
+                .bind(&key.hash().0[..])
+                .bind(key.scope())
+                .bind(key.id())
+                .bind(fingerprint.as_ref().map(|f| &f.0[..]))
+                .bind(now.as_micros())
+                .bind(None::<i64>)
+                .bind(now.plus(self.retain_for).as_micros())
+                .bind(i64_of(next_token(None, now), "token")?)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| backend("mark", e))?;
+            if done.rows_affected() == 1 {
+                return Ok(Claim::Acquired(mark_lease(key, fingerprint)));
+            }
+            let Some(rec) = s.fetch(conn, key).await? else { continue };
+            if let Some(claim) = claim_of(rec, fingerprint, now) {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::backend("mark", true, "record kept changing under the mark (8 tries)"))
+    }
+}
+
+impl TxInbox for SqliteInbox {
+    type Transaction = sqlx::Transaction<'static, Sqlite>;
+    type Connection = SqliteConnection;
+
+    fn connection(tx: &mut Self::Transaction) -> &mut SqliteConnection {
+        tx
+    }
+
+    fn connection_ref(tx: &Self::Transaction) -> &SqliteConnection {
+        tx
+    }
+
+    fn retention(&self) -> Duration {
         self.retain_for
     }
 
-    /// The store's startup check ([`SqliteStore::check`]), which a consumer's `build` runs: the
-    /// markers' table must exist with its columns.
-    ///
-    /// # Errors
-    /// [`StoreError::NotMigrated`](idem_core::StoreError::NotMigrated); backend errors.
-    pub async fn check(&self) -> Result<Vec<String>, StoreError> {
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
         self.store.check().await
     }
 
-    /// Marks distinct keys on the caller's connection with one multi-row upsert, rows in
-    /// key-hash order, then one read of the keys it did not win; answers in input order, each as
-    /// [`mark`](Self::mark) would.
-    ///
-    /// # Errors
-    /// Backend errors (the caller should roll back).
-    pub async fn mark_many(
+    /// `BEGIN IMMEDIATE`: the write lock is taken up front.
+    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
+        self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(|e| backend("begin", e))
+    }
+
+    /// One multi-row upsert per 500 rows, in key-hash order, then one read of the keys it did
+    /// not win.
+    async fn mark_many(
         &self,
         conn: &mut SqliteConnection,
         items: &[(DedupKey, Option<Fingerprint>)],
-    ) -> Result<Vec<Mark>, StoreError> {
-        let mut out: Vec<Option<Mark>> = items.iter().map(|_| None).collect();
+    ) -> Result<Vec<Claim>, StoreError> {
+        let mut out: Vec<Option<Claim>> = items.iter().map(|_| None).collect();
         // At most 500 rows (2,000 parameters) per statement.
         let mut order: Vec<usize> = (0..items.len()).collect();
         order.sort_by_key(|&i| items[i].0.hash().0);
@@ -116,7 +159,7 @@ impl SqliteInbox {
                 .collect();
             for &i in chunk {
                 if won.contains(&items[i].0.hash().0[..]) {
-                    out[i] = Some(Mark::First);
+                    out[i] = Some(Claim::Acquired(mark_lease(&items[i].0, items[i].1)));
                 }
             }
             if !lost.is_empty() {
@@ -132,12 +175,11 @@ impl SqliteInbox {
                 }
                 for i in lost {
                     let (key, fp) = &items[i];
-                    let mark =
-                        recs.remove(&key.hash().0).and_then(|r| crate::row::mark_of(r, *fp, now));
+                    let mark = recs.remove(&key.hash().0).and_then(|r| claim_of(r, *fp, now));
                     // Claimable again, or purged, by the time it was read: decide it alone.
                     out[i] = Some(match mark {
                         Some(m) => m,
-                        None => self.mark(conn, key, *fp).await?,
+                        None => self.mark_alone(conn, key, *fp).await?,
                     });
                 }
             }
@@ -145,108 +187,44 @@ impl SqliteInbox {
         // A key given twice answers as its first copy's mark would for a second one.
         for (i, (key, fp)) in items.iter().enumerate() {
             if out[i].is_none() {
-                out[i] = Some(self.mark(conn, key, *fp).await?);
+                out[i] = Some(self.mark_alone(conn, key, *fp).await?);
             }
         }
         Ok(out.into_iter().flatten().collect())
     }
 
-    /// Stores results with their markers, in the caller's transaction.
-    ///
-    /// # Errors
-    /// As [`set_result`](Self::set_result).
-    pub async fn set_results(
+    /// One statement per result.
+    async fn set_results(
         &self,
         conn: &mut SqliteConnection,
         items: &[(DedupKey, Vec<u8>)],
     ) -> Result<(), StoreError> {
         for (key, result) in items {
-            self.set_result(conn, key, result).await?;
-        }
-        Ok(())
-    }
-
-    /// Inserts the marker for `key` on the caller's connection (inside their transaction).
-    ///
-    /// Returns [`Mark::First`] when this transaction owns the key: do the writes and commit.
-    /// Anything else means do not write. A concurrent transaction marking the same key waits on
-    /// SQLite's write lock, then sees this one's committed marker — or proceeds if it rolled back.
-    ///
-    /// Begin the transaction with `BEGIN IMMEDIATE` (`pool.begin_with("BEGIN IMMEDIATE")`): a
-    /// deferred transaction that has read first may fail with `SQLITE_BUSY` when it writes.
-    ///
-    /// # Errors
-    /// Backend errors (the caller should roll back).
-    pub async fn mark(
-        &self,
-        conn: &mut SqliteConnection,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
-    ) -> Result<Mark, StoreError> {
-        let s = &self.store;
-        for _ in 0..8 {
-            let now = s.now();
-            let done = sqlx::query(AssertSqlSafe(Arc::clone(&s.sql.mark)))
+            StoreError::check_len("result", result.len(), MAX_RESULT_BYTES)?;
+            sqlx::query(AssertSqlSafe(Arc::clone(&self.store.sql.set_result)))
                 .bind(&key.hash().0[..])
-                .bind(key.scope())
-                .bind(key.id())
-                .bind(fingerprint.as_ref().map(|f| &f.0[..]))
-                .bind(now.as_micros())
-                .bind(None::<i64>)
-                .bind(now.plus(self.retain_for).as_micros())
-                .bind(i64_of(next_token(None, now), "token")?)
+                .bind(result.as_slice())
                 .execute(&mut *conn)
                 .await
-                .map_err(|e| backend("mark", e))?;
-            if done.rows_affected() == 1 {
-                return Ok(Mark::First);
-            }
-            let Some(rec) = s.fetch(conn, key).await? else { continue };
-            if let Some(mark) = crate::row::mark_of(rec, fingerprint, now) {
-                return Ok(mark);
-            }
+                .map_err(|e| backend("set_result", e))?;
         }
-        Err(StoreError::backend("mark", true, "record kept changing under the mark (8 tries)"))
-    }
-
-    /// Stores a result with the marker, in the same transaction, for duplicates to return.
-    ///
-    /// # Errors
-    /// [`StoreError::TooLarge`] above 1 MiB; backend errors.
-    pub async fn set_result(
-        &self,
-        conn: &mut SqliteConnection,
-        key: &DedupKey,
-        result: &[u8],
-    ) -> Result<(), StoreError> {
-        StoreError::check_len("result", result.len(), MAX_RESULT_BYTES)?;
-        sqlx::query(AssertSqlSafe(Arc::clone(&self.store.sql.set_result)))
-            .bind(&key.hash().0[..])
-            .bind(result)
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| backend("set_result", e))?;
         Ok(())
     }
 
-    /// One message on its own: opens a `BEGIN IMMEDIATE` transaction, marks `key`, runs `writes` only if
-    /// the mark is first (with the transaction, as a broker adapter's inbox handler gets it),
-    /// stores their result (JSON) with the marker and commits. Any error rolls everything back,
-    /// marker included.
-    ///
-    /// # Errors
-    /// [`InboxError::Writes`] when `writes` fails, [`InboxError::Store`] otherwise.
-    pub async fn process<T, E, F, Fut>(
+    /// SQLite takes several statements in one call.
+    async fn savepoint(
         &self,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
-        writes: F,
-    ) -> Result<InboxOutcome<T>, InboxError<E>>
-    where
-        T: Serialize + DeserializeOwned,
-        F: FnOnce(crate::Tx<sqlx::Sqlite>) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        crate::inbox::process_one(self, key, fingerprint, writes).await
+        conn: &mut SqliteConnection,
+        step: Savepoint,
+    ) -> Result<(), StoreError> {
+        sqlx::raw_sql(step.sql()).execute(conn).await.map(drop).map_err(|e| backend("savepoint", e))
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<Option<Vec<Claim>>, StoreError> {
+        tx.commit().await.map(|()| None).map_err(|e| backend("commit", e))
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(|e| backend("rollback", e))
     }
 }

@@ -80,6 +80,10 @@ impl SqliteStore {
     ///
     /// # Errors
     /// [`StoreError::Backend`] when the file cannot be opened or the schema created.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: dropped midway, the file may exist with part of the schema;
+    /// opening it again completes it (every statement is `IF NOT EXISTS`).
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let opts = SqliteConnectOptions::new()
             .filename(path)
@@ -94,6 +98,9 @@ impl SqliteStore {
     /// mode survives a process crash but may lose the last commits on power loss).
     ///
     /// # Errors
+    /// As [`SqliteStore::open`].
+    ///
+    /// # Cancel safety
     /// As [`SqliteStore::open`].
     pub async fn open_with(opts: SqliteConnectOptions) -> Result<Self, StoreError> {
         let pool = SqlitePoolOptions::new()
@@ -134,6 +141,10 @@ impl SqliteStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
+    /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -151,6 +162,9 @@ impl SqliteStore {
     ///
     /// # Errors
     /// [`StoreError::NotMigrated`]; backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read only).
     pub async fn check(&self) -> Result<Vec<String>, StoreError> {
         let names: Vec<String> = sqlx::query_scalar("SELECT name FROM pragma_table_info(?1)")
             .bind(self.table.as_str())
@@ -310,6 +324,9 @@ impl SqliteStore {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn advance_in(
         &self,
         conn: &mut SqliteConnection,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::outbox::{
-    Failure, MessageId, OutboxCounts, OutboxError, OutboxStore, Outgoing, Pending, Ticket,
+    OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
 };
 use idem_core::time::{Clock, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -172,6 +172,10 @@ impl SqliteOutbox {
     ///
     /// # Errors
     /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
+    /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         for stmt in &self.sql.ddl {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
@@ -193,11 +197,14 @@ impl SqliteOutbox {
     ///
     /// # Errors
     /// A field over its limit ([`OutboxError`] names it); backend errors (roll back).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is visible before the caller's transaction commits.
     pub async fn enqueue(
         &self,
         to: &mut impl Enqueue<Sqlite>,
         msg: Outgoing,
-    ) -> Result<MessageId, OutboxError> {
+    ) -> Result<OutboxId, OutboxError> {
         let m = prepare(to, msg)?;
         sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.enqueue)))
             .bind(m.id().as_str())
@@ -242,7 +249,7 @@ impl SqliteOutbox {
 type Query = sqlx::query::Query<'static, Sqlite, <Sqlite as sqlx::Database>::Arguments>;
 
 impl OutboxStore for SqliteOutbox {
-    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<MessageId>, OutboxError> {
+    async fn send(&self, messages: Vec<Outgoing>) -> Result<Vec<OutboxId>, OutboxError> {
         let mut tx = self.pool.begin().await.map_err(|e| backend("outbox send", e))?;
         let mut ids = Vec::with_capacity(messages.len());
         for m in messages {
@@ -274,9 +281,9 @@ impl OutboxStore for SqliteOutbox {
         self.each_in_tx("outbox remove_sent", tickets.iter().map(stmt).collect()).await
     }
 
-    async fn mark_failed(&self, failures: &[Failure]) -> Result<u64, StoreError> {
+    async fn mark_failed(&self, failures: &[PublishFailure]) -> Result<u64, StoreError> {
         let now = self.now();
-        let stmt = |f: &Failure| {
+        let stmt = |f: &PublishFailure| {
             self.stmt(&self.sql.failed)
                 .bind(f.ticket.row)
                 .bind(f.ticket.token)

@@ -10,11 +10,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use idem_core::consumer::HandlerError;
-use idem_core::driver::{MemoryQueue, QueueMessage};
+use idem_core::consumer::{MemoryDelivery, MemoryQueue};
+use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
-use idem_core::outbox::{MessageId, OutboxStore, Outgoing};
-use idem_core::{DedupKey, Driver};
+use idem_core::outbox::{OutboxId, OutboxStore, Outgoing};
+use idem_core::{Consumer, DedupKey};
 
 const WEEK: Duration = Duration::from_secs(7 * 86_400);
 
@@ -32,11 +32,11 @@ fn queue() -> MemoryQueue {
 }
 
 /// The ids the handler must have enqueued: two per processed order, derived from its key.
-fn expected(scope: &str) -> HashSet<MessageId> {
+fn expected(scope: &str) -> HashSet<OutboxId> {
     (0..9)
         .flat_map(|i| {
             let key = DedupKey::new(scope, format!("o-{i}")).unwrap();
-            [MessageId::derived(&key, 0), MessageId::derived(&key, 1)]
+            [OutboxId::derived(&key, 0), OutboxId::derived(&key, 1)]
         })
         .collect()
 }
@@ -49,7 +49,7 @@ macro_rules! handler_case {
             let outbox = ($outbox)(&store);
             outbox.migrate().await.unwrap();
             let q = queue();
-            let consumer = Driver::builder(q.clone())
+            let consumer = Consumer::builder(q.clone())
                 .inbox(store.inbox(WEEK))
                 .scope("order-writer")
                 .batch(8)
@@ -58,7 +58,7 @@ macro_rules! handler_case {
                 .await
                 .unwrap();
             let failed_once = Arc::new(AtomicBool::new(false));
-            let handler = |mut tx: idem_sqlx::Tx<$db>, m: QueueMessage| {
+            let handler = |mut tx: idem_core::Tx<$db>, m: MemoryDelivery| {
                 let (outbox, failed_once) = (outbox.clone(), Arc::clone(&failed_once));
                 async move {
                     let id = m.message_id().unwrap_or_default().to_owned();
@@ -94,7 +94,7 @@ macro_rules! handler_case {
             // Every processed order's two messages, under ids derived from its key; nothing
             // from the rolled-back first run of o-3 or from o-9.
             let relay_view = outbox.claim(100, Duration::from_secs(30)).await.unwrap();
-            let mut ids: HashSet<MessageId> = HashSet::new();
+            let mut ids: HashSet<OutboxId> = HashSet::new();
             let mut all = 0;
             let mut more = relay_view;
             while !more.is_empty() {
@@ -113,7 +113,7 @@ macro_rules! handler_case {
 #[cfg(feature = "sqlite")]
 handler_case!(
     sqlite_handler_enqueues_with_its_writes,
-    sqlx::Sqlite,
+    idem_sqlx::SqliteInbox,
     async {
         let dir = tempfile::tempdir().unwrap();
         let store = idem_sqlx::SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
@@ -125,7 +125,7 @@ handler_case!(
 #[cfg(feature = "postgres")]
 handler_case!(
     postgres_handler_enqueues_with_its_writes,
-    sqlx::Postgres,
+    idem_sqlx::PostgresInbox,
     async {
         let url = common::pg_url()?;
         let schema = common::unique("idem_obh");
@@ -143,7 +143,7 @@ handler_case!(
 #[cfg(feature = "mysql")]
 handler_case!(
     mysql_handler_enqueues_with_its_writes,
-    sqlx::MySql,
+    idem_sqlx::MySqlInbox,
     async {
         let url = common::mysql_url()?;
         let table = common::unique("obh");

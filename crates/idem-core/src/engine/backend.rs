@@ -1,0 +1,144 @@
+//! What an [`Engine`] decides with: any [`DedupStore`] (two-phase) or an [`Inbox`] over a
+//! [`TxInbox`] (transactional). Implemented here, for those two, and nowhere else: a store or
+//! an inbox supplies primitives, the engine owns every decision.
+
+use std::future::Future;
+use std::time::Duration;
+
+use std::fmt::Display;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::two_phase::TwoPhase;
+use super::{Context, Engine, HandlerError, Outcome};
+use crate::extract::Envelope;
+use crate::inbox::decide::InboxRound;
+use crate::inbox::{Inbox, Tx, TxInbox};
+use crate::{DedupStore, StoreError};
+
+mod sealed {
+    pub trait Sealed {}
+    impl<S: crate::DedupStore> Sealed for S {}
+    impl<I: crate::inbox::TxInbox> Sealed for crate::inbox::Inbox<I> {}
+}
+
+/// How an [`Engine`] turns a fetched batch into outcomes. Sealed: implemented by every
+/// [`DedupStore`] (**two-phase**: claim the batch with one `claim_many`, run the acquired
+/// handlers under their leases, record their completions with one `complete_many`; the handler
+/// gets a [`Context`]) and by [`Inbox`] (**transactional inbox**: mark the batch's keys inside one
+/// transaction, run the handlers on it, commit once; the handler gets the transaction, [`Tx`]).
+///
+/// # Contract
+/// - `decide` answers one [`Outcome`] per message, in message order.
+/// - Every outcome that asks for an ack ([`Outcome::verb`]) is durable when `decide` returns: a
+///   completion recorded, a transaction committed. Nothing else is.
+/// - A key repeated inside the batch has its effect at most once; its later copies are
+///   duplicates once the first is durable.
+/// - Failures to reach a decision are outcomes ([`Outcome::Failed`]), never panics.
+pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
+    /// What the handler receives beside the message.
+    type Ctx: Send + 'static;
+
+    /// How long what `decide` records is kept: the retention a broker's redelivery window is
+    /// checked against.
+    #[doc(hidden)]
+    fn retention(engine: &Engine<Self>) -> Duration;
+
+    /// The longest a key stays in progress under a lease (`None`: none is held).
+    #[doc(hidden)]
+    fn lease(engine: &Engine<Self>) -> Option<Duration>;
+
+    /// The store's startup check ([`DedupStore::check`], [`TxInbox::check`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    #[doc(hidden)]
+    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Decides `batch`; see the contract above.
+    ///
+    /// # Cancel safety
+    /// As [`Engine::decide_batch`].
+    #[doc(hidden)]
+    fn decide<'a, M, H, Fut, T, E>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+        handler: &'a H,
+    ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Fn(Self::Ctx, M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
+        T: Serialize + DeserializeOwned + Send + 'a,
+        E: Display + Send + 'a;
+}
+
+impl<S: DedupStore> Backend for S {
+    type Ctx = Context;
+
+    fn retention(engine: &Engine<Self>) -> Duration {
+        engine.retain()
+    }
+
+    fn lease(engine: &Engine<Self>) -> Option<Duration> {
+        Some(engine.lease())
+    }
+
+    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let checked = DedupStore::check(self);
+        async move { checked.await.map(drop) }
+    }
+
+    fn decide<'a, M, H, Fut, T, E>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+        handler: &'a H,
+    ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Fn(Self::Ctx, M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
+        T: Serialize + DeserializeOwned + Send + 'a,
+        E: Display + Send + 'a,
+    {
+        let by_index = move |ctx: Context, i: usize| handler(ctx, batch[i].clone());
+        async move {
+            let mode = TwoPhase { engine, handler: &by_index, msgs: batch };
+            engine.decide_in_rounds(batch, &mode).await
+        }
+    }
+}
+
+impl<I: TxInbox> Backend for Inbox<I> {
+    type Ctx = Tx<I>;
+
+    fn retention(engine: &Engine<Self>) -> Duration {
+        engine.store().retention()
+    }
+
+    fn lease(_: &Engine<Self>) -> Option<Duration> {
+        None
+    }
+
+    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let checked = self.inner().check();
+        async move { checked.await.map(drop) }
+    }
+
+    async fn decide<'a, M, H, Fut, T, E>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+        handler: &'a H,
+    ) -> Vec<Outcome<T, E>>
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Fn(Self::Ctx, M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
+        T: Serialize + DeserializeOwned + Send + 'a,
+        E: Display + Send + 'a,
+    {
+        let mode = InboxRound { engine, handler, msgs: batch };
+        engine.decide_in_rounds(batch, &mode).await
+    }
+}

@@ -1,0 +1,276 @@
+//! Engine configuration: one set of settings, for an [`Engine`] built on its own or for a
+//! broker consumer's engine (the consumer builder forwards every setting here).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Engine;
+use crate::extract::{KeyExtractor, MessageId};
+use crate::retention::{RedeliveryWindow, RetentionTooShort};
+use crate::{DEFAULT_MAX_KEY_BYTES, DedupKey, FingerprintSpec, KeyError};
+
+/// What to do with a message that carries no key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKeyPolicy {
+    /// Fail it permanently (dead-letter). The default: a message that cannot be deduplicated is
+    /// an error of the producer.
+    #[default]
+    Reject,
+    /// Run the handler without deduplication and count it in `idem_missing_key_total`.
+    ProcessWithoutDedup,
+}
+
+/// What to do when a claim takes over a lease that ran out (a consumer crashed or stalled
+/// mid-effect, so the effect may or may not have happened).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ExpiredLeasePolicy {
+    /// Run the handler again with the next attempt number and the same downstream idempotency
+    /// key, so an external callee deduplicates the repeated call. The default.
+    #[default]
+    Rerun,
+    /// Park the key as in doubt, fail the delivery permanently and let an operator decide.
+    Park,
+}
+
+/// Invalid consumer configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// No scope was set.
+    #[error("consumer scope is not set: call `.scope(\"<consumer name>\")`")]
+    MissingScope,
+    /// The scope is not a valid key scope (empty, longer than 512 bytes, or with a NUL byte).
+    /// The message carries the key error's, naming the field and the limit; the key error is
+    /// kept as the field, not as a `source()`, so a report does not print it twice.
+    #[error("invalid consumer scope: {0}")]
+    InvalidScope(KeyError),
+    /// A duration must be positive.
+    #[error("{field} must be longer than zero")]
+    ZeroDuration {
+        /// The setting (`"lease"`, `"retain"`).
+        field: &'static str,
+    },
+    /// Retention shorter than the broker's redelivery window.
+    #[error(transparent)]
+    Retention(#[from] RetentionTooShort),
+}
+
+pub(crate) struct Config {
+    pub(crate) scope: String,
+    pub(crate) lease: Duration,
+    pub(crate) retain: Duration,
+    pub(crate) heartbeat: Option<Duration>,
+    pub(crate) extractor: Box<dyn KeyExtractor>,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) missing_key: MissingKeyPolicy,
+    pub(crate) expired_lease: ExpiredLeasePolicy,
+    pub(crate) max_key_bytes: usize,
+    pub(crate) max_result_bytes: usize,
+    pub(crate) complete_retry: Duration,
+}
+
+/// Builds an [`Engine`]. Only the scope is required.
+///
+/// Defaults: lease 30 s, retention 7 days, key from the producer's message id, fingerprint of
+/// the canonical JSON payload (raw bytes if it is not JSON), reject messages without a key, rerun
+/// after an expired lease, keys up to 512 bytes, stored results up to 64 KiB, completions
+/// retried for up to 5 s when the store fails.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::{Engine, MemoryStore};
+///
+/// let engine = Engine::builder(MemoryStore::new())
+///     .scope("billing")
+///     .lease(Duration::from_secs(60))
+///     .heartbeat(Duration::from_secs(20))
+///     .build()?;
+/// assert_eq!(engine.scope(), "billing");
+/// # Ok::<(), idem_core::engine::ConfigError>(())
+/// ```
+#[must_use]
+pub struct EngineBuilder<S> {
+    store: S,
+    settings: Settings,
+}
+
+/// Every engine setting but the store: what [`EngineBuilder`] and a broker consumer's builder
+/// hold until the engine is built.
+pub(crate) struct Settings {
+    pub(crate) scope: Option<String>,
+    pub(crate) lease: Duration,
+    pub(crate) retain: Duration,
+    pub(crate) window: Option<RedeliveryWindow>,
+    pub(crate) heartbeat: Option<Duration>,
+    pub(crate) extractor: Box<dyn KeyExtractor>,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) missing_key: MissingKeyPolicy,
+    pub(crate) expired_lease: ExpiredLeasePolicy,
+    pub(crate) max_key_bytes: usize,
+    pub(crate) max_result_bytes: usize,
+    pub(crate) complete_retry: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            scope: None,
+            lease: Duration::from_secs(30),
+            retain: Duration::from_secs(7 * 86_400),
+            window: None,
+            heartbeat: None,
+            extractor: Box::new(MessageId),
+            fingerprint: FingerprintSpec::default(),
+            missing_key: MissingKeyPolicy::default(),
+            expired_lease: ExpiredLeasePolicy::default(),
+            max_key_bytes: DEFAULT_MAX_KEY_BYTES,
+            max_result_bytes: 64 * 1024,
+            complete_retry: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The setters of every engine setting, on a type holding [`Settings`]: written once, for
+/// [`EngineBuilder`] and the broker consumer's builder.
+macro_rules! engine_setters {
+    ($settings:ident) => {
+        /// The consumer's identity (a consumer group, a handler name). Required.
+        pub fn scope(mut self, scope: impl Into<String>) -> Self {
+            self.$settings.scope = Some(scope.into());
+            self
+        }
+
+        /// How long a claim holds a key before another delivery may take it over (two-phase
+        /// mode; default 30 s). Make it longer than the slowest handler, or set a
+        /// [`heartbeat`](Self::heartbeat).
+        pub fn lease(mut self, lease: std::time::Duration) -> Self {
+            self.$settings.lease = lease;
+            self
+        }
+
+        /// How long completed records are kept (two-phase mode; default 7 days). Must outlast
+        /// the broker's redelivery window. An inbox keeps its markers for its own retention.
+        pub fn retain(mut self, retain: std::time::Duration) -> Self {
+            self.$settings.retain = retain;
+            self
+        }
+
+        /// Checks when the engine is built that the retention (the store's, or the inbox's
+        /// own) covers this redelivery window.
+        pub fn redelivery_window(mut self, window: $crate::RedeliveryWindow) -> Self {
+            self.$settings.window = Some(window);
+            self
+        }
+
+        /// Extends the lease every `interval` while the handler runs (for long handlers). A
+        /// handler that hangs then holds the key for as long as it hangs.
+        pub fn heartbeat(mut self, interval: std::time::Duration) -> Self {
+            self.$settings.heartbeat = Some(interval);
+            self
+        }
+
+        /// Where the key comes from (default: the producer's message id).
+        pub fn key(mut self, extractor: impl $crate::extract::KeyExtractor) -> Self {
+            self.$settings.extractor = Box::new(extractor);
+            self
+        }
+
+        /// How payloads are fingerprinted.
+        pub fn fingerprint(mut self, spec: $crate::FingerprintSpec) -> Self {
+            self.$settings.fingerprint = spec;
+            self
+        }
+
+        /// What to do with messages that carry no key.
+        pub fn missing_key(mut self, policy: $crate::engine::MissingKeyPolicy) -> Self {
+            self.$settings.missing_key = policy;
+            self
+        }
+
+        /// What to do when a claim takes over an expired lease.
+        pub fn on_expired_lease(mut self, policy: $crate::engine::ExpiredLeasePolicy) -> Self {
+            self.$settings.expired_lease = policy;
+            self
+        }
+
+        /// Longest key id accepted, in bytes.
+        pub fn max_key_bytes(mut self, limit: usize) -> Self {
+            self.$settings.max_key_bytes = limit;
+            self
+        }
+
+        /// Largest serialized result stored for duplicates; a larger one is not stored (the
+        /// duplicate then carries no result) and a warning is logged.
+        pub fn max_result_bytes(mut self, limit: usize) -> Self {
+            self.$settings.max_result_bytes = limit;
+            self
+        }
+
+        /// How long a completion that failed for a retryable reason (the store restarting, a
+        /// connection cut) is tried again before the delivery is given up as a transient
+        /// failure. The effect has happened by then; a completion given up on leaves the key
+        /// leased, so the redelivered copy waits for the lease to run out and runs the handler
+        /// again. Default 5 s, and never more than half the lease. Zero turns the retries off.
+        pub fn complete_retry(mut self, limit: std::time::Duration) -> Self {
+            self.$settings.complete_retry = limit;
+            self
+        }
+    };
+}
+pub(crate) use engine_setters;
+
+impl<S> EngineBuilder<S> {
+    pub(crate) fn new(store: S) -> Self {
+        Self { store, settings: Settings::default() }
+    }
+
+    engine_setters!(settings);
+}
+
+impl<S: super::Backend> EngineBuilder<S> {
+    /// Validates the configuration.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the bad setting.
+    pub fn build(self) -> Result<Engine<S>, ConfigError> {
+        self.settings.build(self.store)
+    }
+}
+
+impl Settings {
+    /// The engine over `store` with these settings.
+    pub(crate) fn build<S: super::Backend>(self, store: S) -> Result<Engine<S>, ConfigError> {
+        let scope = self.scope.ok_or(ConfigError::MissingScope)?;
+        DedupKey::with_limit(scope.clone(), "x", DEFAULT_MAX_KEY_BYTES)
+            .map_err(ConfigError::InvalidScope)?;
+        if self.lease.is_zero() {
+            return Err(ConfigError::ZeroDuration { field: "lease" });
+        }
+        if self.retain.is_zero() {
+            return Err(ConfigError::ZeroDuration { field: "retain" });
+        }
+        let window = self.window;
+        let engine = Engine {
+            store,
+            cfg: Arc::new(Config {
+                scope,
+                lease: self.lease,
+                retain: self.retain,
+                heartbeat: self.heartbeat,
+                extractor: self.extractor,
+                fingerprint: self.fingerprint,
+                missing_key: self.missing_key,
+                expired_lease: self.expired_lease,
+                max_key_bytes: self.max_key_bytes,
+                max_result_bytes: self.max_result_bytes,
+                complete_retry: self.complete_retry.min(self.lease / 2),
+            }),
+        };
+        if let Some(w) = window {
+            w.check(S::retention(&engine))?;
+        }
+        Ok(engine)
+    }
+}

@@ -1,0 +1,330 @@
+//! The two-phase decider, over any [`DedupStore`]: claim, run the handler under a lease,
+//! record the completion.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::Instrument;
+
+use super::answer::{Answer, outcome_of};
+use super::batch::{Decided, Item, Round};
+use super::complete::completed;
+use super::prepare::Prepared;
+use super::{Cause, Context, Engine, ExpiredLeasePolicy, FailureKind, HandlerError, Outcome};
+use crate::extract::Envelope;
+use crate::telemetry::TAKEOVERS_TOTAL;
+use crate::{Claim, ClaimRequest, DedupStore, FailKind, Lease, StoreError};
+
+/// What became of an acquired claim's handler: its outcome, or a completion still to record.
+pub(super) enum Ran<T, E> {
+    Done(Outcome<T, E>),
+    Complete { lease: Lease, value: T, stored: Option<Vec<u8>> },
+}
+
+/// One keyed delivery being decided: its span (closed with the outcome) and what it knows.
+pub(super) struct Decision<T, E> {
+    pub(super) span: tracing::Span,
+    pub(super) attempt: u32,
+    pub(super) ran: Ran<T, E>,
+}
+
+impl<S: DedupStore> Engine<S> {
+    /// Processes one delivery. Every call ends in exactly one [`Outcome`]; store failures are
+    /// [`Outcome::Failed`] with [`Cause::Store`], never a panic or a silent ack.
+    ///
+    /// The handler runs at most once per call, and only while this call holds the key's lease.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped while the handler runs, the key stays claimed until its lease
+    /// runs out, and the next delivery takes it over (attempt + 1).
+    pub async fn process<M, T, E, F, Fut>(&self, msg: &M, handler: F) -> Outcome<T, E>
+    where
+        M: Envelope,
+        T: Serialize + DeserializeOwned,
+        E: Display,
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let correlation = msg.correlation_id();
+        let req = match self.prepare(msg) {
+            Prepared::Claim(req) => req,
+            Prepared::Unkeyed => {
+                let outcome = self.run_unkeyed(Context::unkeyed(), handler).await;
+                self.observe(None, correlation, &outcome, 1);
+                return outcome;
+            }
+            Prepared::Done(outcome) => {
+                self.observe(None, correlation, &outcome, 0);
+                return outcome;
+            }
+        };
+        let started = Instant::now();
+        let claim = self.store.claim(&req).await;
+        self.observe_claim(started);
+        if let Err(e) = &claim {
+            self.observe_store_error("claim", e);
+        }
+        let Decision { span, attempt, ran } = self.decide(claim, &req, handler, correlation).await;
+        let outcome = match ran {
+            Ran::Done(o) => o,
+            Ran::Complete { lease, value, stored } => {
+                let done = self.complete_retrying(lease, stored.as_deref()).await;
+                completed(value, done)
+            }
+        };
+        close(&span, attempt, &outcome);
+        self.observe(Some(&req.key), correlation, &outcome, attempt);
+        outcome
+    }
+
+    /// Processes deliveries fetched together: one `claim_many` round trip per round of
+    /// distinct keys, the acquired handlers concurrently, then one `complete_many` for their
+    /// completions (one commit on the SQL stores: group commit). A key repeated inside the batch
+    /// runs once; its later copies are duplicates once the first completes. Outcomes are in
+    /// message order.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, claims stay in progress until their leases run out.
+    pub async fn process_batch<'m, M, T, E, F, Fut>(
+        &self,
+        msgs: &'m [M],
+        handler: F,
+    ) -> Vec<Outcome<T, E>>
+    where
+        M: Envelope + Sync,
+        T: Serialize + DeserializeOwned + Send,
+        E: Display + Send,
+        F: Fn(Context, &'m M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+    {
+        let by_index = |ctx: Context, i: usize| handler(ctx, &msgs[i]);
+        self.decide_in_rounds(msgs, &TwoPhase { engine: self, handler: &by_index, msgs }).await
+    }
+
+    /// The claims of a round: one `claim_many`, or one claim each when the batch call fails
+    /// (each message then gets its own answer, or its own error).
+    async fn claim_all(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+        let started = Instant::now();
+        let batch = self.store.claim_many(reqs).await;
+        self.observe_claim(started);
+        match batch {
+            Ok(c) if c.len() == reqs.len() => return c.into_iter().map(Ok).collect(),
+            Ok(c) => {
+                tracing::error!(target: "idem", asked = reqs.len(), got = c.len(),
+                    "store answered a batch with the wrong number of claims; claiming one by one");
+            }
+            Err(e) => {
+                self.observe_store_error("claim_many", &e);
+                tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
+            }
+        }
+        let claims = futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await;
+        for e in claims.iter().filter_map(|c| c.as_ref().err()) {
+            self.observe_store_error("claim", e);
+        }
+        claims
+    }
+
+    /// Turns a claim into a decision: the outcome of a claim that was not acquired, or the
+    /// handler's run under an acquired lease (its completion still to record).
+    async fn decide<T, E, F, Fut>(
+        &self,
+        claim: Result<Claim, StoreError>,
+        req: &ClaimRequest,
+        handler: F,
+        correlation: Option<&str>,
+    ) -> Decision<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Display,
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let key = &req.key;
+        let span = tracing::info_span!(
+            target: "idem",
+            "idem.delivery",
+            scope = %key.scope(),
+            key = %key.id(),
+            correlation_id = correlation.unwrap_or(""),
+            attempt = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let (ran, attempt) = async {
+            match outcome_of(claim, req) {
+                Answer::Settled(o, attempt) => (Ran::Done(o), attempt),
+                Answer::Run(lease) => {
+                    let attempt = lease.attempt();
+                    (self.run(lease, handler).await, attempt)
+                }
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        Decision { span, attempt, ran }
+    }
+
+    async fn run<T, E, F, Fut>(&self, mut lease: Lease, handler: F) -> Ran<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Display,
+        F: FnOnce(Context) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let cfg = &self.cfg;
+        let attempt = lease.attempt();
+        let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
+        if lease.took_over_expired() {
+            let policy = if park { "park" } else { "run" };
+            metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
+                .increment(1);
+        }
+        if lease.took_over_expired() && park {
+            let reason = Cause::<String>::InDoubt { attempt }.to_string();
+            if let Err(e) = self.store.fail(lease, FailKind::InDoubt, &reason, cfg.retain).await {
+                self.observe_store_error("fail", &e);
+                return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
+            }
+            return Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt }));
+        }
+        let ctx = Context {
+            downstream_key: Some(lease.key().downstream_key()),
+            key: Some(lease.key().clone()),
+            attempt,
+            token: lease.token(),
+            took_over: lease.took_over_expired(),
+        };
+        let result = self.drive(&mut lease, handler(ctx)).await;
+        match result {
+            Ok(value) => {
+                let stored = self.encode_result(lease.key(), &value);
+                Ran::Complete { lease, value, stored }
+            }
+            Err(HandlerError::Transient(e)) => {
+                let key = lease.key().to_string();
+                if let Err(re) = self.store.release(lease).await {
+                    self.observe_store_error("release", &re);
+                    tracing::warn!(target: "idem", %key, error = %re,
+                        "could not release the claim after a transient failure; it frees itself when the lease ends");
+                }
+                Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Handler(e)))
+            }
+            Err(HandlerError::Permanent(e)) => {
+                let key = lease.key().to_string();
+                let mut reason = e.to_string();
+                truncate_utf8(&mut reason, 4096);
+                if let Err(fe) =
+                    self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain).await
+                {
+                    self.observe_store_error("fail", &fe);
+                    tracing::warn!(target: "idem", %key, error = %fe,
+                        "could not record the permanent failure; the key frees itself when the lease ends");
+                }
+                Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::Handler(e)))
+            }
+        }
+    }
+
+    /// Runs the handler, extending the lease on every heartbeat tick when one is configured.
+    ///
+    /// The heartbeat runs beside the handler, never instead of it: awaiting `extend` while the
+    /// handler is not polled would deadlock a handler that holds what `extend` needs (the one
+    /// connection of a SQLite pool, say) until the pool's acquire timeout.
+    async fn drive<Fut: Future>(&self, lease: &mut Lease, fut: Fut) -> Fut::Output {
+        let Some(every) = self.cfg.heartbeat else { return fut.await };
+        let beat = async {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tick.tick().await;
+                if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
+                    self.observe_store_error("extend", &e);
+                    tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
+                }
+            }
+        };
+        tokio::select! {
+            biased;
+            out = fut => out,
+            _ = beat => unreachable!("the heartbeat loop never ends"),
+        }
+    }
+}
+
+/// The two-phase round: one `claim_many`, the handlers of the acquired keys concurrently (and
+/// those of messages without a key), one `complete_many`.
+/// The handler takes the message's index in the batch, so no borrow of it appears in the
+/// handler's signature.
+pub(super) struct TwoPhase<'e, S, H, M> {
+    pub(super) engine: &'e Engine<S>,
+    pub(super) handler: &'e H,
+    pub(super) msgs: &'e [M],
+}
+
+impl<S, M, T, E, H, Fut> Round<T, E> for TwoPhase<'_, S, H, M>
+where
+    S: DedupStore,
+    M: Envelope + Sync,
+    T: Serialize + DeserializeOwned + Send,
+    E: Display + Send,
+    H: Fn(Context, usize) -> Fut + Sync,
+    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+{
+    // The trait's future is `Send + '_` over the handler's types; an `async fn` here would
+    // need those types to outlive the borrow, which they need not.
+    #[allow(clippy::manual_async_fn)]
+    fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
+        async move {
+            let (engine, handler, msgs) = (self.engine, self.handler, self.msgs);
+            let mut keyed = Vec::with_capacity(round.len());
+            let mut unkeyed = Vec::new();
+            for (i, req) in round {
+                match req {
+                    Some(req) => keyed.push((i, req)),
+                    None => unkeyed.push(i),
+                }
+            }
+            let unkeyed_runs = unkeyed.into_iter().map(|i| async move {
+                let outcome = engine.run_unkeyed(Context::unkeyed(), |ctx| handler(ctx, i)).await;
+                Decided { index: i, outcome, attempt: 1 }
+            });
+            let unkeyed_runs = futures_util::future::join_all(unkeyed_runs);
+            let keyed_runs = async {
+                if keyed.is_empty() {
+                    return Vec::new();
+                }
+                let reqs: Vec<ClaimRequest> = keyed.iter().map(|(_, r)| r.clone()).collect();
+                let claims = engine.claim_all(&reqs).await;
+                let runs = keyed.into_iter().zip(claims).map(|((i, req), claim)| async move {
+                    let m = &msgs[i];
+                    let d =
+                        engine.decide(claim, &req, |ctx| handler(ctx, i), m.correlation_id()).await;
+                    (i, d)
+                });
+                let decided = futures_util::future::join_all(runs).await;
+                engine.complete_all(decided).await
+            };
+            let (mut done, keyed) = futures_util::future::join(unkeyed_runs, keyed_runs).await;
+            done.extend(keyed);
+            done
+        }
+    }
+}
+
+/// Records a decided delivery's attempt and outcome on its span.
+pub(super) fn close<T, E>(span: &tracing::Span, attempt: u32, outcome: &Outcome<T, E>) {
+    span.record("attempt", attempt);
+    span.record("outcome", outcome.kind().as_str());
+}
+
+fn truncate_utf8(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+}

@@ -1,0 +1,374 @@
+//! Claims and completions on PostgreSQL: the [`DedupStore`] calls, each one statement (or
+//! one per batch) whose row lock arbitrates the race.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::time::duration_micros;
+use idem_core::{
+    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Fingerprint, Lease, Record,
+    RecordState, StoreError, Timestamp,
+};
+use sqlx::postgres::{PgConnection, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::{PostgresStore, backend};
+use crate::MAX_RESULT_BYTES;
+use crate::row::{
+    Loser, classify_loser, decode_row, decode_row_at, fenced, i64_of, lease_from_parts, nullable,
+    required,
+};
+
+impl PostgresStore {
+    pub(super) async fn upsert(
+        &self,
+        conn: &mut PgConnection,
+        stmt: &Arc<str>,
+        req: &ClaimRequest,
+        lease_for: Option<Duration>,
+    ) -> Result<Option<PgRow>, StoreError> {
+        sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
+            .bind(&req.key.hash().0[..])
+            .bind(req.key.scope())
+            .bind(req.key.id())
+            .bind(req.fingerprint.as_ref().map(|f| &f.0[..]))
+            .bind(self.skew())
+            .bind(lease_for.map(duration_micros))
+            .bind(duration_micros(req.retain_for.max(lease_for.unwrap_or_default())))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("claim", e))
+    }
+
+    /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<Claim, StoreError> {
+        for _ in 0..8 {
+            if let Some(row) = self.upsert(conn, &self.sql.claim, req, Some(req.lease_for)).await? {
+                return lease_of(&req.key, &row).map(Claim::Acquired);
+            }
+            let Some((rec, now)) = self.fetch(conn, &req.key).await? else { continue };
+            if let Some(claim) = lost(rec, req.fingerprint, now) {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::backend(
+            "claim",
+            true,
+            "record kept changing under the claim (8 tries); try again",
+        ))
+    }
+
+    /// Reads `key`'s record and the database's clock.
+    pub(super) async fn fetch(
+        &self,
+        conn: &mut PgConnection,
+        key: &DedupKey,
+    ) -> Result<Option<(Record, Timestamp)>, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.select)))
+            .bind(&key.hash().0[..])
+            .bind(self.skew())
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| backend("get", e))?;
+        let Some(row) = row else { return Ok(None) };
+        let now: i64 = row.try_get(13).map_err(|e| backend("get", e))?;
+        Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
+    }
+
+    /// One upsert statement for a batch (`stmt`: the claim or the mark), then — only when some
+    /// key was taken — one read of the losers. A key that repeats goes in once (its first
+    /// occurrence), since one upsert cannot touch a row twice; rows go in key-hash order, so
+    /// concurrent batches lock shared keys in one order (no deadlock). Answers: each distinct
+    /// hash's first index, and each hash's row (won?, record, database now).
+    #[allow(clippy::type_complexity)]
+    async fn upsert_many(
+        &self,
+        conn: &mut PgConnection,
+        reqs: &[ClaimRequest],
+    ) -> Result<(HashMap<[u8; 32], usize>, HashMap<[u8; 32], (bool, Record, Timestamp)>), StoreError>
+    {
+        let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
+        let (mut h, mut s, mut i, mut fp, mut lease, mut keep) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&n| (reqs[n].key.hash().0, n));
+        for n in order {
+            let r = &reqs[n];
+            let hash = r.key.hash().0;
+            if first.contains_key(&hash) {
+                continue;
+            }
+            first.insert(hash, n);
+            h.push(hash.to_vec());
+            s.push(r.key.scope().to_owned());
+            i.push(r.key.id().to_owned());
+            fp.push(r.fingerprint.map(|f| f.0.to_vec()));
+            lease.push(duration_micros(r.lease_for));
+            keep.push(duration_micros(r.retain_for.max(r.lease_for)));
+        }
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many)))
+            .bind(&h)
+            .bind(&s)
+            .bind(&i)
+            .bind(&fp)
+            .bind(self.skew())
+            .bind(&lease)
+            .bind(&keep)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| backend("claim_many", e))?;
+        let mut found: HashMap<[u8; 32], (bool, Record, Timestamp)> = HashMap::new();
+        decode_claimed(&rows, &mut found)?;
+        let taken: Vec<&[u8; 32]> = first.keys().filter(|k| !found.contains_key(*k)).collect();
+        self.read_losers(conn, &taken, &mut found).await?;
+        Ok((first, found))
+    }
+
+    /// Reads the records of keys an upsert did not win (a second round trip, only when some).
+    /// Run unprepared, so it is planned with its array every time: as a cached generic plan made
+    /// while the table was tiny it scanned the whole table once grown.
+    pub(crate) async fn read_losers(
+        &self,
+        conn: &mut PgConnection,
+        losers: &[&[u8; 32]],
+        found: &mut HashMap<[u8; 32], (bool, Record, Timestamp)>,
+    ) -> Result<(), StoreError> {
+        if losers.is_empty() {
+            return Ok(());
+        }
+        let losers: Vec<&[u8]> = losers.iter().map(|k| &k[..]).collect();
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim_many_losers)))
+            .bind(&losers)
+            .bind(self.skew())
+            .persistent(false)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| backend("claim_many", e))?;
+        decode_claimed(&rows, found)
+    }
+
+    async fn finish(
+        &self,
+        lease: &Lease,
+        state: RecordState,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        StoreError::check_len("result", result.map_or(0, <[u8]>::len), MAX_RESULT_BYTES)?;
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.finish)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(i64::from(state.code()))
+            .bind(result)
+            .bind(self.skew())
+            .bind(duration_micros(retain_for))
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("complete", e))?;
+        fenced(done.rows_affected(), lease)
+    }
+}
+
+/// The answer of a claim that did not write; `None` when the record is claimable again.
+fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option<Claim> {
+    match classify_loser(rec, fingerprint, now)? {
+        Loser::Done(rec) => Some(Claim::Completed(rec)),
+        Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
+        Loser::Leased(rec) => Some(Claim::InProgress {
+            retry_after: rec.lease_until.unwrap_or(now).since(now),
+            attempt: rec.attempt,
+        }),
+    }
+}
+
+/// The lease in a winning upsert's `RETURNING attempt, token, prev_state, fingerprint, lease_until`.
+fn lease_of(key: &DedupKey, row: &PgRow) -> Result<Lease, StoreError> {
+    let attempt = required(row, 0, "attempt")?;
+    let token = required(row, 1, "token")?;
+    let prev = nullable(row, 2, "prev_state")?;
+    let fp = nullable(row, 3, "fingerprint")?;
+    // A claim always sets the lease end: a NULL is corrupt, not a lease that ended in 1970.
+    let until = required(row, 4, "lease_until")?;
+    lease_from_parts(key, attempt, token, prev, fp, until)
+}
+
+impl DedupStore for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
+        self.claim_on(&mut conn, req).await
+    }
+
+    async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
+        let (first, found) = self.upsert_many(&mut conn, reqs).await?;
+        drop(conn);
+        let mut out = Vec::with_capacity(reqs.len());
+        for (n, req) in reqs.iter().enumerate() {
+            let hash = req.key.hash().0;
+            let answer = match found.get(&hash) {
+                Some((true, rec, _)) if first.get(&hash) == Some(&n) => {
+                    Some(Claim::Acquired(lease_from_parts(
+                        &req.key,
+                        i64::from(rec.attempt),
+                        i64_of(rec.token, "token")?,
+                        rec.previous.map(|p| i64::from(p.code())),
+                        rec.fingerprint.map(|f| f.0.to_vec()),
+                        rec.lease_until.map_or(0, Timestamp::as_micros),
+                    )?))
+                }
+                Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now),
+                None => None,
+            };
+            match answer {
+                Some(claim) => out.push(claim),
+                // Claimable again by the time its record was read, or purged: decide it alone.
+                None => out.push(self.claim(req).await?),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn complete(
+        &self,
+        lease: Lease,
+        result: Option<&[u8]>,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, RecordState::Completed, result, retain_for).await
+    }
+
+    async fn complete_many(
+        &self,
+        items: Vec<Completion>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        let (mut h, mut tok, mut res, mut keep) = (vec![], vec![], vec![], vec![]);
+        for c in &items {
+            if let Err(e) = StoreError::check_len(
+                "result",
+                c.result.as_ref().map_or(0, Vec::len),
+                MAX_RESULT_BYTES,
+            ) {
+                out.push(Some(Err(e)));
+                continue;
+            }
+            out.push(None);
+            h.push(c.lease.key().hash().0.to_vec());
+            tok.push(i64_of(c.lease.token(), "token")?);
+            res.push(c.result.clone());
+            keep.push(duration_micros(c.retain_for));
+        }
+        let rows = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.complete_many)))
+            .bind(&h)
+            .bind(&tok)
+            .bind(&res)
+            .bind(&keep)
+            .bind(self.skew())
+            // Planned with its arrays on every run: a cached generic plan chosen while the
+            // table was tiny (sequential scan, hash join) would read the whole table per batch
+            // once it has grown (test: batch_statements_stay_index_lookups_as_the_table_grows).
+            .persistent(false)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| backend("complete_many", e))?;
+        let mut done = std::collections::HashSet::with_capacity(rows.len());
+        for row in &rows {
+            let get = |e| backend("complete_many", e);
+            let hash: Vec<u8> = row.try_get(0).map_err(get)?;
+            let token: i64 = row.try_get(1).map_err(get)?;
+            done.insert((hash, token));
+        }
+        Ok(items
+            .iter()
+            .zip(out)
+            .map(|(c, pre)| {
+                pre.unwrap_or_else(|| {
+                    let token = i64::try_from(c.lease.token()).unwrap_or(-1);
+                    if done.contains(&(c.lease.key().hash().0.to_vec(), token)) {
+                        Ok(())
+                    } else {
+                        Err(StoreError::LeaseLost { key: c.lease.key().to_string() })
+                    }
+                })
+            })
+            .collect())
+    }
+
+    async fn fail(
+        &self,
+        lease: Lease,
+        kind: FailKind,
+        reason: &str,
+        retain_for: Duration,
+    ) -> Result<(), StoreError> {
+        self.finish(&lease, kind.state(), Some(reason.as_bytes()), retain_for).await
+    }
+
+    async fn release(&self, lease: Lease) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.release)))
+            .bind(&lease.key().hash().0[..])
+            .bind(i64_of(lease.token(), "token")?)
+            .bind(self.skew())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("release", e))?;
+        fenced(done.rows_affected(), &lease)
+    }
+
+    async fn extend(&self, lease: &mut Lease, by: Duration) -> Result<(), StoreError> {
+        let until: Option<Option<i64>> =
+            sqlx::query_scalar(AssertSqlSafe(Arc::clone(&self.sql.extend)))
+                .bind(&lease.key().hash().0[..])
+                .bind(i64_of(lease.token(), "token")?)
+                .bind(self.skew())
+                .bind(duration_micros(by))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| backend("extend", e))?;
+        let Some(Some(until)) = until else {
+            return Err(StoreError::LeaseLost { key: lease.key().to_string() });
+        };
+        lease.set_until(Timestamp::from_micros(until));
+        Ok(())
+    }
+
+    async fn purge(&self, limit: usize) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.purge)))
+            .bind(self.skew())
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            // Planned each time, as `complete_many` (a plan cached on a tiny table scans it all).
+            .persistent(false)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| backend("purge", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        PostgresStore::check(self).await
+    }
+}
+
+/// Adds `claim_many`'s rows (winners or losers) to `found`, by key hash.
+fn decode_claimed(
+    rows: &[PgRow],
+    found: &mut HashMap<[u8; 32], (bool, Record, Timestamp)>,
+) -> Result<(), StoreError> {
+    for row in rows {
+        let get = |e| backend("claim_many", e);
+        let won: bool = row.try_get(0).map_err(get)?;
+        // The record columns follow the leading `won` flag.
+        let raw = decode_row_at(row, 1)?;
+        let now: i64 = row.try_get(14).map_err(get)?;
+        found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
+    }
+    Ok(())
+}

@@ -1,0 +1,136 @@
+//! Batches: `claim_many` answers as single claims would, in order, at any size.
+
+use idem_core::{Claim, ClaimRequest, DedupKey, RecordState};
+
+use super::{Store, acquire, fp, req, retain, unique_key};
+use crate::{Harness, TimeControl};
+
+/// `claim_many` answers in order; a repeated key acquires once, its copies see it in progress or
+/// in conflict.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn claim_many_in_order_with_repeats<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let a = unique_key("conf-batch");
+    let b = unique_key("conf-batch");
+    let done = unique_key("conf-batch");
+    let l = acquire(&h, &req(&h, &done, fp(1))).await;
+    h.store.complete(l, Some(b"r"), retain(&h)).await.expect("complete");
+    let batch = vec![
+        req(&h, &a, fp(1)),
+        req(&h, &b, fp(1)),
+        req(&h, &a, fp(1)),
+        req(&h, &done, fp(1)),
+        req(&h, &a, fp(2)),
+    ];
+    let claims = h.store.claim_many(&batch).await.expect("claim_many");
+    assert_eq!(claims.len(), 5);
+    let mut it = claims.into_iter();
+    let (Some(Claim::Acquired(la)), Some(Claim::Acquired(lb))) = (it.next(), it.next()) else {
+        panic!("first two must acquire")
+    };
+    assert_eq!(la.key(), &a);
+    assert_eq!(lb.key(), &b);
+    assert!(matches!(it.next(), Some(Claim::InProgress { .. })), "repeat of a");
+    assert!(matches!(it.next(), Some(Claim::Completed(_))), "completed key");
+    assert!(matches!(it.next(), Some(Claim::Conflict(_))), "repeat of a with other content");
+    h.store.complete(la, None, retain(&h)).await.expect("complete a");
+    h.store.complete(lb, None, retain(&h)).await.expect("complete b");
+    assert!(h.store.claim_many(&[]).await.expect("empty batch").is_empty());
+}
+
+/// A batch over keys in every state answers what single claims would, in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeControl>(
+    h: Harness<S, C>,
+) {
+    let [n1, n2, done, released, expired, conflict, live] =
+        std::array::from_fn(|_| unique_key("conf-mixed"));
+    let l = acquire(&h, &req(&h, &expired, fp(1))).await;
+    drop(l); // a crash: the lease is left to run out
+    h.time.advance(h.unit * 3).await;
+    let l = acquire(&h, &req(&h, &done, fp(1))).await;
+    h.store.complete(l, Some(b"d"), retain(&h)).await.expect("complete");
+    let l = acquire(&h, &req(&h, &released, fp(1))).await;
+    h.store.release(l).await.expect("release");
+    let l = acquire(&h, &req(&h, &conflict, fp(1))).await;
+    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    let live_lease = acquire(&h, &req(&h, &live, fp(1))).await;
+
+    let batch = vec![
+        req(&h, &n1, fp(1)),
+        req(&h, &done, fp(1)),
+        req(&h, &released, fp(1)),
+        req(&h, &expired, fp(1)),
+        req(&h, &conflict, fp(2)),
+        req(&h, &live, fp(1)),
+        req(&h, &n1, fp(1)),
+        req(&h, &n2, None),
+        req(&h, &released, fp(1)),
+    ];
+    let claims = h.store.claim_many(&batch).await.expect("claim_many");
+    let mut leases = Vec::new();
+    let mut labels = Vec::new();
+    for c in claims {
+        labels.push(match c {
+            Claim::Acquired(l) => {
+                let label = match (l.attempt(), l.previous()) {
+                    (1, None) => "new",
+                    (2, Some(RecordState::Released)) => "after-release",
+                    (2, Some(RecordState::InProgress)) => "takeover",
+                    other => panic!("unexpected lease {other:?}"),
+                };
+                leases.push(l);
+                label
+            }
+            Claim::Completed(r) => {
+                assert_eq!(r.result.as_deref(), Some(&b"d"[..]));
+                "completed"
+            }
+            Claim::Conflict(_) => "conflict",
+            Claim::InProgress { .. } => "in-progress",
+        });
+    }
+    assert_eq!(
+        labels,
+        [
+            "new",
+            "completed",
+            "after-release",
+            "takeover",
+            "conflict",
+            "in-progress",
+            "in-progress",
+            "new",
+            "in-progress"
+        ]
+    );
+    for l in leases.into_iter().chain([live_lease]) {
+        h.store.complete(l, None, retain(&h)).await.expect("complete");
+    }
+}
+
+/// A batch larger than any single statement a store may build (1,200 keys) still answers every
+/// key, in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn claim_many_large_batch<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let keys: Vec<DedupKey> = (0..1200).map(|_| unique_key("conf-large")).collect();
+    let reqs: Vec<ClaimRequest> = keys.iter().map(|k| req(&h, k, None)).collect();
+    let claims = h.store.claim_many(&reqs).await.expect("claim_many");
+    assert_eq!(claims.len(), 1200);
+    for (k, c) in keys.iter().zip(claims) {
+        match c {
+            Claim::Acquired(l) => assert_eq!(l.key(), k),
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+    let again = h.store.claim_many(&reqs).await.expect("claim_many");
+    assert!(again.iter().all(|c| matches!(c, Claim::InProgress { .. })));
+}

@@ -8,9 +8,10 @@
 //!   [`postgres::EntityTable`] for business tables that are their own marker.
 //! - `mysql`: `MySqlStore` and `MySqlInbox` for MariaDB/MySQL.
 //!
-//! - [`inbox`]: every inbox is a consumer backend: `Consumer::builder(source).inbox(store.inbox(retain))`
-//!   runs a broker's batches through one database transaction each, on any of the three
-//!   databases; the handler gets the transaction ([`Tx`]).
+//! - Inboxes: each database's inbox implements [`idem_core::TxInbox`] with SQL alone;
+//!   `Consumer::builder(source).inbox(store.inbox(retain))` runs a broker's batches through one
+//!   database transaction each, on any of the three databases; the handler gets the
+//!   transaction ([`Tx<PostgresInbox>`](idem_core::Tx), which dereferences to the connection).
 //! - [`outbox`]: transactional outboxes on the three databases: a handler enqueues outgoing
 //!   messages in its transaction ([`Enqueue`]), a relay publishes them afterwards.
 //!

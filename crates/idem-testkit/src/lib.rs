@@ -2,8 +2,8 @@
 //!
 //! - [`dedup_store_conformance!`]: one macro that runs the whole store contract
 //!   ([`idem_core::DedupStore`] + [`idem_core::InspectStore`]) against a store.
-//! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_sqlx::TxInbox`] and the
-//!   consumer backend every broker adapter drives), against each SQL inbox.
+//! - [`tx_inbox_conformance!`]: the transactional-inbox contract ([`idem_core::inbox::TxInbox`]
+//!   and the consumer backend every broker adapter drives), against each SQL inbox.
 //! - `source_conformance!` (feature `source`): the broker-source contract ([`idem_core::consumer::Source`] through
 //!   the driver): every mode through the same builder calls on a real broker.
 //! - [`outbox_conformance!`]: the outbox-store contract ([`idem_core::outbox::OutboxStore`]):
@@ -63,7 +63,7 @@ impl TimeControl for idem_core::time::TokioClock {
     }
 }
 
-/// A store on a server clock (PostgreSQL, MySQL, Redis) shifted by a [`ClockSkew`].
+/// A store on a server clock (PostgreSQL, MySQL, Redis) shifted by a [`ClockSkew`](idem_core::time::ClockSkew).
 impl TimeControl for idem_core::time::ClockSkew {
     async fn advance(&self, d: Duration) {
         idem_core::time::ClockSkew::advance(self, d);

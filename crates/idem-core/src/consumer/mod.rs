@@ -116,7 +116,7 @@ impl<S: Source, B> Consumer<S, B> {
 
 impl<S: Source, B: Backend> Consumer<S, B> {
     /// Fetches, decides and settles batches until `shutdown` completes, then closes the source.
-    /// In two-phase mode the handler gets a [`Context`](crate::consumer::Context); in inbox
+    /// In two-phase mode the handler gets a [`Context`](crate::engine::Context); in inbox
     /// mode, the batch's transaction. It gets its own copy of the message, so its future may
     /// own what it reads.
     ///

@@ -58,7 +58,7 @@ impl MySqlStore {
         self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
     }
 
-    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`]). Fails when the
+    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`](idem_core::DedupStore::check)). Fails when the
     /// table does not exist in the connection's database or lacks a column
     /// ([`StoreError::NotMigrated`], naming the table and `MySqlStore::migrate()`). Returns, and
     /// logs, a warning when `innodb_flush_log_at_trx_commit` is not 1 (a committed marker may

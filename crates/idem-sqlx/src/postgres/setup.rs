@@ -65,7 +65,7 @@ impl PostgresStore {
         self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
     }
 
-    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`]). Fails when the
+    /// Startup checks, run by a consumer's `build` ([`DedupStore::check`](idem_core::DedupStore::check)). Fails when the
     /// table does not exist in the schema or lacks a column ([`StoreError::NotMigrated`],
     /// naming the table and `PostgresStore::migrate()`). Returns, and logs with
     /// `tracing::warn!`, each problem that lets the store work but weakens a guarantee:

@@ -18,6 +18,7 @@
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
 pub mod batched;
+mod chain;
 pub mod claim;
 pub mod consumer;
 pub mod decide;
@@ -39,6 +40,7 @@ pub mod time;
 pub mod version;
 
 pub use batched::{BatchConfig, Batched};
+pub use chain::ErrorChain;
 pub use claim::{Claim, ClaimRequest, FailKind, Lease};
 pub use consumer::Consumer;
 pub use engine::{Backend, Engine, Handler, HandlerError, Outcome, OutcomeKind};

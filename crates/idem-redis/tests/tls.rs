@@ -43,14 +43,7 @@ fn certs(pki: &Pki, ca: &std::path::Path, client: bool) -> TlsCertificates {
 
 /// The whole error chain, for matching on the cause.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(e) = source {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
-        source = e.source();
-    }
-    s
+    idem_core::ErrorChain(e).to_string()
 }
 
 fn with_host(url: &str, host: &str) -> String {

@@ -65,14 +65,7 @@ fn check_mysql(opts: &sqlx::mysql::MySqlConnectOptions, tls: bool) -> Result<(),
 mod tests {
     /// An error and its causes, joined by `: ` (what a report prints).
     fn chain(e: &dyn std::error::Error) -> String {
-        let mut out = e.to_string();
-        let mut next = e.source();
-        while let Some(cause) = next {
-            out.push_str(": ");
-            out.push_str(&cause.to_string());
-            next = cause.source();
-        }
-        out
+        idem_core::ErrorChain(e).to_string()
     }
 
     #[cfg(feature = "postgres")]

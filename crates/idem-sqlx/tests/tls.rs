@@ -54,14 +54,7 @@ fn with_user(url: &str, user: &str) -> String {
 
 /// The whole error chain, for matching on the cause.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(e) = source {
-        s.push_str(": ");
-        s.push_str(&e.to_string());
-        source = e.source();
-    }
-    s
+    idem_core::ErrorChain(e).to_string()
 }
 
 async fn pg_pool(url: &str) -> Result<sqlx::PgPool, sqlx::Error> {

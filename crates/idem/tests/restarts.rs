@@ -96,14 +96,7 @@ async fn restart_shared(what: &str) {
 
 /// The full chain of an error's messages, so a recorded error says what happened.
 fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+    idem::ErrorChain(e).to_string()
 }
 
 fn messages(destination: &str, ids: &[String]) -> Vec<OutboxMessage> {

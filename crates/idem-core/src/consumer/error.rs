@@ -16,7 +16,7 @@ pub enum BuildError<E: std::error::Error + 'static> {
     /// The store is not ready: its table was never created (the message names the
     /// `migrate()` to run), or it cannot be reached. The message carries the store error's,
     /// and its causes; it is not repeated as a `source()`.
-    #[error("the store is not ready: {}", chain(.0))]
+    #[error("the store is not ready: {}", crate::ErrorChain(.0))]
     Store(StoreError),
     /// Opening the broker source failed (connection, broker configuration checks).
     #[error("opening the broker source failed")]
@@ -29,18 +29,6 @@ impl<E: std::error::Error + 'static> From<ConfigError> for BuildError<E> {
     fn from(e: ConfigError) -> Self {
         Self::Config(e)
     }
-}
-
-/// An error and its causes, joined by `: `.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        next = cause.source();
-    }
-    out
 }
 
 /// What stops a running consumer. Per-message failures are never errors: they are outcomes,

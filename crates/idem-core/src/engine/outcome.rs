@@ -178,15 +178,7 @@ impl<E: fmt::Display> fmt::Display for Cause<E> {
                 "in doubt: the lease of an earlier attempt ran out (found at attempt {attempt}); \
                  the effect may have happened, so the message is parked until an operator releases it"
             ),
-            Self::Store(e) => {
-                write!(f, "{e}")?;
-                let mut src = std::error::Error::source(e);
-                while let Some(s) = src {
-                    write!(f, ": {s}")?;
-                    src = s.source();
-                }
-                Ok(())
-            }
+            Self::Store(e) => write!(f, "{}", crate::ErrorChain(e)),
             Self::Decode(e) => write!(f, "stored result does not decode: {e}"),
         }
     }

@@ -452,7 +452,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     ) -> PublishFailure {
         let s = &self.settings;
         let attempts = failed_before + 1;
-        let reason = error_chain(e);
+        let reason = crate::ErrorChain(e).to_string();
         let retry_in = (e.is_retryable() && attempts < s.max_attempts)
             .then(|| backoff(s.backoff.0, s.backoff.1, attempts));
         match retry_in {
@@ -470,17 +470,6 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 /// `first × 2^(n−1)`, at most `max`.
 fn backoff(first: Duration, max: Duration, n: u32) -> Duration {
     first.saturating_mul(1u32 << n.saturating_sub(1).min(20)).min(max)
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -160,7 +160,10 @@ pub(crate) async fn replicated(store: &RedisStore, op: &'static str) -> Result<(
                     std::mem::take(&mut st.waiting)
                 };
                 // Every write in `batch` was answered before this WAIT is sent.
-                let r = store.wait_once(op).await.map_err(|e| (e.is_retryable(), chain(&e)));
+                let r = store
+                    .wait_once(op)
+                    .await
+                    .map_err(|e| (e.is_retryable(), idem_core::ErrorChain(&e).to_string()));
                 for tx in batch {
                     let _ = tx.send(
                         r.clone()
@@ -171,15 +174,4 @@ pub(crate) async fn replicated(store: &RedisStore, op: &'static str) -> Result<(
         });
     }
     rx.await.unwrap_or_else(|_| Err(StoreError::backend(op, true, "the WAIT task ended")))
-}
-
-/// An error's message and its sources', for a copy per waiter.
-fn chain(e: &StoreError) -> String {
-    let mut msg = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        msg = format!("{msg}: {s}");
-        source = s.source();
-    }
-    msg
 }

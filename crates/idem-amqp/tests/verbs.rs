@@ -265,7 +265,10 @@ async fn graceful_shutdown_drains_the_handler_in_flight_and_requeues_the_rest() 
     assert!(!task.is_finished(), "shutdown waits for the handler in flight");
     release.notify_one();
     let stats = tokio::time::timeout(LIMIT, task).await.unwrap().unwrap().unwrap();
-    assert_eq!((stats.processed, stats.acked, stats.released), (1, 1, 2), "{stats:?}");
+    assert_eq!((stats.processed, stats.acked), (1, 1), "{stats:?}");
+    // The lane had fetched message 2 ahead; released, RabbitMQ may push it to this consumer
+    // again before the cancel, and closing releases it a second time.
+    assert!((2..=3).contains(&stats.released), "{stats:?}");
     // The two prefetched deliveries went back to the queue, unprocessed.
     b.wait_count(b.queue(), 2, LIMIT).await;
     b.cleanup().await;

@@ -30,6 +30,9 @@ async fn scrape_after_known_traffic_shows_exact_counts() {
         .store(store.clone())
         .scope("billing")
         .batch(4)
+        // Exact counts: pipelined, batch 2's claims could go out while batch 1 runs, and its
+        // duplicates of batch 1 (then in progress) be claimed a second time.
+        .pipeline(false)
         .concurrency(1)
         .idle_wait(Duration::from_millis(20))
         .build()

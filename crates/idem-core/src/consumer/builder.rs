@@ -58,13 +58,14 @@ pub(crate) struct Settings {
     pub(crate) fetch_failures: FetchFailures,
     pub(crate) broker_timeout: Duration,
     pub(crate) concurrency: usize,
+    pub(crate) pipelined: bool,
 }
 
 /// Builds a [`Consumer`]: the broker side first ([`Consumer::builder`]), then the backend — a
 /// store (two-phase) or an inbox (transactional) — and the engine's settings, the scope among
 /// them, all on this one builder.
 ///
-/// Defaults: batches of up to 64 messages, one batch in flight, wait up to 1 s for a first
+/// Defaults: batches of up to 64 messages, one lane, pipelined, wait up to 1 s for a first
 /// message, broker calls bounded at 30 s, [`FetchFailures::default`]; the engine's defaults
 /// are [`EngineBuilder`](crate::engine::EngineBuilder)'s.
 ///
@@ -104,6 +105,7 @@ impl<C: SourceConfig> Builder<C, ()> {
                 fetch_failures: FetchFailures::default(),
                 broker_timeout: Duration::from_secs(30),
                 concurrency: 1,
+                pipelined: true,
             },
             hook: None,
         }
@@ -152,6 +154,18 @@ impl<C: SourceConfig, B> Builder<C, B> {
     /// them).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.settings.concurrency = n.max(1);
+        self
+    }
+
+    /// Whether each lane overlaps its steps (default `true`): it fetches batch k + 1 — and, in
+    /// two-phase mode, claims its keys — while the handlers of batch k run, and sends batch
+    /// k − 1's acks meanwhile. The handlers of one lane still run one batch at a time, in order;
+    /// nothing is acknowledged before its batch is durable. A lane then holds up to three
+    /// batches unacknowledged (the broker's prefetch or credit should allow `3 × batch ×
+    /// concurrency`), and a key redelivered while its first copy runs is claimed again when its
+    /// turn comes, not answered "in progress". `false`: fetch, decide, settle, one after the other.
+    pub fn pipeline(mut self, on: bool) -> Self {
+        self.settings.pipelined = on;
         self
     }
 

@@ -157,6 +157,11 @@ impl MemoryQueue {
         st.ready.len() + st.delayed.len() + st.in_flight
     }
 
+    /// Messages fetched and not yet settled.
+    pub fn in_flight(&self) -> usize {
+        self.state().in_flight
+    }
+
     /// The messages acknowledged so far, in order.
     pub fn acked(&self) -> Vec<MemoryDelivery> {
         self.state().acked.clone()

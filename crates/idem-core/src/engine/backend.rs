@@ -10,6 +10,7 @@ use std::fmt::Display;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::ahead::Ahead;
 use super::two_phase::TwoPhase;
 use super::{Context, Engine, HandlerError, Outcome};
 use crate::extract::Envelope;
@@ -56,7 +57,22 @@ pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
     #[doc(hidden)]
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Decides `batch`; see the contract above.
+    /// Claims ahead the keys of a batch that will be decided later (two-phase only; an inbox
+    /// answers `None`): see [`Ahead`].
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: dropped midway, leases taken stay until they run out.
+    #[doc(hidden)]
+    fn claim_ahead<'a, M: Envelope + Sync>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+    ) -> impl Future<Output = Option<Ahead>> + Send + 'a;
+
+    /// Gives back what [`claim_ahead`](Self::claim_ahead) took and no decision used.
+    #[doc(hidden)]
+    fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_;
+
+    /// Decides `batch` (with the claims taken ahead for it, if any); see the contract above.
     ///
     /// # Cancel safety
     /// As [`Engine::decide_batch`].
@@ -65,6 +81,7 @@ pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
         engine: &'a Engine<Self>,
         batch: &'a [M],
         handler: &'a H,
+        ahead: Option<Ahead>,
     ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
     where
         M: Envelope + Clone + Send + Sync + 'static,
@@ -90,10 +107,22 @@ impl<S: DedupStore> Backend for S {
         async move { checked.await.map(drop) }
     }
 
+    fn claim_ahead<'a, M: Envelope + Sync>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+    ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
+        engine.claim_ahead(batch)
+    }
+
+    fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_ {
+        engine.drop_ahead(ahead)
+    }
+
     fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
         handler: &'a H,
+        ahead: Option<Ahead>,
     ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
     where
         M: Envelope + Clone + Send + Sync + 'static,
@@ -104,8 +133,12 @@ impl<S: DedupStore> Backend for S {
     {
         let by_index = move |ctx: Context, i: usize| handler(ctx, batch[i].clone());
         async move {
-            let mode = TwoPhase { engine, handler: &by_index, msgs: batch };
-            engine.decide_in_rounds(batch, &mode).await
+            let mode = TwoPhase::new(engine, &by_index, batch, ahead);
+            let outcomes = engine.decide_in_rounds(batch, &mode).await;
+            if let Some(unused) = mode.into_unused() {
+                engine.drop_ahead(unused).await;
+            }
+            outcomes
         }
     }
 }
@@ -126,10 +159,17 @@ impl<I: TxInbox> Backend for Inbox<I> {
         async move { checked.await.map(drop) }
     }
 
+    async fn claim_ahead<'a, M: Envelope + Sync>(_: &'a Engine<Self>, _: &'a [M]) -> Option<Ahead> {
+        None
+    }
+
+    async fn drop_ahead(_: &Engine<Self>, _: Ahead) {}
+
     async fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
         handler: &'a H,
+        _: Option<Ahead>,
     ) -> Vec<Outcome<T, E>>
     where
         M: Envelope + Clone + Send + Sync + 'static,

@@ -7,6 +7,7 @@
 //! writes). Broker consumers ([`Consumer`](crate::consumer::Consumer)) drive one engine; it
 //! also serves on its own ([`Engine::process`]).
 
+mod ahead;
 pub(crate) mod answer;
 mod backend;
 pub(crate) mod batch;
@@ -22,6 +23,8 @@ mod two_phase;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[doc(hidden)]
+pub use ahead::Ahead;
 pub use backend::Backend;
 pub use builder::{ConfigError, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
 pub(crate) use builder::{Settings, engine_setters};
@@ -139,11 +142,26 @@ impl<B: Backend> Engine<B> {
         M: Envelope + Clone + Send + Sync + 'static,
         H: Handler<B::Ctx, M>,
     {
+        self.decide_batch_ahead(batch, handler, None).await
+    }
+
+    /// [`decide_batch`](Self::decide_batch) with the claims [`claim_ahead`](Backend::claim_ahead)
+    /// took for this batch.
+    pub(crate) async fn decide_batch_ahead<M, H>(
+        &self,
+        batch: &[M],
+        handler: &H,
+        ahead: Option<Ahead>,
+    ) -> Vec<Outcome<H::Value, H::Error>>
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Handler<B::Ctx, M>,
+    {
         // Boxed as `dyn Future + Send`: the Send proof is made here, with the lifetimes known.
         // Left to the caller, rustc must prove it for every lifetime of the backend's future
         // and fails ("implementation of `Send` is not general enough") for a spawned run.
         let fut: BoxFuture<'_, Vec<Outcome<H::Value, H::Error>>> =
-            Box::pin(B::decide::<M, H, H::Fut, H::Value, H::Error>(self, batch, handler));
+            Box::pin(B::decide::<M, H, H::Fut, H::Value, H::Error>(self, batch, handler, ahead));
         fut.await
     }
 }

@@ -3,12 +3,14 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
+use super::ahead::Ahead;
 use super::answer::{Answer, outcome_of};
 use super::batch::{Decided, Item, Round};
 use super::complete::completed;
@@ -101,12 +103,12 @@ impl<S: DedupStore> Engine<S> {
         Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
     {
         let by_index = |ctx: Context, i: usize| handler(ctx, &msgs[i]);
-        self.decide_in_rounds(msgs, &TwoPhase { engine: self, handler: &by_index, msgs }).await
+        self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs, None)).await
     }
 
     /// The claims of a round: one `claim_many`, or one claim each when the batch call fails
     /// (each message then gets its own answer, or its own error).
-    async fn claim_all(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+    pub(super) async fn claim_all(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
         let started = Instant::now();
         let batch = self.store.claim_many(reqs).await;
         self.observe_claim(started);
@@ -258,10 +260,75 @@ impl<S: DedupStore> Engine<S> {
 /// The handler takes the message's index in the batch, so no borrow of it appears in the
 /// handler's signature.
 pub(super) struct TwoPhase<'e, S, H, M> {
-    pub(super) engine: &'e Engine<S>,
-    pub(super) handler: &'e H,
-    pub(super) msgs: &'e [M],
+    engine: &'e Engine<S>,
+    handler: &'e H,
+    msgs: &'e [M],
+    /// The first round's claims, taken ahead by a pipelined consumer (used once).
+    ahead: Mutex<Option<Ahead>>,
 }
+
+impl<'e, S, H, M> TwoPhase<'e, S, H, M> {
+    pub(super) fn new(
+        engine: &'e Engine<S>,
+        handler: &'e H,
+        msgs: &'e [M],
+        ahead: Option<Ahead>,
+    ) -> Self {
+        Self { engine, handler, msgs, ahead: Mutex::new(ahead) }
+    }
+
+    /// The claims taken ahead that no round used (to release).
+    pub(super) fn into_unused(self) -> Option<Ahead> {
+        self.ahead.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<S: DedupStore, H, M> TwoPhase<'_, S, H, M> {
+    /// The claims of `reqs`: those taken ahead when they answer exactly these requests (their
+    /// leases extended to a full lease when old, the keys they left open claimed now), else
+    /// one `claim_many` now (releasing what was taken ahead for nothing).
+    async fn claims(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+        let engine = self.engine;
+        let ahead = self.ahead.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(ahead) = ahead else { return engine.claim_all(reqs).await };
+        let (mut taken, old) = match ahead.take_for(reqs, engine.lease()) {
+            Ok(taken) => taken,
+            Err(other) => {
+                engine.drop_ahead(other).await;
+                return engine.claim_all(reqs).await;
+            }
+        };
+        if old {
+            // Extended, not released and claimed again: a takeover stays a takeover.
+            let extend = taken.iter_mut().map(|slot| async move {
+                if let Some(Ok(Claim::Acquired(lease))) = slot
+                    && let Err(e) = engine.store.extend(lease, engine.lease()).await
+                {
+                    engine.observe_store_error("extend", &e);
+                    *slot = None;
+                }
+            });
+            futures_util::future::join_all(extend).await;
+        }
+        let open: Vec<usize> = (0..taken.len()).filter(|&i| taken[i].is_none()).collect();
+        if !open.is_empty() {
+            let again: Vec<ClaimRequest> = open.iter().map(|&i| reqs[i].clone()).collect();
+            for (i, c) in open.into_iter().zip(engine.claim_all(&again).await) {
+                taken[i] = Some(c);
+            }
+        }
+        taken
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|| Err(StoreError::backend("claim_many", true, Unanswered))))
+            .collect()
+    }
+}
+
+/// A claim taken ahead that was neither used nor taken again (not expected: every open slot is
+/// claimed again).
+#[derive(Debug, thiserror::Error)]
+#[error("no answer for a key claimed ahead")]
+struct Unanswered;
 
 impl<S, M, T, E, H, Fut> Round<T, E> for TwoPhase<'_, S, H, M>
 where
@@ -296,7 +363,7 @@ where
                     return Vec::new();
                 }
                 let reqs: Vec<ClaimRequest> = keyed.iter().map(|(_, r)| r.clone()).collect();
-                let claims = engine.claim_all(&reqs).await;
+                let claims = self.claims(&reqs).await;
                 let runs = keyed.into_iter().zip(claims).map(|((i, req), claim)| async move {
                     let m = &msgs[i];
                     let d =

@@ -10,6 +10,11 @@
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`); PostgreSQL: `IDEM_TEST_POSTGRES_URL`, in a schema
 //! of its own dropped at the end; MariaDB: `IDEM_TEST_MYSQL_URL`, in a table of its own (rows of
 //! a server that is down are left out).
+//!
+//! Beside each inbox, the *bare durable loop* on the same database: what a user would write
+//! without idem (a batch, `BEGIN`, one multi-row `INSERT … ON CONFLICT DO NOTHING` of its
+//! message ids, `COMMIT`, the batch's acks), pipelined as the adapter's lanes are.
+//! `IDEM_BENCH_PIPELINE=0` turns pipelining off on both sides.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +30,7 @@ use idem_core::consumer::Builder;
 use idem_core::engine::HandlerError;
 use idem_core::{Backend, MemoryStore};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+use idem_testkit::bare::{BareBroker, BareMarks, durable_lane};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -38,7 +44,7 @@ async fn main() -> Result<()> {
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(10_000);
     let batch: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(64);
     let lanes: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);
-    let prefetch = u16::try_from(2 * batch * lanes).unwrap_or(u16::MAX);
+    let prefetch = u16::try_from(3 * batch * lanes).unwrap_or(u16::MAX);
     let url = std::env::var("IDEM_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
     let conn = Connection::connect(&url, ConnectionProperties::default()).await?;
@@ -57,12 +63,12 @@ async fn main() -> Result<()> {
     if pg.is_some() {
         modes.push("two-phase PostgresStore");
     }
-    modes.push("inbox SQLite");
+    modes.extend(["inbox SQLite", "bare durable SQLite"]);
     if pg.is_some() {
-        modes.push("inbox PostgreSQL");
+        modes.extend(["inbox PostgreSQL", "bare durable PostgreSQL"]);
     }
     if my.is_some() {
-        modes.push("inbox MySQL");
+        modes.extend(["inbox MySQL", "bare durable MySQL"]);
     }
     modes.push("ack-only (again)");
     if let Ok(only) = std::env::var("IDEM_BENCH_MODES") {
@@ -77,6 +83,23 @@ async fn main() -> Result<()> {
         let t = Instant::now();
         let done = match mode {
             "ack-only" | "ack-only (again)" => ack_only(&conn, &queue, n, batch, prefetch).await?,
+            m if m.starts_with("bare durable") => {
+                let marks = match m {
+                    "bare durable PostgreSQL" => {
+                        let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
+                        BareMarks::Postgres(pool.clone(), format!("{schema}_bare"))
+                    }
+                    "bare durable MySQL" => {
+                        let (pool, table) = my.as_ref().ok_or("no MySQL")?;
+                        BareMarks::MySql(pool.clone(), format!("{table}_bare"))
+                    }
+                    _ => {
+                        let store = SqliteStore::open(dir.path().join("bare.sqlite")).await?;
+                        BareMarks::Sqlite(store.pool().clone(), "bare".into())
+                    }
+                };
+                bare_durable(&conn, &queue, &marks, &run, prefetch).await?
+            }
             "two-phase MemoryStore" => {
                 run.driven(AmqpConsumer::builder(config).store(MemoryStore::new())).await?
             }
@@ -148,6 +171,7 @@ impl Run {
             .retain(DAY)
             .batch(self.batch)
             .concurrency(self.lanes)
+            .pipeline(pipelined())
             // Short: at the end, batches still in flight wait this long for messages that never come.
             .idle_wait(Duration::from_millis(20))
             .build()
@@ -247,6 +271,79 @@ async fn ack_only(
     }
     ch.close(200, "".into()).await?;
     Ok(done)
+}
+
+/// Whether both sides pipeline their lanes (`IDEM_BENCH_PIPELINE=0`: neither does).
+fn pipelined() -> bool {
+    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
+}
+
+/// The bare durable loop's broker side: the ack-only loop's batches (what has arrived, up to
+/// `batch`, waiting up to 20 ms for the first), acks sent together.
+struct AmqpBare {
+    stream: tokio::sync::Mutex<idem_amqp::lapin::Consumer>,
+    batch: usize,
+}
+
+impl BareBroker for AmqpBare {
+    type Msg = idem_amqp::lapin::message::Delivery;
+
+    async fn fetch(&self) -> Result<Vec<Self::Msg>> {
+        let mut stream = self.stream.lock().await;
+        let first = tokio::time::timeout(Duration::from_millis(20), stream.next()).await;
+        let Ok(first) = first else { return Ok(Vec::new()) };
+        let mut got = vec![first.ok_or("stream ended")??];
+        while got.len() < self.batch {
+            match stream.next().now_or_never() {
+                Some(d) => got.push(d.ok_or("stream ended")??),
+                None => break,
+            }
+        }
+        Ok(got)
+    }
+
+    fn key(d: &Self::Msg) -> String {
+        d.properties.message_id().as_ref().map(ToString::to_string).unwrap_or_default()
+    }
+
+    async fn ack(&self, msgs: Vec<Self::Msg>) -> Result<()> {
+        let acks = msgs.iter().map(|d| d.ack(BasicAckOptions::default()));
+        for r in futures_util::future::join_all(acks).await {
+            r?;
+        }
+        Ok(())
+    }
+}
+
+/// The bare durable loop: `run.lanes` lanes on one channel with the same prefetch.
+async fn bare_durable(
+    conn: &Connection,
+    queue: &str,
+    marks: &BareMarks,
+    run: &Run,
+    prefetch: u16,
+) -> Result<usize> {
+    marks.create().await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    let stream = ch
+        .basic_consume(
+            queue.into(),
+            "bare".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let broker = AmqpBare { stream: tokio::sync::Mutex::new(stream), batch: run.batch };
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let lanes = (0..run.lanes).map(|_| durable_lane(&broker, marks, run.n, &done, pipelined()));
+    let ended = futures_util::future::join_all(lanes).await;
+    marks.drop_table().await?;
+    ch.close(200, "".into()).await?;
+    for r in ended {
+        r?;
+    }
+    Ok(done.into_inner())
 }
 
 async fn cleanup(ch: &Channel, queue: &str) {

@@ -8,6 +8,12 @@
 //! its own that is dropped at the end; MariaDB from `IDEM_TEST_MYSQL_URL`, default
 //! `mysql://root@127.0.0.1:3306/test`, in a table of its own — rows of a server that is down
 //! are left out).
+//!
+//! Beside each inbox, the *bare durable loop* on the same database: the program a user would
+//! write without idem (fetch a batch, `BEGIN`, one multi-row `INSERT … ON CONFLICT DO NOTHING`
+//! of its message ids, `COMMIT`, ack), pipelined as the adapter's lanes are (the fetch of batch
+//! k + 1 and the acks of batch k − 1 overlap batch k's transaction). `IDEM_BENCH_PIPELINE=0`
+//! turns pipelining off on both sides.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +25,7 @@ use idem_core::engine::HandlerError;
 use idem_core::{Backend, MemoryStore};
 use idem_nats::{JetStreamConfig, JetStreamConsumer};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+use idem_testkit::bare::{BareBroker, BareMarks, durable_lane};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -75,12 +82,12 @@ async fn main() -> Result<()> {
     if pg.is_some() {
         modes.push("two-phase PostgresStore");
     }
-    modes.push("inbox SQLite");
+    modes.extend(["inbox SQLite", "bare durable SQLite"]);
     if pg.is_some() {
-        modes.push("inbox PostgreSQL");
+        modes.extend(["inbox PostgreSQL", "bare durable PostgreSQL"]);
     }
     if my.is_some() {
-        modes.push("inbox MySQL");
+        modes.extend(["inbox MySQL", "bare durable MySQL"]);
     }
     modes.push("ack-only (again)");
     // IDEM_BENCH_MODES=inbox,two-phase Post… keeps the modes whose names contain one of these
@@ -98,6 +105,33 @@ async fn main() -> Result<()> {
                 let done = std::sync::atomic::AtomicUsize::new(0);
                 let loops = (0..lanes).map(|_| ack_only(&consumer, n, batch, &done));
                 for r in futures_util::future::join_all(loops).await {
+                    r?;
+                }
+                done.into_inner()
+            }
+            m if m.starts_with("bare durable") => {
+                let marks = match m {
+                    "bare durable PostgreSQL" => {
+                        let (pool, schema) = pg.as_ref().ok_or("no PostgreSQL")?;
+                        BareMarks::Postgres(pool.clone(), format!("{schema}_bare"))
+                    }
+                    "bare durable MySQL" => {
+                        let (pool, table) = my.as_ref().ok_or("no MySQL")?;
+                        BareMarks::MySql(pool.clone(), format!("{table}_bare"))
+                    }
+                    _ => {
+                        let store = SqliteStore::open(dir.path().join("bare.sqlite")).await?;
+                        BareMarks::Sqlite(store.pool().clone(), "bare".into())
+                    }
+                };
+                marks.create().await?;
+                let done = std::sync::atomic::AtomicUsize::new(0);
+                let broker = NatsBare { consumer: &consumer, batch };
+                let loops =
+                    (0..lanes).map(|_| durable_lane(&broker, &marks, n, &done, pipelined()));
+                let ended = futures_util::future::join_all(loops).await;
+                marks.drop_table().await?;
+                for r in ended {
                     r?;
                 }
                 done.into_inner()
@@ -185,6 +219,7 @@ async fn driven<B: Backend>(
         .retain(DAY)
         .batch(batch)
         .concurrency(lanes)
+        .pipeline(pipelined())
         // Short: at the end, batches still in flight wait this long for messages that never come.
         .idle_wait(Duration::from_millis(20))
         .build()
@@ -264,6 +299,54 @@ async fn new_consumer(
             ..Default::default()
         })
         .await?)
+}
+
+/// Whether both sides pipeline their lanes (`IDEM_BENCH_PIPELINE=0`: neither does).
+fn pipelined() -> bool {
+    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
+}
+
+/// The bare durable loop's broker side: the ack-only loop's fetch, one ack per message.
+struct NatsBare<'a> {
+    consumer: &'a PullConsumer,
+    batch: usize,
+}
+
+impl BareBroker for NatsBare<'_> {
+    type Msg = jetstream::Message;
+
+    async fn fetch(&self) -> Result<Vec<jetstream::Message>> {
+        let mut msgs = self.consumer.fetch().max_messages(self.batch).messages().await?;
+        let mut got = Vec::with_capacity(self.batch);
+        while let Some(m) = msgs.next().await {
+            got.push(m?);
+        }
+        if got.is_empty() {
+            let mut one = self
+                .consumer
+                .batch()
+                .max_messages(1)
+                .expires(Duration::from_millis(20))
+                .messages()
+                .await?;
+            while let Some(m) = one.next().await {
+                got.push(m?);
+            }
+        }
+        Ok(got)
+    }
+
+    fn key(m: &jetstream::Message) -> String {
+        let id = m.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id"));
+        id.map(|v| v.as_str().to_owned()).unwrap_or_default()
+    }
+
+    async fn ack(&self, msgs: Vec<jetstream::Message>) -> Result<()> {
+        for r in futures_util::future::join_all(msgs.iter().map(|m| m.ack())).await {
+            r?;
+        }
+        Ok(())
+    }
 }
 
 /// The baseline: the same fetch strategy (up to `batch` pending now, else wait for one) and an

@@ -22,7 +22,15 @@
 //! - `workload`: `/tmp/peers/workload.jsonl` (from `../shared/peers/setup_peers.sh`) through
 //!   `Consumer::process` at 1, 16 and 64 tasks, and through `Consumer::process_batch` (one
 //!   `claim_many` per batch of 16 or 64), key = JSON `/message_id`, with the peers' handler and
-//!   exactly-once check. Records carry a 60 s TTL, so nothing needs cleaning up.
+//!   exactly-once check; shapes `cLxB` and `sLxB` run it through a `Consumer` over the
+//!   in-process queue instead (`L` lanes, batches of `B`; `c` pipelined, `s` not), so `c1x1`
+//!   is a sequential consumer, one handler at a time. Records carry a 60 s TTL, so nothing
+//!   needs cleaning up.
+
+#[path = "redis_bench/durable.rs"]
+mod durable;
+#[path = "redis_bench/lanes.rs"]
+mod lanes;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -438,16 +446,42 @@ async fn workload(url: &str, file: &str, repeats: usize) -> Result<(), BoxErr> {
     println!("| tasks × batch | in flight | runs msgs/s | median msgs/s | exactly once |");
     println!("|---|---:|---|---:|---|");
     let shapes = std::env::var("IDEM_BENCH_SHAPES").unwrap_or_else(|_| SHAPES.to_owned());
-    let shapes: Vec<(usize, usize)> = shapes
+    let shapes: Vec<(Option<bool>, usize, usize)> = shapes
         .split(',')
         .map(|s| {
-            let (t, b) = s.split_once('x').ok_or("shape is TASKSxBATCH")?;
-            Ok::<_, BoxErr>((t.trim().parse()?, b.trim().parse()?))
+            let s = s.trim();
+            let (lanes, s) = match s.as_bytes().first() {
+                Some(b'c') => (Some(true), &s[1..]),
+                Some(b's') => (Some(false), &s[1..]),
+                _ => (None, s),
+            };
+            let (t, b) = s.split_once('x').ok_or("shape is [c|s]TASKSxBATCH")?;
+            Ok::<_, BoxErr>((lanes, t.trim().parse()?, b.trim().parse()?))
         })
         .collect::<Result<_, _>>()?;
-    for (inflight, batch) in shapes {
+    for (lanes, inflight, batch) in shapes {
         let mut rates = Vec::new();
         let mut all_ok = true;
+        if let Some(pipelined) = lanes {
+            for _ in 0..repeats {
+                let (rate, once) =
+                    lanes::run(url, &lines, &ids, inflight, batch, pipelined).await?;
+                all_ok &= once;
+                rates.push(rate);
+            }
+            let mut sorted = rates.clone();
+            sorted.sort_by(f64::total_cmp);
+            let runs: Vec<String> = rates.iter().map(|r| format!("{r:.0}")).collect();
+            let mode = if pipelined { "consumer, pipelined" } else { "consumer, sequential" };
+            println!(
+                "| {mode} {inflight} × {batch} | {} | {} | {:.0} | {} |",
+                inflight * batch,
+                runs.join(" / "),
+                sorted[sorted.len() / 2],
+                if all_ok { "OK" } else { "FAIL" }
+            );
+            continue;
+        }
         for _ in 0..repeats {
             let store = RedisStore::builder(url)?.namespace(&run_id())?.connect().await?;
             let consumer = Engine::builder(store)
@@ -527,6 +561,7 @@ mod streams {
     use idem_core::{Backend, MemoryStore};
     use idem_redis::{RedisStore, StreamConfig, StreamConsumer};
     use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
+    use idem_testkit::bare::BareMarks;
     use redis::aio::MultiplexedConnection;
 
     use super::BoxErr;
@@ -535,7 +570,7 @@ mod streams {
     /// The block time of both loops' reads (the adapter's idle wait).
     const BLOCK: Duration = Duration::from_millis(100);
 
-    const MODES: [&str; 9] = [
+    const MODES: [&str; 12] = [
         "bare XREADGROUP + XACK",
         "two-phase MemoryStore",
         "two-phase SqliteStore",
@@ -544,6 +579,9 @@ mod streams {
         "inbox SQLite",
         "inbox PostgreSQL",
         "inbox MySQL",
+        "bare durable SQLite",
+        "bare durable PostgreSQL",
+        "bare durable MySQL",
         "bare (again)",
     ];
 
@@ -649,6 +687,7 @@ mod streams {
                 .retain(DAY)
                 .batch(batch)
                 .concurrency(lanes)
+                .pipeline(super::durable::pipelined())
                 .idle_wait(BLOCK)
                 .build()
                 .await?;
@@ -746,7 +785,7 @@ mod streams {
             let group = format!("g{i}");
             let (s, g) = (stream.as_str(), group.as_str());
             let took = match i {
-                0 | 8 => {
+                0 | 11 => {
                     let own = format!("{sfx}-bare{i}");
                     fill(conn, &own, n).await?;
                     bare(client, &own, n, batch, lanes).await?
@@ -767,7 +806,21 @@ mod streams {
                     driven(client, s, g, |b| b.inbox(inbox), n, batch, lanes).await?
                 }
                 6 => driven(client, s, g, |b| b.inbox(pg.inbox(DAY)), n, batch, lanes).await?,
-                _ => driven(client, s, g, |b| b.inbox(my.inbox(DAY)), n, batch, lanes).await?,
+                7 => driven(client, s, g, |b| b.inbox(my.inbox(DAY)), n, batch, lanes).await?,
+                _ => {
+                    let own = format!("{sfx}-durable{i}");
+                    fill(conn, &own, n).await?;
+                    let table = format!("bare_{}_{i}", sfx.replace('-', "_"));
+                    let marks = match i {
+                        8 => {
+                            let store = SqliteStore::open(dir.join("bare.sqlite")).await?;
+                            BareMarks::Sqlite(store.pool().clone(), table)
+                        }
+                        9 => BareMarks::Postgres(pg.pool().clone(), table),
+                        _ => BareMarks::MySql(my.pool().clone(), table),
+                    };
+                    super::durable::run(client, &own, &marks, n, batch, lanes, BLOCK).await?
+                }
             };
             #[allow(clippy::cast_precision_loss)]
             let rate = n as f64 / took.as_secs_f64();

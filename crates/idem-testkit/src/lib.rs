@@ -16,6 +16,8 @@
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
+#[cfg(feature = "source")]
+pub mod bare;
 pub mod cases;
 #[cfg(feature = "source")]
 pub mod crash;

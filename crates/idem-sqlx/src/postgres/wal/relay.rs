@@ -244,15 +244,19 @@ impl<P: Publisher> WalRelay<P> {
                     }
                 },
             };
-            if wait.is_zero() {
-                if futures_util::FutureExt::now_or_never(shutdown.as_mut()).is_some() {
-                    return Ok(report);
+            let stop = if wait.is_zero() {
+                futures_util::FutureExt::now_or_never(shutdown.as_mut()).is_some()
+            } else {
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => false,
+                    () = &mut shutdown => true,
                 }
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(wait) => {}
-                () = &mut shutdown => return Ok(report),
+            };
+            if stop {
+                if let Some(h) = held {
+                    self.release(h).await;
+                }
+                return Ok(report);
             }
         }
     }
@@ -273,15 +277,34 @@ impl<P: Publisher> WalRelay<P> {
             None => return Err(WalRelayError::Busy { slot: self.outbox.slot().to_owned() }),
         };
         let mut attempts = 0;
-        loop {
-            let r = self.round(&mut held, &mut report).await.map_err(WalRelayError::Store)?;
+        let ended = loop {
+            let r = match self.round(&mut held, &mut report).await {
+                Ok(r) => r,
+                Err(e) => break Err(WalRelayError::Store(e)),
+            };
             let more = r.more || r.failed.is_some();
-            let wait = self.after(r, &mut attempts)?;
-            if !more {
-                return Ok(report);
+            match self.after(r, &mut attempts) {
+                Ok(_) if !more => break Ok(report),
+                Ok(wait) => tokio::time::sleep(wait).await,
+                Err(e) => break Err(e),
             }
-            tokio::time::sleep(wait).await;
-        }
+        };
+        self.release(held).await;
+        ended
+    }
+
+    /// Unlocks the slot and closes the connection, so that the next relay can take the slot
+    /// at once (a connection merely dropped keeps the lock until the server notices).
+    async fn release(&self, mut h: Held) {
+        let _ = sqlx::query("SELECT pg_advisory_unlock(hashtext($1))")
+            .bind(self.lock_key())
+            .execute(&mut h.conn)
+            .await;
+        let _ = h.conn.close().await;
+    }
+
+    fn lock_key(&self) -> String {
+        format!("idem-wal-relay:{}", self.outbox.slot())
     }
 
     /// Counts a round's failure; the wait before the next round (zero when more is waiting).
@@ -326,7 +349,7 @@ impl<P: Publisher> WalRelay<P> {
         let op = "wal relay connect";
         let mut conn = self.outbox.pool.acquire().await.map_err(|e| backend(op, e))?.detach();
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
-            .bind(format!("idem-wal-relay:{}", self.outbox.slot()))
+            .bind(self.lock_key())
             .fetch_one(&mut conn)
             .await
             .map_err(|e| backend(op, e))?;

@@ -158,7 +158,9 @@ impl<P: Publisher> WalRelayBuilder<P> {
 /// let outbox = PostgresWalOutbox::new(pool);
 /// outbox.create_slot().await?;
 /// let relay = WalRelay::builder(outbox, RecordingPublisher::new()).build()?;
-/// let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// # drop(stop);
+/// let report = relay.run(async { let _ = stopped.await; }).await?; // until `stop` is sent
 /// println!("{report}");
 /// # Ok(()) }
 /// ```

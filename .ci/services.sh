@@ -107,6 +107,12 @@ up() {
   # PG_TLS_PORT, and sslmode=require here must fail. `ssl` reloads without a restart.
   [[ $(psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atqc 'show ssl') == off ]] \
     || psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -qc 'alter system set ssl = off' -c 'select pg_reload_conf()' >/dev/null
+  # Logical decoding for the WAL outbox (pg_logical_emit_message read from a replication slot):
+  # wal_level changes only on a restart, so restart once, and only when it is not logical yet.
+  if [[ $(psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -Atqc 'show wal_level') != logical ]]; then
+    psql -w -h 127.0.0.1 -p "$PG_PORT" -U postgres -qc 'alter system set wal_level = logical'
+    restart postgres
+  fi
   # MariaDB: root with an empty password over TCP (sqlx cannot use unix_socket auth).
   if ! port_open "$MYSQL_PORT"; then
     $SUDO install -d -o mysql -g mysql /run/mysqld

@@ -10,6 +10,9 @@ use idem::sqlx;
 
 use crate::connect;
 
+#[path = "relay_wal.rs"]
+mod wal;
+
 /// Where the outbox is and where its messages go.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct RelayArgs {
@@ -23,6 +26,20 @@ pub(crate) struct RelayArgs {
     /// Outbox table name.
     #[arg(long, default_value = "idem_outbox")]
     table: String,
+    /// Relay the WAL outbox read from this logical replication slot (PostgreSQL with
+    /// `wal_level = logical`) instead of the outbox table.
+    #[arg(long, value_name = "SLOT")]
+    wal_slot: Option<String>,
+    /// Prefix of the WAL outbox's messages (with --wal-slot).
+    #[arg(long, default_value = "idem_outbox", requires = "wal_slot")]
+    wal_prefix: String,
+    /// Create the slot and its publication if missing, then exit (with --wal-slot).
+    #[arg(long, requires = "wal_slot")]
+    create_slot: bool,
+    /// Drop the slot and its publication, then exit (with --wal-slot). Messages not yet
+    /// relayed are LOST.
+    #[arg(long, requires = "wal_slot", conflicts_with = "create_slot")]
+    drop_slot: bool,
     /// The broker: `amqp://…` (RabbitMQ), `nats://…` (JetStream), `redis://…` (Streams) or
     /// `kafka://host:port[,host:port]`. Not needed with --stats or --retry-parked. Or set
     /// IDEM_TO (keeps a password out of the shell history and `ps`; never shown).
@@ -32,9 +49,10 @@ pub(crate) struct RelayArgs {
     /// a queue name).
     #[arg(long)]
     exchange: Option<String>,
-    /// Rows leased per claim.
-    #[arg(long, default_value_t = 256)]
-    batch: usize,
+    /// Rows leased per claim (default 256); with --wal-slot, decoded records per peek
+    /// (default 4096: one per message, two more per transaction).
+    #[arg(long)]
+    batch: Option<usize>,
     /// Claim–publish–mark loops running at once.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
@@ -64,6 +82,9 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
         // Only the outbox table is created: the store's own table is not needed here.
         let pool =
             connect::pg_pool(url, sqlx::postgres::PgPoolOptions::new().max_connections(4)).await?;
+        if let Some(slot) = &args.wal_slot {
+            return wal::run(pool, slot, &args).await;
+        }
         let store = idem::PostgresStore::new(pool).with_schema(&args.schema)?;
         let outbox = store.outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
@@ -75,6 +96,8 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
         let outbox = idem::MySqlStore::new(pool).outbox().with_table_name(&args.table)?;
         outbox.migrate().await?;
         with_outbox(outbox, &args).await
+    } else if args.wal_slot.is_some() {
+        bail!("--wal-slot needs a postgres:// --outbox: the WAL outbox is PostgreSQL's")
     } else if url.contains("://") {
         bail!(
             "--outbox {}: unknown scheme; expected a SQLite file, postgres:// or mysql://",
@@ -93,6 +116,9 @@ pub(crate) async fn run(args: RelayArgs) -> anyhow::Result<()> {
 }
 
 async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Result<()> {
+    if args.create_slot || args.drop_slot {
+        bail!("--create-slot and --drop-slot need --wal-slot")
+    }
     if args.stats {
         print_counts(&outbox.counts().await?);
         return Ok(());
@@ -102,6 +128,27 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
         println!("{revived} parked rows are due again");
         return Ok(());
     }
+    to_broker(Table(outbox), args).await
+}
+
+/// What a relay reads: an outbox table or a WAL slot. The broker is picked once, in
+/// [`to_broker`], for both.
+pub(crate) trait Source {
+    /// Relays to `publisher` as `args` say.
+    async fn relay<P: Publisher>(self, publisher: P, args: &RelayArgs) -> anyhow::Result<()>;
+}
+
+struct Table<S>(S);
+
+impl<S: OutboxStore> Source for Table<S> {
+    async fn relay<P: Publisher>(self, publisher: P, args: &RelayArgs) -> anyhow::Result<()> {
+        relay(self.0, publisher, args).await
+    }
+}
+
+/// Connects to the broker `--to` names and relays `source` to it.
+pub(crate) async fn to_broker<R: Source>(source: R, args: &RelayArgs) -> anyhow::Result<()> {
+    let outbox = source;
     let Some(to) = args.to.as_deref() else {
         bail!("--to is required to publish: amqp://…, nats://…, redis://… or kafka://host:port")
     };
@@ -111,15 +158,15 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
         if let Some(x) = &args.exchange {
             publisher = publisher.exchange(x.clone());
         }
-        relay(outbox, publisher, args).await
+        outbox.relay(publisher, args).await
     } else if to.starts_with("nats://") || to.starts_with("tls://") {
         let client = connect::nats_client(to).await?;
         let publisher =
             idem::nats::JetStreamPublisher::new(idem::nats::async_nats::jetstream::new(client));
-        relay(outbox, publisher, args).await
+        outbox.relay(publisher, args).await
     } else if to.starts_with("redis://") || to.starts_with("rediss://") {
         let conn = connect::redis_manager(to).await?;
-        relay(outbox, idem::redis::StreamPublisher::new(conn), args).await
+        outbox.relay(idem::redis::StreamPublisher::new(conn), args).await
     } else if to.starts_with("kafka://") || to.starts_with("kafka+") {
         kafka(outbox, &connect::kafka_target(to)?, args).await
     } else {
@@ -131,20 +178,16 @@ async fn with_outbox<S: OutboxStore>(outbox: S, args: &RelayArgs) -> anyhow::Res
 }
 
 #[cfg(feature = "kafka")]
-async fn kafka<S: OutboxStore>(
-    outbox: S,
+async fn kafka<R: Source>(
+    outbox: R,
     target: &connect::KafkaTarget,
     args: &RelayArgs,
 ) -> anyhow::Result<()> {
-    relay(outbox, connect::kafka_publisher(target).await?, args).await
+    outbox.relay(connect::kafka_publisher(target).await?, args).await
 }
 
 #[cfg(not(feature = "kafka"))]
-async fn kafka<S: OutboxStore>(
-    _: S,
-    _: &connect::KafkaTarget,
-    _: &RelayArgs,
-) -> anyhow::Result<()> {
+async fn kafka<R: Source>(_: R, _: &connect::KafkaTarget, _: &RelayArgs) -> anyhow::Result<()> {
     bail!("this idem was built without Kafka; rebuild with `--features kafka`")
 }
 
@@ -155,7 +198,7 @@ async fn relay<S: OutboxStore, P: Publisher>(
 ) -> anyhow::Result<()> {
     let lease = Duration::from_secs(args.lease_secs);
     let relay = Relay::builder(outbox, publisher)
-        .batch(args.batch)
+        .batch(args.batch.unwrap_or(256))
         .concurrency(args.concurrency)
         .lease(lease)
         .publish_timeout(lease / 3)

@@ -116,3 +116,59 @@ fn relay_refuses_what_it_cannot_use() {
     let o = idem(&["relay", "--outbox", file.to_str().unwrap()]);
     assert!(text(&o).contains("--to is required"), "{}", text(&o));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_drains_a_wal_slot_into_nats() {
+    let Some(pg) = idem_testkit::service::require(
+        "postgres",
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://postgres@127.0.0.1:5432/test",
+    ) else {
+        return;
+    };
+    let Some(nats) = idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
+    else {
+        return;
+    };
+    let pool = idem::sqlx::PgPool::connect(&pg).await.unwrap();
+    let level: String = idem::sqlx::query_scalar("SHOW wal_level").fetch_one(&pool).await.unwrap();
+    if level != "logical" {
+        assert!(!idem_testkit::service::in_ci(), "wal_level is {level} and CI=true");
+        eprintln!("skipped: PostgreSQL wal_level is {level}, the WAL outbox needs logical");
+        return;
+    }
+    use idem::nats::async_nats::{self, jetstream};
+    let js = jetstream::new(async_nats::connect(&nats).await.unwrap());
+    let tag = format!("{}_{}", std::process::id(), rand::random::<u32>());
+    let (slot, subject, stream) =
+        (format!("idem_cli_wal_{tag}"), format!("cli.wal.{tag}"), format!("CLI_WAL_{tag}"));
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![subject.clone()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let wal = idem::postgres::PostgresWalOutbox::new(pool)
+        .with_slot_name(&slot)
+        .unwrap()
+        .with_prefix(&slot)
+        .unwrap();
+    let base = ["relay", "--outbox", &pg, "--wal-slot", &slot, "--wal-prefix", &slot];
+    let with = |rest: &[&str]| idem(&[&base[..], rest].concat());
+    let made = with(&["--create-slot"]);
+    assert!(text(&made).contains("ready"), "{}", text(&made));
+    wal.send(messages(&subject, 30)).await.unwrap();
+    let stats = with(&["--stats"]);
+    assert!(text(&stats).contains("lag "), "{}", text(&stats));
+    let to = if nats.contains("://") { nats.clone() } else { format!("nats://{nats}") };
+    let run = with(&["--to", &to, "--once"]);
+    assert!(run.status.success(), "{}", text(&run));
+    assert!(text(&run).contains("published 30"), "{}", text(&run));
+    let info = js.get_stream(&stream).await.unwrap().info().await.unwrap().state.messages;
+    assert_eq!(info, 30);
+    let dropped = with(&["--drop-slot"]);
+    assert!(text(&dropped).contains("dropped"), "{}", text(&dropped));
+    assert_eq!(wal.lag_bytes().await.unwrap(), None);
+    js.delete_stream(&stream).await.unwrap();
+}

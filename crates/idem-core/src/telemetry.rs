@@ -21,6 +21,7 @@
 //! | `idem_outbox_published_total` | counter | | outbox rows published and marked sent |
 //! | `idem_outbox_failures_total` | counter | `parked` | outbox publishes that failed; `parked="true"` once a row stops being retried |
 //! | `idem_outbox_publish_seconds` | histogram | | one relay batch's publish and confirm |
+//! | `idem_outbox_wal_lag_bytes` | gauge | `slot` | WAL a WAL outbox's slot holds back: `pg_current_wal_lsn() - confirmed_flush_lsn` |
 
 use std::time::Instant;
 
@@ -58,10 +59,12 @@ pub const OUTBOX_PUBLISHED_TOTAL: &str = "idem_outbox_published_total";
 pub const OUTBOX_FAILURES_TOTAL: &str = "idem_outbox_failures_total";
 /// Outbox batch publish latency.
 pub const OUTBOX_PUBLISH_SECONDS: &str = "idem_outbox_publish_seconds";
+/// WAL held back by a WAL outbox's replication slot, in bytes (`slot`).
+pub const OUTBOX_WAL_LAG_BYTES: &str = "idem_outbox_wal_lag_bytes";
 
 /// Every metric above, for exporters and for the test that keeps `docs/OPERATIONS.md` and the
 /// Grafana dashboard in step with this list.
-pub const ALL: [&str; 15] = [
+pub const ALL: [&str; 16] = [
     OUTCOMES_TOTAL,
     CLAIM_DURATION_SECONDS,
     COMPLETE_DURATION_SECONDS,
@@ -77,6 +80,7 @@ pub const ALL: [&str; 15] = [
     OUTBOX_PUBLISHED_TOTAL,
     OUTBOX_FAILURES_TOTAL,
     OUTBOX_PUBLISH_SECONDS,
+    OUTBOX_WAL_LAG_BYTES,
 ];
 
 /// Registers the HELP text and unit of every metric above with the installed recorder, so an
@@ -161,6 +165,12 @@ pub fn describe_metrics() {
         OUTBOX_PUBLISH_SECONDS,
         Unit::Seconds,
         "Time to publish one relay batch and get the broker's confirmations."
+    );
+    describe_gauge!(
+        OUTBOX_WAL_LAG_BYTES,
+        Unit::Bytes,
+        "WAL a WAL outbox's replication slot holds back (pg_current_wal_lsn() - \
+         confirmed_flush_lsn): unrelayed messages, and WAL the server cannot recycle meanwhile."
     );
 }
 

@@ -11,10 +11,13 @@
 //! - **relay**: `messages` rows already committed in a PostgreSQL outbox; the relay (batch 256,
 //!   2 loops) leases, publishes with confirms and marks them sent until none is left.
 //!
+//! - **WAL relay**: `messages` committed into the WAL outbox (`pg_logical_emit_message`, 1,000
+//!   per transaction), drained from its slot by a `WalRelay` (4,096 records per peek).
+//!
 //! Latency (RabbitMQ): a producer commits one outbox row every 10 ms (idle) or 50-row
 //! transactions back to back (load) while a relay runs; the time from each commit returning to
 //! the broker's confirmation, p50/p99, with the relay woken by `LISTEN/NOTIFY` or polling every
-//! 100 ms.
+//! 100 ms; then the WAL relay polling its slot every 20 ms (its default) and every 100 ms.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -39,6 +42,9 @@ use idem::{PostgresOutbox, StoreError};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+#[path = "common/outbox_wal.rs"]
+mod wal;
+
 const WINDOW: usize = 256;
 const PAYLOAD: usize = 200;
 /// The relay's default retention of sent rows.
@@ -59,6 +65,7 @@ async fn main() -> Result<(), Error> {
     let store = PostgresStore::connect(&pg).await?.with_schema(&schema)?;
     let outbox = store.outbox();
     outbox.migrate().await?;
+    let wal = wal::outbox(&store, &schema).await?;
     println!(
         "{n} messages of {PAYLOAD} bytes, {rounds} rounds; PostgreSQL outbox, relay batch {} × {} loops",
         relay_batch(),
@@ -75,7 +82,8 @@ async fn main() -> Result<(), Error> {
     let queue = format!("outbox-bench-{sfx}");
     ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
         .await?;
-    let (mut bare, mut relayed, mut deleting) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bare, mut relayed, mut deleting, mut walled) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..if runs("amqp") { rounds } else { 0 } {
         let t = Instant::now();
         for start in (0..n).step_by(WINDOW) {
@@ -107,9 +115,12 @@ async fn main() -> Result<(), Error> {
         let publisher = AmqpPublisher::new(conn.create_channel().await?).await?;
         deleting.push(relay_rate(&outbox, publisher, &queue, n, Duration::ZERO).await?);
         ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
+        let publisher = AmqpPublisher::new(conn.create_channel().await?).await?;
+        walled.push(wal::rate(&wal, publisher, &queue, n).await?);
+        ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
     }
     if runs("amqp") {
-        report("RabbitMQ", &bare, &relayed, &deleting);
+        report("RabbitMQ", &bare, &relayed, &deleting, &walled);
     }
 
     // NATS JetStream
@@ -123,7 +134,8 @@ async fn main() -> Result<(), Error> {
         ..Default::default()
     })
     .await?;
-    let (mut bare, mut relayed, mut deleting) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut bare, mut relayed, mut deleting, mut walled) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..if runs("nats") { rounds } else { 0 } {
         let t = Instant::now();
         for start in (0..n).step_by(WINDOW) {
@@ -144,9 +156,10 @@ async fn main() -> Result<(), Error> {
         relayed.push(relay_rate(&outbox, publisher, &subject, n, KEEP).await?);
         let publisher = JetStreamPublisher::new(js.clone());
         deleting.push(relay_rate(&outbox, publisher, &subject, n, Duration::ZERO).await?);
+        walled.push(wal::rate(&wal, JetStreamPublisher::new(js.clone()), &subject, n).await?);
     }
     if runs("nats") {
-        report("NATS JetStream", &bare, &relayed, &deleting);
+        report("NATS JetStream", &bare, &relayed, &deleting, &walled);
     }
     js.delete_stream(&stream).await?;
 
@@ -163,9 +176,18 @@ async fn main() -> Result<(), Error> {
             );
             ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
         }
+        for poll in [Duration::from_millis(20), Duration::from_millis(100)] {
+            let publisher = AmqpPublisher::new(conn.create_channel().await?).await?;
+            let (p50, p99, count) = wal::latency(&wal, publisher, &queue, load, poll).await?;
+            println!(
+                "latency commit → confirmed, {label}, WAL relay polling {poll:?}: p50 {p50:.1} ms, p99 {p99:.1} ms ({count} messages)"
+            );
+            ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default()).await?;
+        }
     }
 
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    wal::drop(&wal).await?;
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
         .execute(store.pool())
         .await?;
@@ -188,7 +210,7 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn report(broker: &str, bare: &[f64], relayed: &[f64], deleting: &[f64]) {
+fn report(broker: &str, bare: &[f64], relayed: &[f64], deleting: &[f64], walled: &[f64]) {
     let show = |v: &[f64]| v.iter().map(|x| format!("{x:.0}")).collect::<Vec<_>>().join(" / ");
     let line = |what: &str, v: &[f64]| {
         println!("{broker}: {what:<34} {} msgs/s (median {:.0})", show(v), median(v));
@@ -196,11 +218,13 @@ fn report(broker: &str, bare: &[f64], relayed: &[f64], deleting: &[f64]) {
     line("bare publish-with-confirms", bare);
     line("relay, sent rows kept 24 h", relayed);
     line("relay, rows deleted when confirmed", deleting);
+    line("WAL relay", walled);
     println!(
         "{broker}: relay / bare = {:.2}× (kept), {:.2}× (deleted)",
         median(relayed) / median(bare),
         median(deleting) / median(bare)
     );
+    println!("{broker}: WAL relay / bare = {:.2}×", median(walled) / median(bare));
 }
 
 /// Fills the outbox with `n` committed rows (not timed), then times the relay draining them.

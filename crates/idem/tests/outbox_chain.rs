@@ -6,7 +6,8 @@
 //! picked at random, is killed with SIGKILL and started again, until the ledger is complete.
 //! Then the survivors are stopped gracefully and the test checks: every order stored once,
 //! every ledger entry once, every outbox row sent (none pending, none parked), both queues
-//! drained. On RabbitMQ and on NATS JetStream.
+//! drained. On RabbitMQ and on NATS JetStream, with the outbox table and with the WAL outbox
+//! (`pg_logical_emit_message`, read from a replication slot by two relays, one a standby).
 #![cfg(all(feature = "amqp", feature = "nats", feature = "postgres"))]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed setup step is the test failing
 
@@ -38,9 +39,11 @@ fn pg_url() -> Option<String> {
     )
 }
 
-/// What a child runs: `<broker> <role> <pg url> <schema> <A> <B>`.
+/// What a child runs: `<broker> <role> <pg url> <schema> <A> <B> <outbox>`, the outbox being
+/// `table` or `wal`.
 struct Spec {
     broker: String,
+    outbox: String,
     role: String,
     pg: String,
     schema: String,
@@ -52,11 +55,21 @@ impl Spec {
     fn parse(s: &str) -> Self {
         let p: Vec<&str> = s.split(' ').collect();
         let own = |i: usize| p[i].to_owned();
-        Self { broker: own(0), role: own(1), pg: own(2), schema: own(3), a: own(4), b: own(5) }
+        let (broker, outbox) = (own(0), own(6));
+        Self { broker, role: own(1), pg: own(2), schema: own(3), a: own(4), b: own(5), outbox }
     }
 
     fn line(&self, role: &str) -> String {
-        format!("{} {role} {} {} {} {}", self.broker, self.pg, self.schema, self.a, self.b)
+        let (pg, s, a, b, o) = (&self.pg, &self.schema, &self.a, &self.b, &self.outbox);
+        format!("{} {role} {pg} {s} {a} {b} {o}", self.broker)
+    }
+
+    /// The WAL outbox (slot and prefix named after the schema), when the chain uses it.
+    fn wal(&self, store: &PostgresStore) -> Option<idem::postgres::PostgresWalOutbox> {
+        (self.outbox == "wal").then(|| {
+            let wal = store.wal_outbox().with_slot_name(&self.schema).unwrap();
+            wal.with_prefix(&self.schema).unwrap()
+        })
     }
 }
 
@@ -76,9 +89,10 @@ fn order_writer<M: Envelope>(
     store: &PostgresStore,
 ) -> impl Fn(Tx<idem::PostgresInbox>, M) -> HandlerFuture + Sync {
     let insert = format!("INSERT INTO \"{}\".orders (id) VALUES ($1)", spec.schema);
-    let (outbox, dest) = (store.outbox(), spec.b.clone());
+    let (outbox, wal, dest) = (store.outbox(), spec.wal(store), spec.b.clone());
     move |mut tx, m| {
         let (insert, outbox, dest) = (insert.clone(), outbox.clone(), dest.clone());
+        let wal = wal.clone();
         let id = m.message_id().unwrap_or_default().to_owned();
         Box::pin(async move {
             let fail = |e: String| HandlerError::Transient(e);
@@ -87,10 +101,12 @@ fn order_writer<M: Envelope>(
                 .execute(&mut *tx)
                 .await
                 .map_err(|e| fail(e.to_string()))?;
-            outbox
-                .enqueue(&mut tx, Outgoing::new(dest, id))
-                .await
-                .map_err(|e| fail(e.to_string()))?;
+            let msg = Outgoing::new(dest, id);
+            match wal {
+                Some(wal) => wal.enqueue(&mut tx, msg).await,
+                None => outbox.enqueue(&mut tx, msg).await,
+            }
+            .map_err(|e| fail(e.to_string()))?;
             Ok(())
         })
     }
@@ -116,7 +132,17 @@ fn ledger_writer<M: Envelope>(
     }
 }
 
-async fn run_relay<P: Publisher>(store: &PostgresStore, publisher: P) {
+async fn run_relay<P: Publisher>(spec: &Spec, store: &PostgresStore, publisher: P) {
+    if let Some(wal) = spec.wal(store) {
+        let relay = idem::postgres::WalRelay::builder(wal, publisher)
+            .publish_timeout(Duration::from_secs(2))
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .unwrap();
+        println!("ready");
+        relay.run(stdin_closed()).await.unwrap();
+        return;
+    }
     let relay = Relay::builder(store.outbox(), publisher)
         .batch(128)
         .lease(Duration::from_secs(3))
@@ -170,12 +196,16 @@ async fn count(pool: &sqlx::PgPool, sql: String) -> (i64, i64) {
 }
 
 /// The parent: sets up, feeds A, runs and kills the children, then checks the effects.
-async fn chain<B: Broker>(broker: B, name: &str) {
+async fn chain<B: Broker>(broker: B, name: &str, outbox: &str) {
     let Some(pg) = pg_url() else { return };
+    if outbox == "wal" && !logical(&pg).await {
+        return;
+    }
     let Some(broker) = broker.connect().await else { return };
     let tag = format!("{}_{}", std::process::id(), rand::rng().random::<u32>());
     let spec = Spec {
         broker: name.to_owned(),
+        outbox: outbox.to_owned(),
         role: String::new(),
         pg: pg.clone(),
         schema: format!("idem_chain_{tag}"),
@@ -186,6 +216,10 @@ async fn chain<B: Broker>(broker: B, name: &str) {
     one.migrate().await.unwrap();
     two.migrate().await.unwrap();
     one.outbox().migrate().await.unwrap();
+    let wal = spec.wal(&one);
+    if let Some(wal) = &wal {
+        wal.create_slot().await.unwrap();
+    }
     let pool = one.pool().clone();
     let s = &spec.schema;
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -252,6 +286,7 @@ async fn chain<B: Broker>(broker: B, name: &str) {
     }
     // Complete: let the survivors finish what they hold, then stop them gracefully.
     let outbox = one.outbox();
+    // (The WAL outbox has no rows: the ledger and the drained queues below say it all.)
     idem_testkit::wait_for("every outbox row sent", Duration::from_secs(60), || async {
         let c = outbox.counts().await.unwrap();
         c.pending == 0
@@ -281,16 +316,17 @@ async fn chain<B: Broker>(broker: B, name: &str) {
         "downstream effect once per order"
     );
     let c = outbox.counts().await.unwrap();
-    assert_eq!(
-        (c.pending, c.parked, c.sent),
-        (0, 0, UNIQUE as u64),
-        "one outbox row per order, all sent"
-    );
+    let rows = if wal.is_some() { 0 } else { UNIQUE as u64 };
+    assert_eq!((c.pending, c.parked, c.sent), (0, 0, rows), "one outbox row per order, all sent");
     assert_eq!(broker.backlog(&spec).await, (0, 0), "both queues drained");
     println!(
-        "{name}: {UNIQUE} orders + {DUPLICATES} duplicates through the chain, {kills} SIGKILLs"
+        "{name} ({} outbox): {UNIQUE} orders + {DUPLICATES} duplicates through the chain, {kills} SIGKILLs",
+        spec.outbox
     );
     broker.delete(&spec).await;
+    if let Some(wal) = &wal {
+        wal.drop_slot().await.unwrap();
+    }
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA \"{s}\" CASCADE")))
         .execute(&pool)
         .await
@@ -388,6 +424,7 @@ mod amqp {
         match spec.role.as_str() {
             "relay" => {
                 run_relay(
+                    spec,
                     one,
                     AmqpPublisher::new(conn.create_channel().await.unwrap()).await.unwrap(),
                 )
@@ -492,7 +529,7 @@ mod nats {
     pub(super) async fn child(spec: &Spec, one: &PostgresStore, two: &PostgresStore) {
         let js = jetstream::new(async_nats::connect(&url().unwrap()).await.unwrap());
         match spec.role.as_str() {
-            "relay" => run_relay(one, JetStreamPublisher::new(js)).await,
+            "relay" => run_relay(spec, one, JetStreamPublisher::new(js)).await,
             role => {
                 let (subject, store) =
                     if role == "consumer1" { (&spec.a, one) } else { (&spec.b, two) };
@@ -506,10 +543,31 @@ mod nats {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_on_rabbitmq_survives_sigkill() {
-    chain(amqp::Rabbit::new(), "amqp").await;
+    chain(amqp::Rabbit::new(), "amqp", "table").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chain_on_nats_survives_sigkill() {
-    chain(nats::Nats::new(), "nats").await;
+    chain(nats::Nats::new(), "nats", "table").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_chain_on_rabbitmq_survives_sigkill() {
+    chain(amqp::Rabbit::new(), "amqp", "wal").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_chain_on_nats_survives_sigkill() {
+    chain(nats::Nats::new(), "nats", "wal").await;
+}
+
+/// Whether PostgreSQL decodes logically; prints a skip when not (a failure under `CI=true`).
+async fn logical(pg: &str) -> bool {
+    let pool = sqlx::PgPool::connect(pg).await.unwrap();
+    let level: String = sqlx::query_scalar("SHOW wal_level").fetch_one(&pool).await.unwrap();
+    if level != "logical" {
+        assert!(!idem_testkit::service::in_ci(), "wal_level is {level} and CI=true");
+        eprintln!("skipped: PostgreSQL wal_level is {level}, the WAL outbox needs logical");
+    }
+    level == "logical"
 }

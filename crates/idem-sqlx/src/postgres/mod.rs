@@ -12,6 +12,7 @@ mod outbox;
 mod setup;
 mod sql;
 mod version;
+mod wal;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +24,10 @@ use sqlx::postgres::PgPool;
 pub use entity::EntityTable;
 pub use inbox::PostgresInbox;
 pub use outbox::PostgresOutbox;
+pub use wal::{
+    DEFAULT_WAL_PREFIX, DEFAULT_WAL_SLOT, PostgresWalOutbox, WalRelay, WalRelayBuilder,
+    WalRelayError,
+};
 
 use crate::DEFAULT_TABLE;
 use sql::Sql;

@@ -8,3 +8,4 @@ mod common;
 mod conformance;
 mod handler;
 mod wake;
+mod wal;

@@ -113,6 +113,7 @@ mod delivery;
 mod error;
 #[cfg(feature = "event-hubs")]
 pub mod event_hubs;
+mod positions;
 mod publish;
 mod rebalance;
 mod retention;

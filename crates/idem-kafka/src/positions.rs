@@ -1,0 +1,133 @@
+//! What the offset inbox needs from the source: where each partition's reading continued from
+//! ([`LogPosition::from`](idem_core::extract::LogPosition::from)), and a seek to the stored
+//! positions after an assignment.
+//!
+//! The seek saves work, not correctness: a message below its partition's stored position is a
+//! duplicate whoever reads it, and the group's Kafka offset, committed after the database, is
+//! never past it. It runs at the start of a fetch (the rebalance callback runs on librdkafka's
+//! thread, inside a poll, where no database can be awaited); a fetch that sees an assignment
+//! arrive ends its batch early so that the next one seeks first.
+
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::Delivery;
+use crate::rebalance::Ctx;
+use crate::source::{KafkaSource, State, Tp};
+
+/// How long a seek may take.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How many fetches try to seek a partition before it is left where the group's offset is.
+const SEEK_TRIES: u32 = 10;
+
+impl State {
+    /// Sets where the reading of `d`'s partition continued from as it is polled: the offset
+    /// after the message polled before it (bridged past dead letters), or the seek position.
+    pub(crate) fn read_from(&mut self, d: &mut Delivery) {
+        let tp = d.tp();
+        d.from = self.next_from.get(&tp).copied();
+        self.bridge(d);
+        self.next_from.insert(tp, d.offset() + 1);
+    }
+
+    /// Moves `d.from` back past messages dead-lettered since it was polled: a dead letter is
+    /// settled but stops its partition's stored position, which `from` must reach.
+    pub(crate) fn bridge(&self, d: &mut Delivery) {
+        let Some(b) = self.bridges.get(&d.tp()) else { return };
+        // Each step goes to a smaller offset, so this ends.
+        while let Some(back) = d.from.and_then(|f| b.get(&f)) {
+            d.from = *back;
+        }
+    }
+
+    /// `d`'s dead-letter copy is confirmed: a message read right after it may pass it.
+    pub(crate) fn dead_lettered(&mut self, d: &Delivery) {
+        self.bridges.entry(d.tp()).or_default().insert(d.offset() + 1, d.from);
+    }
+}
+
+impl KafkaSource {
+    /// Whether partitions were assigned since the last seek.
+    pub(crate) fn assigned_since(consumer: &StreamConsumer<Ctx>) -> bool {
+        !consumer.context().assigned.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    }
+
+    /// Seeks the partitions assigned since the last call to their stored positions, when the
+    /// source reads positions ([`KafkaConfig::stored_positions`](crate::KafkaConfig::stored_positions)).
+    /// A failed read or seek is tried again at the next fetch, up to 10 times, then left
+    /// (the partition is read from the group's offset, and its duplicates skipped by offset).
+    pub(crate) async fn seek_assigned(&self, consumer: &Arc<StreamConsumer<Ctx>>) {
+        let assigned: Vec<(Tp, u32)> = std::mem::take(
+            &mut *consumer.context().assigned.lock().unwrap_or_else(PoisonError::into_inner),
+        );
+        let Some(reader) = &self.positions else { return };
+        if assigned.is_empty() {
+            return;
+        }
+        let tps: Vec<Tp> = assigned.iter().map(|(tp, _)| tp.clone()).collect();
+        let stored = match reader.read(&self.scope, &tps).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(target: "idem", error = %e,
+                    "could not read the stored positions of the assigned partitions");
+                return self.again(consumer, assigned);
+            }
+        };
+        let mut tpl = TopicPartitionList::new();
+        let mut targets = Vec::new();
+        for ((tp, tries), s) in assigned.into_iter().zip(stored) {
+            let Some(s) = s else { continue };
+            if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(s)).is_ok() {
+                targets.push((tp, tries, s));
+            }
+        }
+        if targets.is_empty() {
+            return;
+        }
+        let c = Arc::clone(consumer);
+        let sought =
+            tokio::task::spawn_blocking(move || c.seek_partitions(tpl, SEEK_TIMEOUT)).await;
+        let done = match sought {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) => {
+                tracing::warn!(target: "idem", error = %e, "seeking to the stored positions failed");
+                let retry = targets.into_iter().map(|(tp, n, _)| (tp, n)).collect();
+                return self.again(consumer, retry);
+            }
+            Err(e) => {
+                tracing::warn!(target: "idem", error = %e, "the seek task failed");
+                return;
+            }
+        };
+        let mut retry = Vec::new();
+        let mut st = self.state();
+        for (tp, tries, s) in targets {
+            let failed = done.find_partition(&tp.0, tp.1).is_none_or(|e| e.error().is_err());
+            if failed {
+                retry.push((tp, tries));
+            } else {
+                tracing::debug!(target: "idem", topic = %tp.0, partition = tp.1, offset = s,
+                    "sought to the stored position");
+                st.next_from.insert(tp, s);
+            }
+        }
+        drop(st);
+        self.again(consumer, retry);
+    }
+
+    /// Puts partitions back for the next fetch's seek, each up to [`SEEK_TRIES`] times.
+    fn again(&self, consumer: &StreamConsumer<Ctx>, retry: Vec<(Tp, u32)>) {
+        let mut a = consumer.context().assigned.lock().unwrap_or_else(PoisonError::into_inner);
+        for (tp, tries) in retry {
+            if tries + 1 < SEEK_TRIES {
+                a.push((tp, tries + 1));
+            } else {
+                tracing::warn!(target: "idem", topic = %tp.0, partition = tp.1,
+                    "gave up seeking to the stored position; reading from the group's offset");
+            }
+        }
+    }
+}

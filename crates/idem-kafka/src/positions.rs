@@ -18,9 +18,8 @@ use crate::Delivery;
 use crate::rebalance::Ctx;
 use crate::source::{KafkaSource, State, Tp};
 
-/// How long a seek may take.
-const SEEK_TIMEOUT: Duration = Duration::from_secs(5);
-/// How many fetches try to seek a partition before it is left where the group's offset is.
+/// How many fetches try to read a partition's stored position before it is left where the
+/// group's offset is.
 const SEEK_TRIES: u32 = 10;
 
 impl State {
@@ -57,8 +56,8 @@ impl KafkaSource {
 
     /// Seeks the partitions assigned since the last call to their stored positions, when the
     /// source reads positions ([`KafkaConfig::stored_positions`](crate::KafkaConfig::stored_positions)).
-    /// A failed read or seek is tried again at the next fetch, up to 10 times, then left
-    /// (the partition is read from the group's offset, and its duplicates skipped by offset).
+    /// A failed read is tried again at the next fetch, up to 10 times, then left (the partition
+    /// is read from the group's offset, and its duplicates skipped by offset).
     pub(crate) async fn seek_assigned(&self, consumer: &Arc<StreamConsumer<Ctx>>) {
         let assigned: Vec<(Tp, u32)> = std::mem::take(
             &mut *consumer.context().assigned.lock().unwrap_or_else(PoisonError::into_inner),
@@ -78,44 +77,29 @@ impl KafkaSource {
         };
         let mut tpl = TopicPartitionList::new();
         let mut targets = Vec::new();
-        for ((tp, tries), s) in assigned.into_iter().zip(stored) {
+        for ((tp, _), s) in assigned.into_iter().zip(stored) {
             let Some(s) = s else { continue };
             if tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(s)).is_ok() {
-                targets.push((tp, tries, s));
+                targets.push((tp, s));
             }
         }
         if targets.is_empty() {
             return;
         }
-        let c = Arc::clone(consumer);
-        let sought =
-            tokio::task::spawn_blocking(move || c.seek_partitions(tpl, SEEK_TIMEOUT)).await;
-        let done = match sought {
-            Ok(Ok(done)) => done,
-            Ok(Err(e)) => {
-                tracing::warn!(target: "idem", error = %e, "seeking to the stored positions failed");
-                let retry = targets.into_iter().map(|(tp, n, _)| (tp, n)).collect();
-                return self.again(consumer, retry);
-            }
-            Err(e) => {
-                tracing::warn!(target: "idem", error = %e, "the seek task failed");
-                return;
-            }
-        };
-        let mut retry = Vec::new();
-        let mut st = self.state();
-        for (tp, tries, s) in targets {
-            let failed = done.find_partition(&tp.0, tp.1).is_none_or(|e| e.error().is_err());
-            if failed {
-                retry.push((tp, tries));
-            } else {
-                tracing::debug!(target: "idem", topic = %tp.0, partition = tp.1, offset = s,
-                    "sought to the stored position");
-                st.next_from.insert(tp, s);
-            }
+        // Asynchronous (timeout 0): a seek that waits for the fetcher was seen to wait its whole
+        // timeout for a partition whose fetch had not started. One that does not take leaves
+        // the partition at the group's offset, which is never past the stored one: the
+        // messages in between are duplicates by offset.
+        if let Err(e) = consumer.seek_partitions(tpl, Duration::ZERO) {
+            tracing::warn!(target: "idem", error = %e, "seeking to the stored positions failed");
+            return;
         }
-        drop(st);
-        self.again(consumer, retry);
+        let mut st = self.state();
+        for (tp, s) in targets {
+            tracing::debug!(target: "idem", topic = %tp.0, partition = tp.1, offset = s,
+                "seeking to the stored position");
+            st.next_from.insert(tp, s);
+        }
     }
 
     /// Puts partitions back for the next fetch's seek, each up to [`SEEK_TRIES`] times.
@@ -129,5 +113,38 @@ impl KafkaSource {
                     "gave up seeking to the stored position; reading from the group's offset");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(st: &mut State, offset: i64) -> Delivery {
+        let mut d = Delivery::new("t", 0, offset, Vec::new());
+        st.read_from(&mut d);
+        d
+    }
+
+    #[test]
+    fn each_message_continues_from_the_one_before_and_dead_letters_are_bridged() {
+        let mut st = State::default();
+        let first = read(&mut st, 5);
+        assert_eq!(first.from, None, "the first after an assignment: unknown");
+        let (six, seven) = (read(&mut st, 6), read(&mut st, 7));
+        assert_eq!((six.from, seven.from), (Some(6), Some(7)));
+        // 6 and 7 are dead-lettered (the position stopped at 6): 8 may follow once 5 is
+        // committed, and a retried copy of 7 is bridged back too.
+        st.dead_lettered(&six);
+        st.dead_lettered(&seven);
+        let mut eight = read(&mut st, 8);
+        assert_eq!(eight.from, Some(6));
+        let mut again = seven.clone();
+        st.bridge(&mut again);
+        assert_eq!(again.from, Some(6));
+        // A message read after 8 continues from 8, which is not settled.
+        assert_eq!(read(&mut st, 9).from, Some(9));
+        st.bridge(&mut eight);
+        assert_eq!(eight.from, Some(6), "bridging twice changes nothing");
     }
 }

@@ -113,11 +113,7 @@ pub trait PositionReader: Send + Sync + 'static {
     ///
     /// # Cancel safety
     /// Cancel safe (read only).
-    fn read<'a>(
-        &'a self,
-        scope: &'a str,
-        partitions: &'a [(String, i32)],
-    ) -> StoredPositions<'a>;
+    fn read<'a>(&'a self, scope: &'a str, partitions: &'a [(String, i32)]) -> StoredPositions<'a>;
 }
 
 /// The offset inbox as an engine's backend (`Consumer::builder(source).offset_inbox(..)`):
@@ -188,11 +184,7 @@ impl<I: TxPositions> OffsetInbox<I> {
 }
 
 impl<I: TxPositions> PositionReader for OffsetInbox<I> {
-    fn read<'a>(
-        &'a self,
-        scope: &'a str,
-        partitions: &'a [(String, i32)],
-    ) -> StoredPositions<'a> {
+    fn read<'a>(&'a self, scope: &'a str, partitions: &'a [(String, i32)]) -> StoredPositions<'a> {
         Box::pin(async move {
             let parts: Vec<Partition<'_>> =
                 partitions.iter().map(|(l, p)| (l.as_str(), *p)).collect();

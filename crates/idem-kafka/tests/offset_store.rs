@@ -361,3 +361,25 @@ impl Fixture for Lite {
 offset_suite!(postgres, Pg);
 offset_suite!(mariadb, My);
 offset_suite!(sqlite, Lite);
+
+/// A store migrated before the offset inbox existed has no positions table: the consumer's
+/// build says which `migrate()` to run instead of failing at the first batch.
+#[tokio::test]
+async fn a_store_without_the_positions_table_is_refused_at_build() {
+    let f = Lite::open().await.unwrap();
+    let drop_it = format!("DROP TABLE {}_positions", f.store.table());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(drop_it)).execute(f.store.pool()).await.unwrap();
+    let built = idem_core::Consumer::builder(idem_core::consumer::MemoryQueue::new())
+        .offset_inbox(OffsetInbox::new(f.inbox()))
+        .scope("offsets")
+        .build()
+        .await;
+    match built {
+        Err(idem_core::consumer::BuildError::Store(
+            e @ idem_core::StoreError::NotMigrated { .. },
+        )) => {
+            assert!(e.to_string().contains("migrate()"), "{e}");
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+}

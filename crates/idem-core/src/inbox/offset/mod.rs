@@ -176,10 +176,19 @@ impl<I: TxPositions> OffsetInbox<I> {
         self.markers.then(|| self.inbox.retention())
     }
 
-    /// The startup check: the inbox's, and the positions table answering a read.
+    /// The startup check: the inbox's, and the positions table answering a read (a store
+    /// migrated before the offset inbox existed has none: run its `migrate()` again).
     pub(crate) async fn check(&self) -> Result<(), StoreError> {
         self.inbox.check().await?;
-        self.inbox.read_positions("", &[("", -1)]).await.map(drop)
+        match self.inbox.read_positions("", &[("", -1)]).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_retryable() => Err(e),
+            Err(e) => Err(StoreError::NotMigrated {
+                table: "<table>_positions".to_owned(),
+                problem: format!("cannot be read ({})", crate::ErrorChain(&e)),
+                migrate: "the store's migrate()",
+            }),
+        }
     }
 }
 

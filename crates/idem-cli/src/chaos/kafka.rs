@@ -83,6 +83,9 @@ impl KafkaAdmin {
         // One record per batch: tansu 0.6 skips records when a fetch starts inside a batch.
         let mut pc = ClientConfig::new();
         pc.set("bootstrap.servers", brokers).set("batch.num.messages", "1").set("linger.ms", "5");
+        // Keyless records spread over every partition: with librdkafka's sticky partitioner a
+        // burst lands on one or two, which leaves the third untested.
+        pc.set("sticky.partitioning.linger.ms", "0");
         let publisher = KafkaPublisher::with_config(&pc)?;
         Ok(Self { brokers: brokers.to_owned(), topic, dead_letter, publisher })
     }

@@ -130,6 +130,44 @@ fn kafka_sqlite_inbox() {
     assert_exactly_once(&chaos(&broker, file.to_str().unwrap(), &["--kill-every", "1s..2s"]));
 }
 
+/// The offset inbox on Kafka (tansu): 3 workers killed with SIGKILL every 2–4 s, each kill a
+/// rebalance; the ledger must hold every id once, the reused ids must be dead-lettered, and the
+/// positions table must hold one row per partition (`idem chaos --offsets` checks it).
+#[cfg(feature = "kafka")]
+#[test]
+#[ignore = "slow (1-2 min): every kill costs a consumer-group rebalance"]
+fn kafka_offset_inbox_sqlite() {
+    let Some(brokers) = require("Kafka (tansu)", "IDEM_TEST_KAFKA_BROKERS", "127.0.0.1:9092")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("chaos.sqlite");
+    let broker = format!("kafka://{brokers}");
+    let args = ["--offsets", "--kill-every", "2s..4s"];
+    let out = chaos(&broker, file.to_str().unwrap(), &args);
+    assert_exactly_once(&out);
+    assert_eq!(row(&out, "position rows"), row(&out, "partitions used"));
+}
+
+/// As [`kafka_offset_inbox_sqlite`], on PostgreSQL and on MariaDB.
+#[cfg(feature = "kafka")]
+#[test]
+#[ignore = "slow (1-2 min each): every kill costs a consumer-group rebalance"]
+fn kafka_offset_inbox_postgres_and_mariadb() {
+    let Some(brokers) = require("Kafka (tansu)", "IDEM_TEST_KAFKA_BROKERS", "127.0.0.1:9092")
+    else {
+        return;
+    };
+    let broker = format!("kafka://{brokers}");
+    let args = ["--offsets", "--kill-every", "2s..4s"];
+    for store in [pg(), mysql()].into_iter().flatten() {
+        let out = chaos(&broker, &store, &args);
+        assert_exactly_once(&out);
+        assert_eq!(row(&out, "position rows"), row(&out, "partitions used"));
+    }
+}
+
 #[test]
 fn rabbitmq_mysql_inbox() {
     let (Some(b), Some(s)) = (amqp(), mysql()) else { return };

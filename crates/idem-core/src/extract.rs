@@ -20,6 +20,51 @@ pub trait Envelope {
     fn correlation_id(&self) -> Option<&str> {
         self.header("correlation-id")
     }
+    /// Where the message sits in an ordered log (Kafka, Event Hubs): what the
+    /// [offset inbox](crate::inbox::OffsetInbox) decides by. Default: `None` (not a log).
+    fn log_position(&self) -> Option<LogPosition<'_>> {
+        None
+    }
+}
+
+/// Where a delivery sits in an ordered log: its partition and offset, and where the consumer's
+/// reading of that partition continued from ([`read_from`](Self::read_from)).
+///
+/// ```
+/// use idem_core::extract::LogPosition;
+///
+/// let p = LogPosition::new("orders", 2, 41).read_from(Some(40));
+/// assert_eq!((p.log, p.partition, p.offset, p.from), ("orders", 2, 41, Some(40)));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LogPosition<'a> {
+    /// The log (a Kafka topic, an event hub).
+    pub log: &'a str,
+    /// The partition.
+    pub partition: i32,
+    /// The offset in the partition.
+    pub offset: i64,
+    /// Where this consumer's reading of the partition continued from when it read this
+    /// message: the offset after the message it read before it from the same partition, or
+    /// the offset it started reading at (a seek after an assignment). Every offset in
+    /// `from..offset` was either never read by this consumer or is settled. `None` when
+    /// unknown (the first message read after an assignment without a stored position).
+    pub from: Option<i64>,
+}
+
+impl<'a> LogPosition<'a> {
+    /// Offset `offset` of `partition` of `log`, read from an unknown position.
+    pub fn new(log: &'a str, partition: i32, offset: i64) -> Self {
+        Self { log, partition, offset, from: None }
+    }
+
+    /// Where the reading of the partition continued from (see [`from`](Self::from)).
+    #[must_use]
+    pub fn read_from(mut self, from: Option<i64>) -> Self {
+        self.from = from;
+        self
+    }
 }
 
 /// A plain message, for tests, the demo and adapters that have no richer type.

@@ -46,7 +46,7 @@ pub use consumer::Consumer;
 pub use engine::{Backend, Engine, Handler, HandlerError, Outcome, OutcomeKind};
 pub use fingerprint::{Fingerprint, FingerprintSpec};
 pub use ident::{Identifier, IdentifierError};
-pub use inbox::{Inbox, Tx, TxInbox};
+pub use inbox::{Inbox, OffsetInbox, Tx, TxInbox};
 pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
 pub use memory::MemoryStore;
 pub use record::{Record, RecordState};

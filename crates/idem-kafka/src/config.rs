@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use idem_core::RedeliveryWindow;
 use idem_core::consumer::{Opening, SourceConfig};
+use idem_core::inbox::PositionReader;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::producer::FutureProducer;
@@ -41,6 +42,7 @@ pub struct KafkaConfig {
     produce_timeout: Duration,
     close_timeout: Duration,
     redelivery_window: Option<Duration>,
+    positions: Option<Arc<dyn PositionReader>>,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -59,6 +61,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("produce_timeout", &self.produce_timeout)
             .field("close_timeout", &self.close_timeout)
             .field("redelivery_window", &self.redelivery_window)
+            .field("stored_positions", &self.positions.is_some())
             .finish()
     }
 }
@@ -86,7 +89,30 @@ impl KafkaConfig {
             produce_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
             redelivery_window: None,
+            positions: None,
         }
+    }
+
+    /// Seeks each partition, when it is assigned, to the position an
+    /// [`OffsetInbox`](idem_core::inbox::OffsetInbox) stored for it (pass the same inbox as
+    /// the consumer's): the group then resumes where the database says, not where the group's
+    /// Kafka offset says. Duplicates below the stored position are skipped either way; the seek
+    /// spares reading them.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::inbox::{OffsetInbox, TxPositions};
+    /// use idem_kafka::{KafkaConfig, rdkafka::ClientConfig};
+    ///
+    /// fn kafka<I: TxPositions + Clone>(inbox: &OffsetInbox<I>) -> KafkaConfig {
+    ///     let mut config = ClientConfig::new();
+    ///     config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "billing");
+    ///     KafkaConfig::new(&config, &["orders"], "dlq.orders").stored_positions(inbox.clone())
+    /// }
+    /// ```
+    pub fn stored_positions(mut self, reader: impl PositionReader) -> Self {
+        self.positions = Some(Arc::new(reader));
+        self
     }
 
     /// How long to keep gathering a batch after its first message arrived.
@@ -235,8 +261,11 @@ impl SourceConfig for KafkaConfig {
             close_timeout: self.close_timeout,
             retention: opening.retention,
             state: Mutex::new(State::default()),
+            positions: self.positions,
+            scope: opening.scope.to_owned(),
         };
-        if self.redelivery_window.is_none() {
+        // An offset inbox knows redeliveries by their offsets: no log retention is too long.
+        if self.redelivery_window.is_none() && opening.retention != Duration::MAX {
             source.warn_retention().await;
         }
         Ok(source)

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use idem_core::extract::Envelope;
+use idem_core::extract::{Envelope, LogPosition};
 use rdkafka::Message as _;
 use rdkafka::message::{BorrowedMessage, Headers as _};
 
@@ -29,6 +29,9 @@ pub struct Delivery {
     pub(crate) attempts: u32,
     /// The adapter's revocation count when this was polled.
     pub(crate) epoch: u64,
+    /// Where this member's reading of the partition continued from (see
+    /// [`LogPosition::from`]).
+    pub(crate) from: Option<i64>,
 }
 
 /// The record itself, shared by the clones handlers get.
@@ -53,7 +56,7 @@ impl Delivery {
             payload,
             headers: Vec::new(),
         };
-        Self { inner: Arc::new(record), attempts: 0, epoch: 0 }
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
     }
 
     /// Adds a header.
@@ -80,7 +83,7 @@ impl Delivery {
             payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
             headers,
         };
-        Self { inner: Arc::new(record), attempts: 0, epoch: 0 }
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
     }
 
     /// The topic.
@@ -113,6 +116,14 @@ impl Delivery {
         self.inner.headers.iter().map(|(k, v)| (k.as_str(), v.as_slice()))
     }
 
+    /// Sets where the reading of its partition continued from, as the source does when it
+    /// polls (for tests of the offset inbox).
+    #[must_use]
+    pub fn read_from(mut self, from: Option<i64>) -> Self {
+        self.from = from;
+        self
+    }
+
     /// How many times this adapter has retried this message in this process.
     pub fn retries(&self) -> u32 {
         self.attempts
@@ -130,6 +141,12 @@ impl Envelope for Delivery {
 
     fn message_id(&self) -> Option<&str> {
         self.header(MSG_ID_HEADER)
+    }
+
+    /// Topic, partition and offset, and where this member's reading of the partition
+    /// continued from: what the offset inbox decides by.
+    fn log_position(&self) -> Option<LogPosition<'_>> {
+        Some(LogPosition::new(self.topic(), self.partition(), self.offset()).read_from(self.from))
     }
 
     /// The last header of that name whose value is UTF-8 (Kafka headers are bytes).

@@ -47,6 +47,56 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Offset inbox
+//! With [`offset_inbox`](idem_core::consumer::Builder::offset_inbox) each batch commits its
+//! partitions' positions — one row per scope × topic × partition — in the transaction of the
+//! handlers' writes: a message below its partition's stored position is a duplicate, acked
+//! without running the handler, so redeliveries need no per-message marker and no purge,
+//! whatever the topics' retention. [`KafkaConfig::stored_positions`] makes the source seek each
+//! assigned partition to its stored position (at the next fetch: the rebalance callback runs on
+//! librdkafka's thread). A message whose partition has an earlier message not yet settled waits
+//! for it, so positions never pass an effect that is not committed.
+//!
+//! Producer duplicates (one message id at two offsets) are caught by markers kept for the
+//! inbox's retention, the window (`store.inbox(one_hour)`); `.without_markers()` drops them,
+//! and the producer must then be idempotent (`enable.idempotence=true`, as [`KafkaPublisher`]
+//! is), knowing that an application or relay that publishes a message twice still writes two
+//! copies. What it does not promise (positions belong to the scope, a re-created topic, …):
+//! `docs/adr/0009-offset-inbox.md`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idem::engine::HandlerError;
+//! use idem::inbox::OffsetInbox;
+//! use idem::kafka::{KafkaConfig, KafkaConsumer, rdkafka::ClientConfig};
+//! use idem::{PostgresStore, sqlx};
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! store.migrate().await?; // creates the positions table too
+//! // Markers for one hour catch a producer's retries; positions catch every redelivery.
+//! let inbox = OffsetInbox::new(store.inbox(Duration::from_secs(3600)));
+//! let mut config = ClientConfig::new();
+//! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "order-writer");
+//! let kafka = KafkaConfig::new(&config, &["orders"], "dlq.orders").stored_positions(inbox.clone());
+//! let consumer = KafkaConsumer::builder(kafka)
+//!     .offset_inbox(inbox)
+//!     .scope("order-writer")
+//!     .build()
+//!     .await?;
+//! consumer
+//!     .run(|mut tx, msg| async move {
+//!         sqlx::query("INSERT INTO orders (body) VALUES ($1)")
+//!             .bind(msg.payload_bytes().to_vec())
+//!             .execute(&mut *tx) // commits with the partition's position
+//!             .await
+//!             .map_err(HandlerError::Transient)?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
 //! # Publishing (outbox relay)
 //! [`KafkaPublisher`] is the Kafka [`Publisher`](idem_core::outbox::Publisher) of an outbox
 //! [`Relay`](idem_core::outbox::Relay): an idempotent producer with `acks=all` that produces a
@@ -113,6 +163,7 @@ mod delivery;
 mod error;
 #[cfg(feature = "event-hubs")]
 pub mod event_hubs;
+mod positions;
 mod publish;
 mod rebalance;
 mod retention;

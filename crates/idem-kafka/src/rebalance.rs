@@ -17,6 +17,9 @@ use crate::source::{ADMIN_TIMEOUT, KafkaSource, Tp};
 #[derive(Default)]
 pub(crate) struct Ctx {
     revoked: Mutex<Vec<Tp>>,
+    /// Partitions assigned since the source last looked, with how often a seek to their stored
+    /// position was tried.
+    pub(crate) assigned: Mutex<Vec<(Tp, u32)>>,
 }
 
 impl ClientContext for Ctx {}
@@ -41,6 +44,10 @@ impl ConsumerContext for Ctx {
     /// the revocation (the retry that paused it is no longer this member's to schedule): left
     /// paused, the partition would never be read again.
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let mut a = self.assigned.lock().unwrap_or_else(PoisonError::into_inner);
+            a.extend(tpl.elements().iter().map(|e| ((e.topic().to_owned(), e.partition()), 0)));
+        }
         if let Rebalance::Assign(tpl) = rebalance
             && tpl.count() > 0
             && let Err(e) = consumer.resume(tpl)
@@ -70,6 +77,8 @@ impl KafkaSource {
             st.tracker.forget(tp);
             st.paused.remove(tp);
             st.verified.remove(tp);
+            st.next_from.remove(tp);
+            st.bridges.remove(tp);
             let e = st.epoch;
             st.revoked_at.insert(tp.clone(), e);
         }

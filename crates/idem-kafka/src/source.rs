@@ -63,6 +63,10 @@ pub(crate) struct State {
     /// yet. They live here, not in the fetch's locals, so that a fetch dropped at its await
     /// loses nothing: the next fetch returns them first.
     pub(crate) staged: Vec<Delivery>,
+    /// Per partition, the `from` of the next message polled (see [`positions`](crate::positions)).
+    pub(crate) next_from: HashMap<Tp, i64>,
+    /// Per partition, dead-lettered messages: the offset after each → its `from`.
+    pub(crate) bridges: HashMap<Tp, HashMap<i64, Option<i64>>>,
 }
 
 impl State {
@@ -87,6 +91,10 @@ pub struct KafkaSource {
     pub(crate) close_timeout: Duration,
     pub(crate) retention: Duration,
     pub(crate) state: Mutex<State>,
+    /// Where an offset inbox keeps positions, to seek to after an assignment.
+    pub(crate) positions: Option<Arc<dyn idem_core::inbox::PositionReader>>,
+    /// The consumer's scope (the positions' owner).
+    pub(crate) scope: String,
 }
 
 impl std::fmt::Debug for KafkaSource {
@@ -233,19 +241,22 @@ impl Source for KafkaSource {
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         let consumer = self.consumer()?;
         self.revocations(&consumer);
+        self.seek_assigned(&consumer).await;
         let now = Instant::now();
         let (mut staged, next_retry) = {
             let mut st = self.state();
-            let State { retries, staged, .. } = &mut *st;
+            let st = &mut *st;
             let mut i = 0;
-            while i < retries.len() && staged.len() < max {
-                if retries[i].0 <= now {
-                    staged.push(retries.swap_remove(i).1);
+            while i < st.retries.len() && st.staged.len() < max {
+                if st.retries[i].0 <= now {
+                    let mut d = st.retries.swap_remove(i).1;
+                    st.bridge(&mut d);
+                    st.staged.push(d);
                 } else {
                     i += 1;
                 }
             }
-            (staged.len(), retries.iter().map(|(at, _)| *at).min())
+            (st.staged.len(), st.retries.iter().map(|(at, _)| *at).min())
         };
         let mut wait = if staged == 0 {
             next_retry.map_or(wait, |at| at.saturating_duration_since(now).min(wait))
@@ -270,8 +281,11 @@ impl Source for KafkaSource {
             // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
             self.revocations(&consumer);
             let mut m = m;
+            // Partitions assigned inside this poll are sought before any more is read.
+            let assigned = Self::assigned_since(&consumer);
             let mut st = self.state();
             m.epoch = st.epoch;
+            st.read_from(&mut m);
             // A message of a revoked partition polled before its revocation is processed but
             // not tracked.
             if st.owns(&m) {
@@ -280,6 +294,9 @@ impl Source for KafkaSource {
             st.staged.push(m);
             staged = st.staged.len();
             wait = self.batch_wait;
+            if assigned && self.positions.is_some() {
+                break;
+            }
         }
         let mut st = self.state();
         let n = st.staged.len().min(max);
@@ -309,7 +326,11 @@ impl Source for KafkaSource {
             for (mut d, verb) in items {
                 let tp = d.tp();
                 match verb {
-                    Verb::Ack | Verb::DeadLetter { .. } if st.owns(&d) => {
+                    Verb::DeadLetter { .. } if st.owns(&d) => {
+                        st.tracker.settled(&tp, d.offset());
+                        st.dead_lettered(&d);
+                    }
+                    Verb::Ack if st.owns(&d) => {
                         st.tracker.settled(&tp, d.offset());
                     }
                     // Settled, but of a partition revoked since it was polled: not ours to

@@ -262,6 +262,16 @@ impl Admin {
         }
     }
 
+    /// Kafka: the partitions of the run's topic that hold messages (the offset inbox keeps one
+    /// position row for each). Other brokers: none.
+    pub(crate) async fn partitions_used(&self) -> anyhow::Result<i64> {
+        match self {
+            #[cfg(feature = "kafka")]
+            Self::Kafka(k) => k.partitions_used().await,
+            _ => Ok(0),
+        }
+    }
+
     /// The distinct ids in the dead-letter queue (read without consuming them).
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<HashSet<String>> {
         let mut ids = HashSet::new();

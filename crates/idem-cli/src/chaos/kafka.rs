@@ -20,11 +20,12 @@ pub(crate) const GROUP: &str = "idem-chaos";
 const PARTITIONS: i32 = 3;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The workers' consumer settings: quick rebalances when a worker is killed.
-pub(crate) fn consumer_config(brokers: &str) -> ClientConfig {
+/// The workers' consumer settings: quick rebalances when a worker is killed. Each run's topic
+/// has a group of its own: runs side by side would otherwise rebalance each other at every kill.
+pub(crate) fn consumer_config(brokers: &str, topic: &str) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
-        .set("group.id", GROUP)
+        .set("group.id", format!("{GROUP}-{topic}"))
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
         .set("max.poll.interval.ms", "30000")
@@ -82,6 +83,9 @@ impl KafkaAdmin {
         // One record per batch: tansu 0.6 skips records when a fetch starts inside a batch.
         let mut pc = ClientConfig::new();
         pc.set("bootstrap.servers", brokers).set("batch.num.messages", "1").set("linger.ms", "5");
+        // Keyless records spread over every partition: with librdkafka's sticky partitioner a
+        // burst lands on one or two, which leaves the third untested.
+        pc.set("sticky.partitioning.linger.ms", "0");
         let publisher = KafkaPublisher::with_config(&pc)?;
         Ok(Self { brokers: brokers.to_owned(), topic, dead_letter, publisher })
     }
@@ -97,7 +101,7 @@ impl KafkaAdmin {
     pub(crate) async fn backlog(&self) -> anyhow::Result<u64> {
         let (brokers, topic) = (self.brokers.clone(), self.topic.clone());
         off_thread("read the group's lag", move || {
-            let mut cfg = consumer_config(&brokers);
+            let mut cfg = consumer_config(&brokers, &topic);
             cfg.set("enable.auto.commit", "false");
             let c: BaseConsumer = cfg.create()?;
             let mut tpl = TopicPartitionList::new();
@@ -115,6 +119,24 @@ impl KafkaAdmin {
                 left += u64::try_from(high - done).unwrap_or(0);
             }
             Ok(left)
+        })
+        .await
+    }
+
+    /// Partitions of the topic holding at least one record (a keyless burst can leave one
+    /// empty: librdkafka's sticky partitioner).
+    pub(crate) async fn partitions_used(&self) -> anyhow::Result<i64> {
+        let (brokers, topic) = (self.brokers.clone(), self.topic.clone());
+        off_thread("read the topic's watermarks", move || {
+            let mut cfg = consumer_config(&brokers, &topic);
+            cfg.set("enable.auto.commit", "false");
+            let c: BaseConsumer = cfg.create()?;
+            let mut used = 0;
+            for p in 0..PARTITIONS {
+                let (low, high) = c.fetch_watermarks(&topic, p, TIMEOUT)?;
+                used += i64::from(high > low);
+            }
+            Ok(used)
         })
         .await
     }

@@ -140,6 +140,11 @@ pub(crate) struct ChaosArgs {
     /// Keep the run's queue, stream, tables and keys.
     #[arg(long)]
     keep: bool,
+    /// Kafka with a SQL store: the offset inbox (each partition's position commits with the
+    /// ledger row; markers catch the producer duplicates). The run also checks that the
+    /// positions table holds one row per partition.
+    #[arg(long)]
+    offsets: bool,
     /// TEST ONLY: make the workers wrong on purpose, to see the verifier fail.
     #[arg(long, value_enum)]
     fault: Option<Fault>,
@@ -158,6 +163,11 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
     }
     let broker = BrokerUrl::parse(&args.broker)?;
     let store = StoreUrl::parse(&args.store)?;
+    if args.offsets
+        && (!matches!(broker, BrokerUrl::Kafka(_)) || matches!(store, StoreUrl::Redis(_)))
+    {
+        bail!("--offsets needs a kafka:// broker and a SQL store (the offset inbox)");
+    }
     let plan = Plan::new(&args)?;
     let names = Names::new(&plan.tag);
     let admin = Admin::create(&broker, &plan.tag).await?;
@@ -270,6 +280,9 @@ impl Worker {
             .kill_on_drop(true);
         if args.fault == Some(Fault::EffectOutsideTx) {
             cmd.args(["--fault", "effect-outside-tx"]);
+        }
+        if args.offsets {
+            cmd.arg("--offsets");
         }
         cmd
     }
@@ -472,7 +485,19 @@ async fn verify(
         args.workers
     );
     println!("{}", Table { tally: &tally, events: &events });
-    Ok(if tally.passed() && !events.timed_out { 0 } else { 1 })
+    // The offset inbox keeps one position row per partition, however often workers died.
+    let positions_ok = if args.offsets {
+        let rows = ledger.position_rows(store, names).await?;
+        let used = admin.partitions_used().await?;
+        let ok = rows == used;
+        let note = if ok { "" } else { "  <-- FAIL: not one per partition with messages" };
+        println!("{:<22} {rows:>10}{note}", "position rows");
+        println!("{:<22} {used:>10}", "partitions used");
+        ok
+    } else {
+        true
+    };
+    Ok(if tally.passed() && !events.timed_out && positions_ok { 0 } else { 1 })
 }
 
 fn applied_reused(effects: &[Effect], id: &str) -> bool {

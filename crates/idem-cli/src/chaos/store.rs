@@ -149,6 +149,31 @@ impl Ledger {
     }
 
     /// Drops everything the run created in the store.
+    /// Rows in the offset inbox's positions table (the store's `<table>_positions`).
+    pub(crate) async fn position_rows(
+        &self,
+        store: &StoreUrl,
+        names: &Names,
+    ) -> anyhow::Result<i64> {
+        let _ = store;
+        let base = &names.base;
+        Ok(match self {
+            Self::Pg(pool) => {
+                let sql = format!("SELECT count(*) FROM \"{base}\".idem_records_positions");
+                sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await?
+            }
+            Self::My(pool) => {
+                let sql = format!("SELECT count(*) FROM {base}_positions");
+                sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await?
+            }
+            Self::Sqlite(pool) => {
+                let sql = format!("SELECT count(*) FROM {base}_positions");
+                sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(pool).await?
+            }
+            Self::Redis(_) => 0,
+        })
+    }
+
     pub(crate) async fn drop_all(&self, store: &StoreUrl, names: &Names) -> anyhow::Result<()> {
         let base = &names.base;
         match self {
@@ -157,11 +182,15 @@ impl Ledger {
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
             }
             Self::My(pool) => {
-                let sql = format!("DROP TABLE {base}, {}", names.ledger_table(store));
+                let sql =
+                    format!("DROP TABLE {base}, {base}_positions, {}", names.ledger_table(store));
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
             }
             Self::Sqlite(pool) => {
-                let sql = format!("DROP TABLE {base}; DROP TABLE {}", names.ledger_table(store));
+                let sql = format!(
+                    "DROP TABLE {base}; DROP TABLE IF EXISTS {base}_positions; DROP TABLE {}",
+                    names.ledger_table(store)
+                );
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(pool).await?;
             }
             Self::Redis(conn) => {

@@ -65,12 +65,15 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
         BrokerUrl::Kafka(brokers) => {
             let topic = broker.destination(tag);
             let config = idem::kafka::KafkaConfig::new(
-                &super::kafka::consumer_config(brokers),
+                &super::kafka::consumer_config(brokers, &topic),
                 &[topic.as_str()],
                 format!("{topic}.dlq"),
             )
             .retry_delay(Duration::from_millis(200))
             .close_timeout(Duration::from_secs(5));
+            if args.offsets {
+                return consume_offsets(config, &store, &names, args).await;
+            }
             consume(config, &store, &names, args).await
         }
         #[cfg(not(feature = "kafka"))]
@@ -200,6 +203,80 @@ where
                 };
             driver.run(handler, stdin_closed()).await?;
         }
+    }
+    Ok(0)
+}
+
+/// A source that seeks to an offset inbox's stored positions (Kafka).
+trait Seeks: Sized {
+    fn seek_to(self, positions: impl idem::inbox::PositionReader) -> Self;
+}
+
+#[cfg(feature = "kafka")]
+impl Seeks for idem::kafka::KafkaConfig {
+    fn seek_to(self, positions: impl idem::inbox::PositionReader) -> Self {
+        self.stored_positions(positions)
+    }
+}
+
+/// The offset inbox over a SQL store (`--offsets`): the ledger row and the partition's position
+/// commit together; the source seeks to the stored positions on each assignment.
+#[cfg_attr(not(feature = "kafka"), allow(dead_code))]
+async fn consume_offsets<C>(
+    config: C,
+    store: &StoreUrl,
+    names: &Names,
+    args: &ChaosArgs,
+) -> anyhow::Result<u8>
+where
+    C: SourceConfig + Seeks,
+    <C::Source as Source>::Delivery: Envelope,
+    <C::Source as Source>::Error: Send + Sync,
+{
+    use idem::inbox::OffsetInbox;
+    let ledger = names.ledger_table(store);
+    let outside = args.fault == Some(Fault::EffectOutsideTx);
+    macro_rules! build {
+        ($inbox:expr) => {{
+            let inbox = OffsetInbox::new($inbox);
+            Consumer::builder(config.seek_to(inbox.clone()))
+                .scope(SCOPE)
+                .batch(32)
+                .idle_wait(Duration::from_millis(100))
+                .offset_inbox(inbox)
+                .build()
+                .await?
+        }};
+    }
+    match store {
+        StoreUrl::Postgres(url) => {
+            let pool = store::pg_pool(url, 4).await?;
+            let driver =
+                build!(PostgresStore::new(pool.clone()).with_schema(&names.base)?.inbox(RETAIN));
+            ready()?;
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES ($1, $2)");
+            driver
+                .run(sql_writer!(idem::PostgresInbox, pool, sql, outside), stdin_closed())
+                .await?;
+        }
+        StoreUrl::MySql(url) => {
+            let pool = store::my_pool(url, 4).await?;
+            let driver =
+                build!(MySqlStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN));
+            ready()?;
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
+            driver.run(sql_writer!(idem::MySqlInbox, pool, sql, outside), stdin_closed()).await?;
+        }
+        StoreUrl::Sqlite(path) => {
+            let pool = store::sqlite_pool(path).await?;
+            let driver =
+                build!(SqliteStore::new(pool.clone()).with_table_name(&names.base)?.inbox(RETAIN));
+            ready()?;
+            let pool = if outside { store::sqlite_pool(path).await? } else { pool };
+            let sql = format!("INSERT INTO {ledger} (id, body) VALUES (?, ?)");
+            driver.run(sql_writer!(idem::SqliteInbox, pool, sql, outside), stdin_closed()).await?;
+        }
+        StoreUrl::Redis(_) => anyhow::bail!("--offsets needs a SQL store"),
     }
     Ok(0)
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::{BuildError, Consumer, Hook, Opening, Settlement, Source, SourceConfig};
 use crate::DedupStore;
 use crate::engine::{Backend, Settings as EngineSettings, engine_setters};
-use crate::inbox::{Inbox, TxInbox};
+use crate::inbox::{Inbox, OffsetInbox, TxInbox, TxPositions};
 
 /// What to do when fetching fails.
 ///
@@ -134,6 +134,14 @@ impl<C: SourceConfig> Builder<C, ()> {
     /// handler receives ([`Tx`](crate::inbox::Tx)). For effects in that database.
     pub fn inbox<I: TxInbox>(self, inbox: I) -> Builder<C, Inbox<I>> {
         self.with(Inbox::new(inbox))
+    }
+
+    /// **Offset-inbox mode**, for ordered logs (Kafka, Event Hubs): each batch commits its
+    /// partitions' positions with the handlers' writes in one transaction, which the handler
+    /// receives; a redelivery is recognised by its offset, with no per-message marker (see
+    /// [`OffsetInbox`] for producer duplicates).
+    pub fn offset_inbox<I: TxPositions>(self, inbox: OffsetInbox<I>) -> Builder<C, OffsetInbox<I>> {
+        self.with(inbox)
     }
 }
 

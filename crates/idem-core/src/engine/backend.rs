@@ -15,20 +15,23 @@ use super::two_phase::TwoPhase;
 use super::{Context, Engine, HandlerError, Outcome};
 use crate::extract::Envelope;
 use crate::inbox::decide::InboxRound;
-use crate::inbox::{Inbox, Tx, TxInbox};
+use crate::inbox::{Inbox, OffsetInbox, Tx, TxInbox, TxPositions};
 use crate::{DedupStore, StoreError};
 
 mod sealed {
     pub trait Sealed {}
     impl<S: crate::DedupStore> Sealed for S {}
     impl<I: crate::inbox::TxInbox> Sealed for crate::inbox::Inbox<I> {}
+    impl<I: crate::inbox::TxPositions> Sealed for crate::inbox::OffsetInbox<I> {}
 }
 
 /// How an [`Engine`] turns a fetched batch into outcomes. Sealed: implemented by every
 /// [`DedupStore`] (**two-phase**: claim the batch with one `claim_many`, run the acquired
 /// handlers under their leases, record their completions with one `complete_many`; the handler
-/// gets a [`Context`]) and by [`Inbox`] (**transactional inbox**: mark the batch's keys inside one
-/// transaction, run the handlers on it, commit once; the handler gets the transaction, [`Tx`]).
+/// gets a [`Context`]), by [`Inbox`] (**transactional inbox**: mark the batch's keys inside one
+/// transaction, run the handlers on it, commit once; the handler gets the transaction, [`Tx`])
+/// and by [`OffsetInbox`] (**offset inbox**, for ordered logs: the partitions' positions commit
+/// with the handlers' writes, so a redelivery is known by its offset).
 ///
 /// # Contract
 /// - `decide` answers one [`Outcome`] per message, in message order.
@@ -180,5 +183,45 @@ impl<I: TxInbox> Backend for Inbox<I> {
     {
         let mode = InboxRound { engine, handler, msgs: batch };
         engine.decide_in_rounds(batch, &mode).await
+    }
+}
+
+impl<I: TxPositions> Backend for OffsetInbox<I> {
+    type Ctx = Tx<I>;
+
+    /// Redeliveries are recognised by their offsets however old they are; only producer
+    /// duplicates depend on the markers' window, which no broker setting bounds.
+    fn retention(_: &Engine<Self>) -> Duration {
+        Duration::MAX
+    }
+
+    fn lease(_: &Engine<Self>) -> Option<Duration> {
+        None
+    }
+
+    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        OffsetInbox::check(self)
+    }
+
+    async fn claim_ahead<'a, M: Envelope + Sync>(_: &'a Engine<Self>, _: &'a [M]) -> Option<Ahead> {
+        None
+    }
+
+    async fn drop_ahead(_: &Engine<Self>, _: Ahead) {}
+
+    async fn decide<'a, M, H, Fut, T, E>(
+        engine: &'a Engine<Self>,
+        batch: &'a [M],
+        handler: &'a H,
+        _: Option<Ahead>,
+    ) -> Vec<Outcome<T, E>>
+    where
+        M: Envelope + Clone + Send + Sync + 'static,
+        H: Fn(Self::Ctx, M) -> Fut + Sync,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
+        T: Serialize + DeserializeOwned + Send + 'a,
+        E: Display + Send + 'a,
+    {
+        crate::inbox::decide_offsets(engine, batch, handler).await
     }
 }

@@ -17,7 +17,7 @@ mod context;
 mod handler;
 mod observe;
 mod outcome;
-mod prepare;
+pub(crate) mod prepare;
 mod two_phase;
 
 use std::sync::Arc;

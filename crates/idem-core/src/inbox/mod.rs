@@ -19,6 +19,7 @@
 //! twice for one delivery; only its writes through the transaction count, and they commit once.
 
 pub(crate) mod decide;
+mod offset;
 mod tx;
 
 use std::future::Future;
@@ -27,6 +28,8 @@ use std::time::Duration;
 use crate::engine::{HandlerError, Outcome};
 use crate::{Claim, DedupKey, Fingerprint, StoreError};
 
+pub(crate) use offset::decide as decide_offsets;
+pub use offset::{OffsetInbox, Partition, PositionReader, StoredPositions, TxPositions};
 pub use tx::Tx;
 
 /// The primitives of a transactional inbox, as idem-core's inbox decider calls them. Nothing

@@ -41,7 +41,7 @@ use crate::row::{claim_of, mark_lease};
 /// ```
 #[derive(Debug, Clone)]
 pub struct MySqlInbox {
-    store: MySqlStore,
+    pub(super) store: MySqlStore,
     retain_for: Duration,
 }
 

@@ -9,6 +9,7 @@ mod claim;
 mod inbox;
 mod inspect;
 mod outbox;
+mod positions;
 mod setup;
 mod sql;
 

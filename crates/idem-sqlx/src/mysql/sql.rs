@@ -175,8 +175,9 @@ impl Sql {
             )
         };
         Self {
-            ddl: vec![format!(
-                "CREATE TABLE IF NOT EXISTS {t} (\
+            ddl: vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
                    key_hash BINARY(32) NOT NULL PRIMARY KEY, \
                    scope TEXT NOT NULL, \
                    key_id TEXT NOT NULL, \
@@ -193,7 +194,16 @@ impl Sql {
                    owner BIGINT NOT NULL DEFAULT 0, \
                    KEY `{table}_expires_at` (expires_at)\
                  ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
-            )],
+                ),
+                // The offset inbox's positions: the next offset per (scope, log, partition), as
+                // bytes (a key of two utf8mb4 VARCHARs this long passes InnoDB's 3,072-byte limit).
+                format!(
+                    "CREATE TABLE IF NOT EXISTS `{table}_positions` (\
+                   scope VARBINARY(512) NOT NULL, log VARBINARY(512) NOT NULL, part INT NOT NULL, \
+                   next_offset BIGINT NULL, PRIMARY KEY (scope, log, part)\
+                 ) ENGINE=InnoDB"
+                ),
+            ],
             insert_marker: s(format!(
                 "INSERT INTO {t} ({COLUMNS}, owner) VALUES (:hash, :scope, :id, 1, :fp, NULL, 1, \
                  {NOW}, NULL, {NOW}, {NOW}, NULL, {NOW} + :keep, :owner)"

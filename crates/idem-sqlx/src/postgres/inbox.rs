@@ -47,7 +47,7 @@ use crate::row::{claim_of, mark_lease};
 /// ```
 #[derive(Debug, Clone)]
 pub struct PostgresInbox {
-    store: PostgresStore,
+    pub(super) store: PostgresStore,
     retain_for: Duration,
 }
 

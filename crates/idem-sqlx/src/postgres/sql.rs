@@ -97,6 +97,12 @@ impl Sql {
                        scope TEXT NOT NULL, entity_id TEXT NOT NULL, \
                        version BIGINT NOT NULL, updated_at BIGINT NOT NULL)"
                 ),
+                // The offset inbox's positions: the next offset per (scope, log, partition).
+                format!(
+                    "CREATE TABLE IF NOT EXISTS \"{schema}\".\"{table}_positions\" (\
+                       scope TEXT NOT NULL, log TEXT NOT NULL, part INTEGER NOT NULL, \
+                       next_offset BIGINT, PRIMARY KEY (scope, log, part))"
+                ),
             ],
             claim: s(upsert(0)),
             // An inbox marker is a claim completed at once (bound with a NULL lease).

@@ -44,7 +44,7 @@ use crate::row::{claim_of, i64_of, mark_lease};
 /// ```
 #[derive(Debug, Clone)]
 pub struct SqliteInbox {
-    store: SqliteStore,
+    pub(super) store: SqliteStore,
     retain_for: Duration,
 }
 

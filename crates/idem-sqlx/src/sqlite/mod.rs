@@ -2,6 +2,7 @@
 
 mod inbox;
 mod outbox;
+mod positions;
 mod sql;
 
 use std::path::Path;

@@ -83,6 +83,13 @@ impl Sql {
                        version INTEGER NOT NULL, updated_at INTEGER NOT NULL\
                      ) WITHOUT ROWID"
                 ),
+                // The offset inbox's positions: the next offset per (scope, log, partition).
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_positions (\
+                       scope TEXT NOT NULL, log TEXT NOT NULL, part INTEGER NOT NULL, \
+                       next_offset INTEGER, PRIMARY KEY (scope, log, part)\
+                     ) WITHOUT ROWID"
+                ),
             ],
             claim: s(upsert(0, "?6")),
             // An inbox marker is a claim that is completed at once: no lease.

@@ -22,10 +22,18 @@ pub(crate) type Slot = Option<Result<Claim, StoreError>>;
 #[derive(Debug)]
 pub struct Ahead {
     taken: Instant,
+    /// Every message's preparation (key, fingerprint), so the decision does not redo it.
+    prepared: Vec<Prepared<(), ()>>,
     claims: Vec<(KeyHash, Result<Claim, StoreError>)>,
 }
 
 impl Ahead {
+    /// The messages' preparations, for [`decide_in_rounds`](Engine::decide_in_rounds); what
+    /// remains holds the claims.
+    pub(crate) fn take_prepared(&mut self) -> Vec<Prepared<(), ()>> {
+        std::mem::take(&mut self.prepared)
+    }
+
     /// The claims for `reqs`, if they were taken for exactly these requests (same keys, same
     /// order), and whether they are old (taken a quarter of the lease ago or more: their leases
     /// must be extended before the handlers get them). `None` in a slot asks for a fresh claim
@@ -56,16 +64,29 @@ impl Ahead {
 }
 
 impl<B> Engine<B> {
-    /// The claim requests of a batch's first round: the keyed messages whose key is the first
-    /// of its kind in the batch, in message order.
-    pub(crate) fn first_round<M: Envelope>(&self, msgs: &[M]) -> Vec<ClaimRequest> {
+    /// Every message's preparation, and the claim requests of the batch's first round: the
+    /// keyed messages whose key is the first of its kind in the batch, in message order.
+    fn first_round<M: Envelope>(&self, msgs: &[M]) -> (Vec<Prepared<(), ()>>, Vec<ClaimRequest>) {
+        let prepared: Vec<Prepared<(), ()>> = msgs.iter().map(|m| self.prepare(m)).collect();
         let mut seen = HashSet::new();
-        msgs.iter()
-            .filter_map(|m| match self.prepare::<M, (), ()>(m) {
-                Prepared::Claim(req) => seen.insert(req.key.hash()).then_some(req),
+        let reqs = prepared
+            .iter()
+            .filter_map(|p| match p {
+                Prepared::Claim(req) => seen.insert(req.key.hash()).then(|| req.clone()),
                 Prepared::Unkeyed | Prepared::Done(_) => None,
             })
-            .collect()
+            .collect();
+        (prepared, reqs)
+    }
+
+    /// `m`'s preparation made ahead, in the handler's types (a message decided without the
+    /// store is prepared again: its outcome carries them).
+    pub(crate) fn reuse<M: Envelope, T, E>(&self, m: &M, p: Prepared<(), ()>) -> Prepared<T, E> {
+        match p {
+            Prepared::Claim(req) => Prepared::Claim(req),
+            Prepared::Unkeyed => Prepared::Unkeyed,
+            Prepared::Done(_) => self.prepare(m),
+        }
     }
 }
 
@@ -73,13 +94,14 @@ impl<S: DedupStore> Engine<S> {
     /// Claims the first round of `msgs` now (one `claim_many`), for a later decision of the
     /// same batch.
     pub(crate) async fn claim_ahead<M: Envelope>(&self, msgs: &[M]) -> Option<Ahead> {
-        let reqs = self.first_round(msgs);
+        let (prepared, reqs) = self.first_round(msgs);
         if reqs.is_empty() {
             return None;
         }
         let taken = Instant::now();
         let claims = self.claim_all(&reqs).await;
-        Some(Ahead { taken, claims: reqs.iter().map(|r| r.key.hash()).zip(claims).collect() })
+        let claims = reqs.iter().map(|r| r.key.hash()).zip(claims).collect();
+        Some(Ahead { taken, prepared, claims })
     }
 
     /// Gives back the leases of claims taken ahead and not used, except takeovers of expired

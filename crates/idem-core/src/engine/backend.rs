@@ -136,8 +136,10 @@ impl<S: DedupStore> Backend for S {
     {
         let by_index = move |ctx: Context, i: usize| handler(ctx, batch[i].clone());
         async move {
+            let mut ahead = ahead;
+            let prepared = ahead.as_mut().map(Ahead::take_prepared).unwrap_or_default();
             let mode = TwoPhase::new(engine, &by_index, batch, ahead);
-            let outcomes = engine.decide_in_rounds(batch, &mode).await;
+            let outcomes = engine.decide_in_rounds(batch, &mode, prepared).await;
             if let Some(unused) = mode.into_unused() {
                 engine.drop_ahead(unused).await;
             }
@@ -182,7 +184,7 @@ impl<I: TxInbox> Backend for Inbox<I> {
         E: Display + Send + 'a,
     {
         let mode = InboxRound { engine, handler, msgs: batch };
-        engine.decide_in_rounds(batch, &mode).await
+        engine.decide_in_rounds(batch, &mode, Vec::new()).await
     }
 }
 

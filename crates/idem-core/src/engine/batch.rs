@@ -32,7 +32,8 @@ pub(crate) trait Round<T, E>: Sync {
 }
 
 impl<B> Engine<B> {
-    /// Decides `msgs` with `mode`: each message prepared (a message without a usable key is
+    /// Decides `msgs` with `mode` (`prepared`: the messages' preparations made ahead, or
+    /// empty): each message prepared (a message without a usable key is
     /// decided here), then rounds of distinct keys — a key repeated in the batch waits until
     /// the round of its first copy is durable, and is then a duplicate of it — then every
     /// outcome observed. Outcomes are in message order.
@@ -40,6 +41,7 @@ impl<B> Engine<B> {
         &self,
         msgs: &[M],
         mode: &R,
+        prepared: Vec<Prepared<(), ()>>,
     ) -> Vec<Outcome<T, E>>
     where
         M: Envelope,
@@ -49,8 +51,14 @@ impl<B> Engine<B> {
         let mut out: Vec<Option<Outcome<T, E>>> = msgs.iter().map(|_| None).collect();
         let mut keys: Vec<Option<DedupKey>> = msgs.iter().map(|_| None).collect();
         let mut todo: Vec<Item> = Vec::with_capacity(msgs.len());
+        // Made ahead (with the claims taken ahead) when there is one per message.
+        let mut prepared = (prepared.len() == msgs.len()).then(|| prepared.into_iter());
         for (i, m) in msgs.iter().enumerate() {
-            match self.prepare(m) {
+            let p = match prepared.as_mut().and_then(Iterator::next) {
+                Some(p) => self.reuse(m, p),
+                None => self.prepare(m),
+            };
+            match p {
                 Prepared::Claim(req) => {
                     keys[i] = Some(req.key.clone());
                     todo.push((i, Some(req)));

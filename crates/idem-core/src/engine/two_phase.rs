@@ -103,7 +103,7 @@ impl<S: DedupStore> Engine<S> {
         Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
     {
         let by_index = |ctx: Context, i: usize| handler(ctx, &msgs[i]);
-        self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs, None)).await
+        self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs, None), Vec::new()).await
     }
 
     /// The claims of a round: one `claim_many`, or one claim each when the batch call fails

@@ -254,7 +254,7 @@ async fn operator_verbs_on_mariadb() {
     store.migrate().await.unwrap();
     scenario(&store, &["--store", &url, "--table", &table], true).await;
     for t in [table.clone(), format!("{table}_versions")] {
-        idem::sqlx::query(idem::sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`")))
+        idem::sqlx::query(idem::sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`, `{t}_positions`")))
             .execute(&pool)
             .await
             .unwrap();

@@ -206,7 +206,7 @@ mod mysql {
         .unwrap();
         let drop = common::DropSql {
             url,
-            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`"),
+            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`, `{table}_positions`"),
         };
         Some(My { store, table, _drop: drop })
     }

@@ -281,7 +281,7 @@ pub async fn mysql_inbox<H: SourceHarness>(h: H) {
     let store = MySqlStore::connect(&url).await.unwrap().with_table_name(&table).unwrap();
     let _drop = DropSql {
         url: url.clone(),
-        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`"),
+        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_ledger`, `{table}_positions`"),
     };
     store.migrate().await.unwrap();
     let ledger = format!("`{table}_ledger`");

@@ -153,7 +153,7 @@ handler_case!(
         store.migrate().await.unwrap();
         let guard = common::DropSql {
             url,
-            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_outbox`"),
+            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_outbox`, `{table}_positions`"),
         };
         Some((store, guard))
     },

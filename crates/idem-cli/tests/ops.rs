@@ -254,10 +254,12 @@ async fn operator_verbs_on_mariadb() {
     store.migrate().await.unwrap();
     scenario(&store, &["--store", &url, "--table", &table], true).await;
     for t in [table.clone(), format!("{table}_versions")] {
-        idem::sqlx::query(idem::sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{t}`, `{t}_positions`")))
-            .execute(&pool)
-            .await
-            .unwrap();
+        idem::sqlx::query(idem::sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS `{t}`, `{t}_positions`"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
     }
 }
 

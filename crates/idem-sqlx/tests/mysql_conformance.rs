@@ -24,7 +24,10 @@ async fn store() -> Option<(MySqlStore, ClockSkew, common::DropSql)> {
         .expect("valid table")
         .with_clock_skew(skew.clone());
     store.migrate().await.expect("migrate");
-    let guard = common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_positions`") };
+    let guard = common::DropSql {
+        url,
+        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_positions`"),
+    };
     Some((store, skew, guard))
 }
 

@@ -33,8 +33,10 @@ async fn db(conns: u32) -> Option<Db> {
     let store =
         MySqlStore::new(pool).with_table_name(&table).unwrap().with_clock_skew(skew.clone());
     store.migrate().await.unwrap();
-    let drop =
-        common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_orders`, `{table}_positions`") };
+    let drop = common::DropSql {
+        url,
+        sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_orders`, `{table}_positions`"),
+    };
     Some(Db { store, table, skew, _drop: drop })
 }
 

@@ -245,7 +245,10 @@ mod mysql {
         let Some(url) = common::mysql_url() else { return };
         let table = common::unique("idem_drop");
         let store = MySqlStore::connect(&url).await.unwrap().with_table_name(&table).unwrap();
-        let _drop = common::DropSql { url, sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_positions`") };
+        let _drop = common::DropSql {
+            url,
+            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_positions`"),
+        };
         store.migrate().await.unwrap();
         let queue = MemoryQueue::new();
         let consumer = Consumer::builder(queue.clone())

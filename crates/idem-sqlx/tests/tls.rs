@@ -182,7 +182,10 @@ async fn mysql_verify_identity_with_our_ca_encrypts_and_the_store_claims_over_it
     assert!(!cipher.is_empty(), "the session must be encrypted");
 
     let table = common::unique("idem_tls");
-    let _drop = common::DropSql { url: url.clone(), sql: format!("DROP TABLE IF EXISTS {table}, {table}_positions") };
+    let _drop = common::DropSql {
+        url: url.clone(),
+        sql: format!("DROP TABLE IF EXISTS {table}, {table}_positions"),
+    };
     let store = MySqlStore::new(pool).with_table_name(&table).expect("table");
     store.migrate().await.expect("migrate over TLS");
     let req = ClaimRequest::new(

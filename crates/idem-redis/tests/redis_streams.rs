@@ -541,3 +541,60 @@ async fn an_entry_that_never_settles_is_dead_lettered_after_max_deliveries() {
     let id: String = dead.ids[0].get("message_id").expect("original fields kept");
     assert_eq!(id, "m-1");
 }
+
+/// A batch whose handler outlives the idle time is kept alive (`XCLAIM … JUSTID` every quarter
+/// of it): another consumer of the group, polling all along, never takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_batch_is_kept_alive_and_not_taken_over() {
+    let Some(url) = common::url() else { return };
+    let stream = common::fresh_name("stream-alive");
+    let (store, _offset, mut cleanup) = common::store(&url, "streams-alive").await;
+    cleanup.patterns.push(format!("{stream}*"));
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("conn");
+    let _: String =
+        conn.xadd(&stream, "*", &[("message_id", "m-1"), ("payload", "{}")]).await.expect("xadd");
+    let idle = Duration::from_millis(400);
+    let member = |name: &str| {
+        let config = StreamConfig::new(client.clone(), &stream, "g", name).reclaim_idle(idle);
+        StreamConsumer::builder(config)
+            .store(store.clone())
+            .scope("s")
+            .idle_wait(Duration::from_millis(50))
+            .build()
+    };
+    let (slow, other) =
+        (member("slow").await.expect("slow"), member("other").await.expect("other"));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let finished = done.clone();
+    // The slow member reads the entry first; the other polls while its handler runs.
+    let batch = slow.fetch().await.expect("slow fetch");
+    assert_eq!(batch.len(), 1);
+    let holder = async move {
+        // The slow handler is the scenario: four idle times inside one handler.
+        let decided = slow
+            .decide(batch, |_ctx, _e| async move {
+                tokio::time::sleep(4 * idle).await;
+                Ok::<_, HandlerError<String>>(())
+            })
+            .await
+            .expect("slow decide");
+        let r = slow.settle(decided).await.expect("slow settle");
+        finished.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    };
+    let watcher = async {
+        let mut seen = Report::default();
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            seen += other
+                .poll(|_ctx, _e| async { Ok::<_, HandlerError<String>>(()) })
+                .await
+                .expect("other poll");
+        }
+        seen
+    };
+    let (held, seen) = tokio::join!(holder, watcher);
+    assert_eq!((held.processed, held.acked), (1, 1), "{held}");
+    assert_eq!(seen.fetched, 0, "the other consumer took the entry over: {seen}");
+    assert_eq!(group_state(&mut conn, &stream, "g").await, Some((0, 1)));
+}

@@ -277,6 +277,32 @@ impl Source for StreamSource {
         matches!(error, Error::Redis { source, .. } if source.code() == Some("NOGROUP"))
     }
 
+    /// Keeps a batch this consumer holds from being taken over while it waits for its turn or
+    /// its handlers run: every quarter of the idle time, `XCLAIM … JUSTID` of its entries
+    /// resets their idle time (the delivery count is left alone). Only entries idle for an
+    /// eighth of it or more are claimed, so an entry another consumer has just taken over is
+    /// not taken back (and if one were, the store still decides who runs it).
+    async fn keep_alive(&self, batch: &[Delivery]) {
+        let every = reclaim_period(self.reclaim_idle);
+        let min_idle = u64::try_from((self.reclaim_idle / 8).as_millis()).unwrap_or(u64::MAX);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tick.tick().await;
+            let mut cmd = redis::cmd("XCLAIM");
+            cmd.arg(&self.names.stream).arg(&self.names.group).arg(&self.names.consumer);
+            cmd.arg(min_idle);
+            for e in batch {
+                cmd.arg(e.id());
+            }
+            cmd.arg("JUSTID");
+            let claimed: RedisResult<Vec<String>> = cmd.query_async(&mut self.conn.clone()).await;
+            if let Err(e) = claimed {
+                tracing::warn!(target: "idem", stream = %self.names.stream, error = %e,
+                    "keep-alive XCLAIM failed; the batch may be taken over and found in progress");
+            }
+        }
+    }
+
     /// With [`max_deliveries`](crate::StreamConfig::max_deliveries), once the entry has been
     /// delivered that many times: leaving it pending would hand it out once more.
     fn give_up(&self, entry: &Delivery) -> Option<String> {

@@ -30,7 +30,7 @@ use idem_core::consumer::Builder;
 use idem_core::engine::HandlerError;
 use idem_core::{Backend, MemoryStore};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
-use idem_testkit::bare::{BareBroker, BareMarks, durable_lane};
+use idem_testkit::bare::{BareBroker, BareMarks, durable_lane, pipelined};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -271,11 +271,6 @@ async fn ack_only(
     }
     ch.close(200, "".into()).await?;
     Ok(done)
-}
-
-/// Whether both sides pipeline their lanes (`IDEM_BENCH_PIPELINE=0`: neither does).
-fn pipelined() -> bool {
-    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
 }
 
 /// The bare durable loop's broker side: the ack-only loop's batches (what has arrived, up to

@@ -25,7 +25,7 @@ use idem_core::engine::HandlerError;
 use idem_core::{Backend, MemoryStore};
 use idem_nats::{JetStreamConfig, JetStreamConsumer};
 use idem_sqlx::{MySqlStore, PostgresStore, SqliteStore};
-use idem_testkit::bare::{BareBroker, BareMarks, durable_lane};
+use idem_testkit::bare::{BareBroker, BareMarks, durable_lane, pipelined};
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
@@ -299,11 +299,6 @@ async fn new_consumer(
             ..Default::default()
         })
         .await?)
-}
-
-/// Whether both sides pipeline their lanes (`IDEM_BENCH_PIPELINE=0`: neither does).
-fn pipelined() -> bool {
-    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
 }
 
 /// The bare durable loop's broker side: the ack-only loop's fetch, one ack per message.

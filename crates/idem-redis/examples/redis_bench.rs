@@ -687,7 +687,7 @@ mod streams {
                 .retain(DAY)
                 .batch(batch)
                 .concurrency(lanes)
-                .pipeline(super::durable::pipelined())
+                .pipeline(idem_testkit::bare::pipelined())
                 .idle_wait(BLOCK)
                 .build()
                 .await?;

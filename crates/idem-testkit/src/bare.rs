@@ -15,6 +15,13 @@ use sqlx::{MySqlPool, PgPool, SqlitePool};
 
 type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
+/// Whether the benchmark pipelines its lanes, idem's and the bare loop's alike:
+/// `IDEM_BENCH_PIPELINE=0` turns it off on both sides.
+#[must_use]
+pub fn pipelined() -> bool {
+    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
+}
+
 /// A broker as the bench's raw client drives it.
 pub trait BareBroker: Sync {
     /// One fetched message, with what its ack needs.

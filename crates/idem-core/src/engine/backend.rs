@@ -60,8 +60,8 @@ pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
     #[doc(hidden)]
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Claims ahead the keys of a batch that will be decided later (two-phase only; an inbox
-    /// answers `None`): see [`Ahead`].
+    /// Claims ahead the keys of a batch that will be decided later (two-phase only; by
+    /// default, as for the inboxes, nothing is claimed): see [`Ahead`].
     ///
     /// # Cancel safety
     /// Not cancel safe: dropped midway, leases taken stay until they run out.
@@ -69,11 +69,17 @@ pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
     fn claim_ahead<'a, M: Envelope + Sync>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
-    ) -> impl Future<Output = Option<Ahead>> + Send + 'a;
+    ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
+        let _ = (engine, batch);
+        async { None }
+    }
 
     /// Gives back what [`claim_ahead`](Self::claim_ahead) took and no decision used.
     #[doc(hidden)]
-    fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_;
+    fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_ {
+        let _ = (engine, ahead);
+        async {}
+    }
 
     /// Decides `batch` (with the claims taken ahead for it, if any); see the contract above.
     ///
@@ -164,12 +170,6 @@ impl<I: TxInbox> Backend for Inbox<I> {
         async move { checked.await.map(drop) }
     }
 
-    async fn claim_ahead<'a, M: Envelope + Sync>(_: &'a Engine<Self>, _: &'a [M]) -> Option<Ahead> {
-        None
-    }
-
-    async fn drop_ahead(_: &Engine<Self>, _: Ahead) {}
-
     async fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
@@ -204,12 +204,6 @@ impl<I: TxPositions> Backend for OffsetInbox<I> {
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
         OffsetInbox::check(self)
     }
-
-    async fn claim_ahead<'a, M: Envelope + Sync>(_: &'a Engine<Self>, _: &'a [M]) -> Option<Ahead> {
-        None
-    }
-
-    async fn drop_ahead(_: &Engine<Self>, _: Ahead) {}
 
     async fn decide<'a, M, H, Fut, T, E>(
         engine: &'a Engine<Self>,

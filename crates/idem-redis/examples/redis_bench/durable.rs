@@ -5,15 +5,10 @@
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
-use idem_testkit::bare::{BareBroker, BareMarks, durable_lane};
+use idem_testkit::bare::{BareBroker, BareMarks, durable_lane, pipelined};
 use redis::aio::MultiplexedConnection;
 
 use super::BoxErr;
-
-/// Whether both sides pipeline their lanes (`IDEM_BENCH_PIPELINE=0`: neither does).
-pub(crate) fn pipelined() -> bool {
-    std::env::var("IDEM_BENCH_PIPELINE").map_or(true, |v| v != "0")
-}
 
 /// One lane's reader: its own connection and consumer name in the group.
 struct Lane {

@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::PostgresStore;
-use idem::outbox::{OutboxId, OutboxMessage, Outgoing, PublishError, Publisher};
+use idem::outbox::{OutboxId, Outgoing, Publisher};
 use idem::postgres::{PostgresWalOutbox, WalRelay};
 
-use super::{Error, PAYLOAD};
+use super::{Error, PAYLOAD, Timed};
 
 /// A WAL outbox with a slot of its own (created here; [`drop`] removes it).
 pub(crate) async fn outbox(store: &PostgresStore, name: &str) -> Result<PostgresWalOutbox, Error> {
@@ -43,26 +43,6 @@ pub(crate) async fn rate<P: Publisher>(
     println!("  WAL relay {rate:.0} msgs/s ({} peeks)", report.batches);
     assert_eq!(report.published, n as u64, "{report}");
     Ok(rate)
-}
-
-/// A publisher that notes when each message was confirmed.
-struct Timed<P> {
-    inner: P,
-    confirmed: Arc<Mutex<HashMap<OutboxId, Instant>>>,
-}
-
-impl<P: Publisher> Publisher for Timed<P> {
-    async fn publish(&self, batch: &[OutboxMessage]) -> Vec<Result<(), PublishError>> {
-        let out = self.inner.publish(batch).await;
-        let now = Instant::now();
-        let mut c = self.confirmed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for (m, r) in batch.iter().zip(&out) {
-            if r.is_ok() {
-                c.entry(m.id().clone()).or_insert(now);
-            }
-        }
-        out
-    }
 }
 
 /// Commit returned → broker confirmed, p50 / p99 in ms, and how many: one message every 10 ms
@@ -102,29 +82,10 @@ pub(crate) async fn latency<P: Publisher>(
             tokio::time::sleep(Duration::from_millis(10)).await; // the idle producer's pace
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let done = confirmed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-        if done >= committed.len() || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let measured = super::confirmed_latency(&committed, &confirmed).await;
     let _ = stop_tx.send(());
     task.await??;
-    let mut ms: Vec<f64> = {
-        let c = confirmed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        committed
-            .iter()
-            .filter_map(|(id, at)| {
-                c.get(id).map(|t| t.saturating_duration_since(*at).as_secs_f64() * 1000.0)
-            })
-            .collect()
-    };
-    ms.sort_by(f64::total_cmp);
-    let pct =
-        |p: usize| ms.get((ms.len().saturating_sub(1)) * p / 100).copied().unwrap_or(f64::NAN);
-    Ok((pct(50), pct(99), ms.len()))
+    Ok(measured)
 }
 
 /// Drops the slot (and its publication).

@@ -9,9 +9,10 @@
 //! | `idem_outcomes_total` | counter | `scope`, `outcome` | deliveries decided, by [`OutcomeKind`](crate::OutcomeKind) (`processed`, `duplicate`, `conflict`, `in_progress_elsewhere`, `failed_transient`, `failed_permanent`) |
 //! | `idem_claim_duration_seconds` | histogram | `scope` | one claim, `claim_many` or inbox batch mark |
 //! | `idem_complete_duration_seconds` | histogram | `scope` | one `complete` or `complete_many` (each try), or an inbox batch's commit |
-//! | `idem_takeovers_total` | counter | `scope`, `policy` | claims that took over an expired lease: run again (`run`) or parked in doubt (`park`) |
+//! | `idem_takeovers_total` | counter | `scope`, `policy` | claims that took over an expired lease: run again (`run`), parked in doubt (`park`) or dead-lettered at the crash-loop limit (`crash_loop`) |
 //! | `idem_store_errors_total` | counter | `scope`, `op`, `retryable` | failed store calls made by the engine |
 //! | `idem_complete_retries_total` | counter | `scope` | completions tried again after a retryable store error |
+//! | `idem_tx_retries_total` | counter | `scope` | inbox batch transactions run again after the database aborted them to keep them serializable (`40001`, `40P01`, MySQL/Galera `1213`) |
 //! | `idem_missing_key_total` | counter | `scope` | messages without a key processed without dedup |
 //! | `idem_batch_size` | histogram | `scope` | messages per fetched batch (driver) |
 //! | `idem_dead_letters_total` | counter | `scope`, `outcome` | dead-letter copies the broker confirmed |
@@ -41,6 +42,8 @@ pub const TAKEOVERS_TOTAL: &str = "idem_takeovers_total";
 pub const STORE_ERRORS_TOTAL: &str = "idem_store_errors_total";
 /// Completions tried again (`scope`).
 pub const COMPLETE_RETRIES_TOTAL: &str = "idem_complete_retries_total";
+/// Inbox batch transactions run again after a serialization failure (`scope`).
+pub const TX_RETRIES_TOTAL: &str = "idem_tx_retries_total";
 /// Keyless messages processed without dedup (`scope`).
 pub const MISSING_KEY_TOTAL: &str = "idem_missing_key_total";
 /// Messages per fetched batch (`scope`).
@@ -64,13 +67,14 @@ pub const OUTBOX_WAL_LAG_BYTES: &str = "idem_outbox_wal_lag_bytes";
 
 /// Every metric above, for exporters and for the test that keeps `docs/OPERATIONS.md` and the
 /// Grafana dashboard in step with this list.
-pub const ALL: [&str; 16] = [
+pub const ALL: [&str; 17] = [
     OUTCOMES_TOTAL,
     CLAIM_DURATION_SECONDS,
     COMPLETE_DURATION_SECONDS,
     TAKEOVERS_TOTAL,
     STORE_ERRORS_TOTAL,
     COMPLETE_RETRIES_TOTAL,
+    TX_RETRIES_TOTAL,
     MISSING_KEY_TOTAL,
     BATCH_SIZE,
     DEAD_LETTERS_TOTAL,
@@ -123,6 +127,12 @@ pub fn describe_metrics() {
         COMPLETE_RETRIES_TOTAL,
         Unit::Count,
         "Completions tried again after a retryable store error."
+    );
+    describe_counter!(
+        TX_RETRIES_TOTAL,
+        Unit::Count,
+        "Inbox batch transactions run again after the database aborted them to keep them \
+         serializable (SQLSTATE 40001 or 40P01, MySQL/Galera 1213)."
     );
     describe_counter!(
         MISSING_KEY_TOTAL,

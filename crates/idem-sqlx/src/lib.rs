@@ -24,6 +24,7 @@ mod cells;
 mod check;
 pub mod outbox;
 mod row;
+mod serialization;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod tls;
 
@@ -46,6 +47,7 @@ pub mod mysql;
 pub use mysql::{MySqlInbox, MySqlOutbox, MySqlStore};
 
 pub use outbox::Enqueue;
+pub use serialization::is_serialization_failure;
 /// The client these stores are built on, re-exported so callers use the same version.
 pub use sqlx;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -94,6 +94,11 @@ impl<S: DedupStore> Engine<S> {
     /// Claims the first round of `msgs` now (one `claim_many`), for a later decision of the
     /// same batch.
     pub(crate) async fn claim_ahead<M: Envelope>(&self, msgs: &[M]) -> Option<Ahead> {
+        // Takeovers are running alone: a key claimed now would be held if one of them kills
+        // the process again, and counted as its suspect.
+        if self.solo_running() {
+            return None;
+        }
         let (prepared, reqs) = self.first_round(msgs);
         if reqs.is_empty() {
             return None;
@@ -101,7 +106,12 @@ impl<S: DedupStore> Engine<S> {
         let taken = Instant::now();
         let claims = self.claim_all(&reqs).await;
         let claims = reqs.iter().map(|r| r.key.hash()).zip(claims).collect();
-        Some(Ahead { taken, prepared, claims })
+        let ahead = Ahead { taken, prepared, claims };
+        if self.solo_running() {
+            self.drop_ahead(ahead).await;
+            return None;
+        }
+        Some(ahead)
     }
 
     /// Gives back the leases of claims taken ahead and not used, except takeovers of expired

@@ -52,6 +52,12 @@ pub enum ConfigError {
         /// The setting (`"lease"`, `"retain"`).
         field: &'static str,
     },
+    /// A count must be at least one.
+    #[error("{field} must be at least 1 (u32::MAX turns it off)")]
+    ZeroLimit {
+        /// The setting (`"crash_loop_limit"`).
+        field: &'static str,
+    },
     /// Retention shorter than the broker's redelivery window.
     #[error(transparent)]
     Retention(#[from] RetentionTooShort),
@@ -66,10 +72,19 @@ pub(crate) struct Config {
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) missing_key: MissingKeyPolicy,
     pub(crate) expired_lease: ExpiredLeasePolicy,
+    pub(crate) crash_loop_limit: u32,
     pub(crate) max_key_bytes: usize,
     pub(crate) max_result_bytes: usize,
     pub(crate) complete_retry: Duration,
+    /// Rounds of this engine (and its clones) with takeovers still to run alone: while one
+    /// is, no claims are taken ahead, so a takeover that kills the process again holds no
+    /// other key.
+    pub(crate) solo: std::sync::atomic::AtomicUsize,
 }
+
+/// How many attempts whose lease ran out a key gets before the engine dead-letters it as a
+/// crash loop (see [`EngineBuilder::crash_loop_limit`]).
+pub const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
 
 /// Builds an [`Engine`]. Only the scope is required.
 ///
@@ -108,6 +123,7 @@ pub(crate) struct Settings {
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) missing_key: MissingKeyPolicy,
     pub(crate) expired_lease: ExpiredLeasePolicy,
+    pub(crate) crash_loop_limit: u32,
     pub(crate) max_key_bytes: usize,
     pub(crate) max_result_bytes: usize,
     pub(crate) complete_retry: Duration,
@@ -125,6 +141,7 @@ impl Default for Settings {
             fingerprint: FingerprintSpec::default(),
             missing_key: MissingKeyPolicy::default(),
             expired_lease: ExpiredLeasePolicy::default(),
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
             max_result_bytes: 64 * 1024,
             complete_retry: Duration::from_secs(5),
@@ -195,6 +212,24 @@ macro_rules! engine_setters {
             self
         }
 
+        /// How many attempts of one key may end with their lease running out (the process
+        /// died, was killed or hung while the handler ran) before the key is dead-lettered as a
+        /// crash loop instead of run again (two-phase mode; default
+        /// [`DEFAULT_CRASH_LOOP_LIMIT`](crate::engine::DEFAULT_CRASH_LOOP_LIMIT), 5). A message
+        /// that aborts the process never returns an error, so no broker counts it; the store's
+        /// attempt number does. The check runs when a claim takes over an expired lease whose
+        /// attempt number has reached the limit (attempts ended by a transient failure count
+        /// too); the record is then failed with the reason, so a resubmission runs again.
+        /// Takeovers of a batch run one at a time after the rest of the batch, so a message
+        /// that kills the process does not take its batch's other messages with it again.
+        /// `u32::MAX` turns the check off. With
+        /// [`ExpiredLeasePolicy::Park`](crate::engine::ExpiredLeasePolicy::Park) every takeover
+        /// is parked first.
+        pub fn crash_loop_limit(mut self, attempts: u32) -> Self {
+            self.$settings.crash_loop_limit = attempts;
+            self
+        }
+
         /// Longest key id accepted, in bytes.
         pub fn max_key_bytes(mut self, limit: usize) -> Self {
             self.$settings.max_key_bytes = limit;
@@ -251,6 +286,9 @@ impl Settings {
         if self.retain.is_zero() {
             return Err(ConfigError::ZeroDuration { field: "retain" });
         }
+        if self.crash_loop_limit == 0 {
+            return Err(ConfigError::ZeroLimit { field: "crash_loop_limit" });
+        }
         let window = self.window;
         let engine = Engine {
             store,
@@ -263,9 +301,11 @@ impl Settings {
                 fingerprint: self.fingerprint,
                 missing_key: self.missing_key,
                 expired_lease: self.expired_lease,
+                crash_loop_limit: self.crash_loop_limit,
                 max_key_bytes: self.max_key_bytes,
                 max_result_bytes: self.max_result_bytes,
                 complete_retry: self.complete_retry.min(self.lease / 2),
+                solo: std::sync::atomic::AtomicUsize::new(0),
             }),
         };
         if let Some(w) = window {

@@ -26,7 +26,9 @@ use std::time::Duration;
 #[doc(hidden)]
 pub use ahead::Ahead;
 pub use backend::Backend;
-pub use builder::{ConfigError, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
+pub use builder::{
+    ConfigError, DEFAULT_CRASH_LOOP_LIMIT, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy,
+};
 pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;
 pub use handler::Handler;

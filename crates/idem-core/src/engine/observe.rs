@@ -10,6 +10,7 @@ use serde::Serialize;
 use super::{Engine, HandlerError, Outcome};
 use crate::telemetry::{
     self, CLAIM_DURATION_SECONDS, COMPLETE_DURATION_SECONDS, MISSING_KEY_TOTAL, OUTCOMES_TOTAL,
+    TX_RETRIES_TOTAL,
 };
 use crate::{DedupKey, StoreError};
 
@@ -71,6 +72,12 @@ impl<B> Engine<B> {
             _ => tracing::debug!(target: "idem", scope, key, correlation_id, outcome = label,
                 attempt, "delivery finished"),
         }
+    }
+
+    /// Counts an inbox batch transaction run again after the database aborted it to keep it
+    /// serializable, in `idem_tx_retries_total`.
+    pub(crate) fn count_tx_retry(&self) {
+        metrics::counter!(TX_RETRIES_TOTAL, "scope" => self.cfg.scope.clone()).increment(1);
     }
 
     /// Counts a message without a key, processed without dedup as the missing-key policy

@@ -157,6 +157,15 @@ pub enum Cause<E> {
         /// The attempt that found the expired lease.
         attempt: u32,
     },
+    /// The key's earlier attempts kept ending with their lease running out (the process died
+    /// or hung while the handler ran): it reached the crash-loop limit and is dead-lettered
+    /// without running the handler again. The record is failed, so a resubmission runs again.
+    CrashLoop {
+        /// The attempts whose runs ended without an outcome or with a transient failure.
+        attempts: u32,
+        /// The configured limit.
+        limit: u32,
+    },
     /// The store failed. When this follows a successful handler, the effect happened but its
     /// completion was not recorded: the next delivery runs the handler again with the same
     /// downstream idempotency key.
@@ -177,6 +186,11 @@ impl<E: fmt::Display> fmt::Display for Cause<E> {
                 f,
                 "in doubt: the lease of an earlier attempt ran out (found at attempt {attempt}); \
                  the effect may have happened, so the message is parked until an operator releases it"
+            ),
+            Self::CrashLoop { attempts, limit } => write!(
+                f,
+                "crash loop: {attempts} attempts ended without an outcome, the last when its lease \
+                 ran out (the process died or hung in the handler); limit {limit}, not run again"
             ),
             Self::Store(e) => write!(f, "{}", crate::ErrorChain(e)),
             Self::Decode(e) => write!(f, "stored result does not decode: {e}"),

@@ -179,18 +179,29 @@ impl<S: DedupStore> Engine<S> {
         let cfg = &self.cfg;
         let attempt = lease.attempt();
         let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
+        let crash_loop = lease.took_over_expired() && !park && attempt > cfg.crash_loop_limit;
         if lease.took_over_expired() {
-            let policy = if park { "park" } else { "run" };
+            let policy = match (park, crash_loop) {
+                (true, _) => "park",
+                (false, true) => "crash_loop",
+                (false, false) => "run",
+            };
             metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
                 .increment(1);
         }
-        if lease.took_over_expired() && park {
-            let reason = Cause::<String>::InDoubt { attempt }.to_string();
-            if let Err(e) = self.store.fail(lease, FailKind::InDoubt, &reason, cfg.retain).await {
+        if lease.took_over_expired() && (park || crash_loop) {
+            let (kind, cause) = if park {
+                (FailKind::InDoubt, Cause::InDoubt { attempt })
+            } else {
+                let limit = cfg.crash_loop_limit;
+                (FailKind::Permanent, Cause::CrashLoop { attempts: attempt - 1, limit })
+            };
+            let reason = cause.to_string();
+            if let Err(e) = self.store.fail(lease, kind, &reason, cfg.retain).await {
                 self.observe_store_error("fail", &e);
                 return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
             }
-            return Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt }));
+            return Ran::Done(Outcome::failed(FailureKind::Permanent, cause));
         }
         let ctx = Context {
             downstream_key: Some(lease.key().downstream_key()),
@@ -364,14 +375,26 @@ where
                 }
                 let reqs: Vec<ClaimRequest> = keyed.iter().map(|(_, r)| r.clone()).collect();
                 let claims = self.claims(&reqs).await;
-                let runs = keyed.into_iter().zip(claims).map(|((i, req), claim)| async move {
+                let (suspects, rest): (Vec<_>, Vec<_>) =
+                    keyed.into_iter().zip(claims).partition(|(_, c)| suspect(c));
+                let decide = |((i, req), claim): ((usize, ClaimRequest), _)| async move {
                     let m = &msgs[i];
                     let d =
                         engine.decide(claim, &req, |ctx| handler(ctx, i), m.correlation_id()).await;
                     (i, d)
-                });
-                let decided = futures_util::future::join_all(runs).await;
-                engine.complete_all(decided).await
+                };
+                let _solo = (!suspects.is_empty()).then(|| Solo::enter(engine));
+                let decided = futures_util::future::join_all(rest.into_iter().map(decide)).await;
+                let mut done = engine.complete_all(decided).await;
+                // Takeovers of expired leases run alone, one after another, once the rest of
+                // the round is recorded: if one of them kills the process again, no other key
+                // is held by it, so only that key's attempt count grows towards the
+                // crash-loop limit.
+                for one in solo_order(suspects) {
+                    let decided = vec![decide(one).await];
+                    done.extend(engine.complete_all(decided).await);
+                }
+                done
             };
             let (mut done, keyed) = futures_util::future::join(unkeyed_runs, keyed_runs).await;
             done.extend(keyed);
@@ -379,6 +402,56 @@ where
         }
     }
 }
+
+/// Whether a claim took over an expired lease: its earlier holder died or hung while the
+/// handler ran, maybe because of this very message.
+fn suspect(claim: &Result<Claim, StoreError>) -> bool {
+    matches!(claim, Ok(Claim::Acquired(lease)) if lease.took_over_expired())
+}
+
+/// The order takeovers run in: fewest attempts first (a message that keeps killing the process
+/// has the most), and among equal attempts in delivery order on even attempts, in reverse on
+/// odd ones. Redeliveries come back in the same order, so a message fetched after a poison
+/// message of the same batch, stuck behind it once, runs before it on the next round instead
+/// of dying with it until both reach the limit.
+fn solo_order(mut suspects: Vec<Suspect>) -> Vec<Suspect> {
+    let attempt = |c: &Result<Claim, StoreError>| match c {
+        Ok(Claim::Acquired(lease)) => lease.attempt(),
+        _ => 0,
+    };
+    suspects.sort_by(|((i, _), a), ((j, _), b)| {
+        let (x, y) = (attempt(a), attempt(b));
+        x.cmp(&y).then(if x % 2 == 0 { i.cmp(j) } else { j.cmp(i) })
+    });
+    suspects
+}
+
+/// A round's takeovers waiting to run or running alone; while any exists, the engine takes no
+/// claims ahead.
+struct Solo<'e>(&'e std::sync::atomic::AtomicUsize);
+
+impl<'e> Solo<'e> {
+    fn enter<S>(engine: &'e Engine<S>) -> Self {
+        engine.cfg.solo.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(&engine.cfg.solo)
+    }
+}
+
+impl Drop for Solo<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl<S> Engine<S> {
+    /// Whether a round's takeovers are waiting to run alone (see [`Solo`]).
+    pub(super) fn solo_running(&self) -> bool {
+        self.cfg.solo.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+}
+
+/// A keyed message of a round (its index and request) with the claim that took it over.
+type Suspect = ((usize, ClaimRequest), Result<Claim, StoreError>);
 
 /// Records a decided delivery's attempt and outcome on its span.
 pub(super) fn close<T, E>(span: &tracing::Span, attempt: u32, outcome: &Outcome<T, E>) {

@@ -19,6 +19,10 @@ use crate::{Claim, ClaimRequest, DedupKey, Fingerprint, StoreError};
 /// How many times a round is marked before a retryable error fails it (its messages are then
 /// retried by the broker).
 const MARK_ATTEMPTS: u32 = 8;
+/// How many times a round's whole transaction runs when the database aborts it to keep it
+/// serializable (at a savepoint, a result write or the commit) before its messages are left
+/// to the broker's retry.
+const TX_ATTEMPTS: u32 = 5;
 
 /// The inbox round: a batch's messages and the handler, over an engine on `Inbox<I>`.
 pub(crate) struct InboxRound<'e, 'm, I, H, M> {
@@ -57,7 +61,12 @@ where
 /// How the fast path of a round ended.
 enum Fast<T, E> {
     Done(Vec<Decided<T, E>>),
-    HandlerFailed { at: usize, error: HandlerError<E> },
+    HandlerFailed {
+        at: usize,
+        error: HandlerError<E>,
+    },
+    /// The database aborted the transaction to keep it serializable: nothing is committed.
+    Serialization(StoreError),
 }
 
 impl<I, H, M, Fut, T, E> InboxRound<'_, '_, I, H, M>
@@ -73,21 +82,42 @@ where
         self.engine.store().inner()
     }
 
-    /// The fast path, and after a handler failure the savepoint path for the rest.
+    /// The fast path, and after a handler failure the savepoint path for the rest; the whole
+    /// round again when the database aborted its transaction to keep it serializable.
     async fn round(&self, round: &[Item]) -> Vec<Decided<T, E>> {
-        match self.fast(round).await {
-            Fast::Done(decided) => decided,
-            Fast::HandlerFailed { at, error } => {
-                let rest: Vec<Item> = round.iter().filter(|(i, _)| *i != at).cloned().collect();
-                let mut decided =
-                    if rest.is_empty() { Vec::new() } else { self.one_by_one(&rest).await };
-                decided.push(Decided {
-                    index: at,
-                    outcome: Outcome::from_handler_error(error),
-                    attempt: 1,
-                });
-                decided
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let e = match self.fast(round).await {
+                Fast::Done(decided) => return decided,
+                Fast::Serialization(e) => e,
+                Fast::HandlerFailed { at, error } => {
+                    let rest: Vec<Item> = round.iter().filter(|(i, _)| *i != at).cloned().collect();
+                    let decided =
+                        if rest.is_empty() { Ok(Vec::new()) } else { self.one_by_one(&rest).await };
+                    match decided {
+                        Ok(mut decided) => {
+                            decided.push(Decided {
+                                index: at,
+                                outcome: Outcome::from_handler_error(error),
+                                attempt: 1,
+                            });
+                            return decided;
+                        }
+                        Err(e) => e,
+                    }
+                }
+            };
+            self.engine.observe_store_error("commit", &e);
+            if attempt >= TX_ATTEMPTS {
+                tracing::warn!(target: "idem", error = %e, attempt,
+                    "inbox batch transaction aborted by the database again; leaving its messages to the broker's retry");
+                return failed_round(round, e);
             }
+            self.engine.count_tx_retry();
+            tracing::debug!(target: "idem", error = %e, attempt,
+                "inbox batch transaction aborted to keep it serializable; running the batch again");
+            tokio::time::sleep(mark_backoff(attempt + 2)).await;
         }
     }
 
@@ -191,6 +221,9 @@ where
         if !results.is_empty()
             && let Err(e) = inbox.set_results(I::connection(&mut tx), &results).await
         {
+            if I::is_serialization_failure(&e) {
+                return Fast::Serialization(e);
+            }
             return all_failed(e);
         }
         let started = Instant::now();
@@ -199,14 +232,19 @@ where
         match committed {
             Ok(None) => Fast::Done(decided),
             Ok(Some(answers)) => Fast::Done(answered_at_commit(decided, &ran, answers, round)),
+            Err(e) if I::is_serialization_failure(&e) => Fast::Serialization(e),
             Err(e) => Fast::Done(self.commit_failed(decided, e)),
         }
     }
 
     /// The savepoint path: each message marked and handled inside its own savepoint, in
     /// key-hash order (so its row locks are taken in the one global order too), one commit.
-    async fn one_by_one(&self, round: &[Item]) -> Vec<Decided<T, E>> {
+    /// `Err` when the database aborted the transaction to keep it serializable.
+    async fn one_by_one(&self, round: &[Item]) -> Result<Vec<Decided<T, E>>, StoreError> {
         let inbox = self.inbox();
+        let failed_round = |round: &[Item], e: StoreError| {
+            if I::is_serialization_failure(&e) { Err(e) } else { Ok(failed_round(round, e)) }
+        };
         let tx = match inbox.begin().await {
             Ok(tx) => tx,
             Err(e) => return failed_round(round, e),
@@ -267,8 +305,9 @@ where
         let committed = inbox.commit(tx).await;
         self.engine.observe_complete(started);
         match committed {
-            Ok(_) => decided,
-            Err(e) => self.commit_failed(decided, e),
+            Ok(_) => Ok(decided),
+            Err(e) if I::is_serialization_failure(&e) => Err(e),
+            Err(e) => Ok(self.commit_failed(decided, e)),
         }
     }
 

@@ -189,6 +189,15 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
         false
     }
 
+    /// Whether a failure is the database giving up on the transaction to keep it serializable
+    /// (PostgreSQL's `40001` serialization failure or `40P01` deadlock, MySQL's and Galera's
+    /// `1213`): nothing of it is committed, and the whole transaction may run again. The
+    /// engine then runs the batch again, up to a bound, with a random pause. Default: none is.
+    fn is_serialization_failure(e: &StoreError) -> bool {
+        let _ = e;
+        false
+    }
+
     /// One message in its own transaction: begin, mark `key`, run `writes` with the
     /// transaction only if the mark is acquired, store its result (JSON) with the marker,
     /// commit. Anything else rolls everything back, marker included. What a caller outside any

@@ -110,6 +110,10 @@ impl TxInbox for MySqlInbox {
         tx
     }
 
+    fn is_serialization_failure(e: &StoreError) -> bool {
+        crate::serialization::store_error_is_serialization_failure(e)
+    }
+
     fn retention(&self) -> Duration {
         self.retain_for
     }

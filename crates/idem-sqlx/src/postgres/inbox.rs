@@ -96,6 +96,10 @@ impl TxInbox for PostgresInbox {
         tx
     }
 
+    fn is_serialization_failure(e: &StoreError) -> bool {
+        crate::serialization::store_error_is_serialization_failure(e)
+    }
+
     fn retention(&self) -> Duration {
         self.retain_for
     }

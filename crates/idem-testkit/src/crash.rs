@@ -38,6 +38,7 @@ use idem_core::inbox::{Inbox, Tx, TxInbox};
 use idem_core::{DedupStore, OutcomeKind};
 use idem_sqlx::{PostgresStore, SqliteStore};
 use sqlx::AssertSqlSafe;
+use tokio::io::AsyncBufReadExt;
 
 use crate::source::{BoxFuture, DropSql, SourceHarness, rand_u64};
 
@@ -67,6 +68,12 @@ const HANG_AT: usize = 3;
 /// The cut consumer is dropped inside its this-many-th handler run.
 const CUT_AT: usize = 5;
 const LEASE: Duration = Duration::from_secs(2);
+/// The crash-loop scenario's key whose handler aborts the process.
+const POISON: &str = "o-poison";
+/// The crash-loop limit every consumer of the suite runs with.
+const POISON_LIMIT: u32 = 3;
+/// Orders published around the poison message.
+const POISON_ORDERS: usize = 200;
 const DAY: Duration = Duration::from_secs(86_400);
 const LIMIT: Duration = Duration::from_secs(120);
 const PG_VAR: &str = "IDEM_TEST_POSTGRES_URL";
@@ -100,6 +107,8 @@ enum Role {
     Hang,
     Cut,
     Survivor,
+    /// Aborts the process whenever the poison key's handler starts.
+    Poison,
 }
 
 /// Where the scenario keeps its records and its ledger.
@@ -126,7 +135,12 @@ impl Files {
             (Mode::Inbox, Records::Postgres) => {
                 format!("INSERT INTO {}.ledger (k, took_over) VALUES ($1, $2)", self.store)
             }
-            _ => "INSERT INTO ledger (k, took_over) VALUES (?, ?)".to_owned(),
+            (Mode::Inbox, Records::Sqlite) => {
+                "INSERT INTO ledger (k, took_over) VALUES (?, ?)".to_owned()
+            }
+            (Mode::TwoPhase, _) => {
+                "INSERT INTO ledger (k, took_over, attempt) VALUES (?, ?, ?)".to_owned()
+            }
         }
     }
 
@@ -158,7 +172,8 @@ impl Ledger {
     /// Creates the ledger table. No unique constraint: a second effect for one key would be a
     /// second row.
     async fn create(&self) {
-        let sql = "CREATE TABLE ledger (k TEXT NOT NULL, took_over BIGINT NOT NULL)";
+        let sql = "CREATE TABLE ledger (k TEXT NOT NULL, took_over BIGINT NOT NULL, \
+                   attempt BIGINT NOT NULL DEFAULT 1)";
         match self {
             Self::Sqlite(p) => {
                 sqlx::raw_sql(sql).execute(p).await.unwrap();
@@ -181,6 +196,14 @@ impl Ledger {
         rows.into_iter().collect()
     }
 
+    /// Rows per key and attempt (two-phase mode).
+    async fn attempts(&self) -> HashMap<(String, i64), i64> {
+        let Self::Sqlite(p) = self else { return HashMap::new() };
+        let sql = "SELECT k, attempt, COUNT(*) FROM ledger GROUP BY k, attempt";
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(sql).fetch_all(p).await.unwrap();
+        rows.into_iter().map(|(k, a, n)| ((k, a), n)).collect()
+    }
+
     /// Whether `key`'s effect was made by a takeover of an expired lease.
     async fn took_over(&self, key: &str) -> bool {
         let Self::Sqlite(p) = self else { return false };
@@ -199,7 +222,11 @@ fn configure<C: SourceConfig>(
     batch: usize,
     hook: Hook<<C::Source as Source>::Delivery>,
 ) -> Builder<C> {
-    b.scope("crash").batch(batch).idle_wait(Duration::from_millis(100)).on_settle(hook)
+    b.scope("crash")
+        .batch(batch)
+        .idle_wait(Duration::from_millis(100))
+        .crash_loop_limit(POISON_LIMIT)
+        .on_settle(hook)
 }
 
 /// Counts handler runs and asks `started` whether this one hangs.
@@ -235,7 +262,11 @@ async fn consume<H: CrashHarness>(
     started: Started,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
-    let batch = if matches!(role, Role::Hang | Role::Cut) { 1 } else { 32 };
+    let batch = match role {
+        Role::Hang | Role::Cut => 1,
+        Role::Poison => 8,
+        Role::Abort | Role::Survivor => 32,
+    };
     let b = configure(Consumer::builder(h.config()), batch, hook);
     let runs = Runs { n: AtomicUsize::new(0), started };
     let insert = files.insert();
@@ -311,6 +342,7 @@ async fn two_phase<C: SourceConfig, S: DedupStore>(
             sqlx::query(AssertSqlSafe(insert))
                 .bind(key)
                 .bind(i64::from(ctx.took_over_expired()))
+                .bind(i64::from(ctx.attempt()))
                 .execute(&ledger)
                 .await
                 .map_err(|e| HandlerError::Transient(e.to_string()))?;
@@ -330,7 +362,11 @@ pub async fn child<H: CrashHarness>() {
     let [role, mode, records, store, ledger, harness] = parts[..] else {
         panic!("bad child instructions {spec}")
     };
-    let role = if role == "abort" { Role::Abort } else { Role::Hang };
+    let role = match role {
+        "abort" => Role::Abort,
+        "poison" => Role::Poison,
+        _ => Role::Hang,
+    };
     let files = Files {
         mode: if mode == "inbox" { Mode::Inbox } else { Mode::TwoPhase },
         records: if records == "postgres" { Records::Postgres } else { Records::Sqlite },
@@ -344,6 +380,7 @@ pub async fn child<H: CrashHarness>() {
         let key = s.message.message_id().unwrap_or_default();
         match s.outcome {
             OutcomeKind::Duplicate => println!("DUPLICATE {key}"),
+            OutcomeKind::FailedPermanent if role == Role::Poison => println!("DEAD {key}"),
             OutcomeKind::Processed if role == Role::Abort => {
                 println!("COMMITTED {key}");
                 if durable.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AFTER {
@@ -355,6 +392,10 @@ pub async fn child<H: CrashHarness>() {
         }
     });
     let started: Started = Arc::new(move |key, run| {
+        if role == Role::Poison && key == POISON {
+            println!("ABORT {key}");
+            std::process::abort();
+        }
         let hang = role == Role::Hang && run == HANG_AT;
         if hang {
             println!("HUNG {key}"); // the parent kills the process on this line
@@ -546,6 +587,114 @@ pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, records: Records, entry
     h.cleanup().await;
 }
 
+/// The crash-loop scenario on a fresh destination of `h` (two-phase, records in SQLite): 200
+/// orders with one poison message among them, whose handler calls `std::process::abort()`.
+/// A supervisor starts a consumer process again each time one dies, as a service manager
+/// would. Passes when the processes died exactly [`POISON_LIMIT`] times, the poison message
+/// was dead-lettered with a `crash loop` reason naming the attempts, every other order's effect
+/// happened (repeats only as reruns under a later attempt after a takeover, never twice under
+/// one attempt), nothing else was dead-lettered and nothing is left unsettled.
+///
+/// # Panics
+/// When a promise does not hold (the test failing).
+///
+/// # Cancel safety
+/// Dropped midway, the running child is killed with its handle.
+pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
+    let files = Files {
+        mode: Mode::TwoPhase,
+        records: Records::Sqlite,
+        store: p("idem.sqlite"),
+        ledger: p("ledger.sqlite"),
+    };
+    SqliteStore::open(&files.store).await.unwrap();
+    let ledger = files.ledger().await;
+    ledger.create().await;
+    for i in 0..POISON_ORDERS {
+        if i == POISON_ORDERS / 10 {
+            h.publish(POISON, br#"{"order":"poison"}"#).await;
+        }
+        h.publish(&format!("o-{i}"), format!(r#"{{"order":{i}}}"#).as_bytes()).await;
+    }
+    let spec = format!("poison|two-phase|sqlite|{}|{}|{}", files.store, files.ledger, h.spec());
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    let mut crashes = 0;
+    let mut printed = Vec::new();
+    // Some harnesses take the dead letters they read: keep every copy seen.
+    let dead = Mutex::new(Vec::new());
+    loop {
+        let mut child = crate::process::spawn_child(entry, &[(CHILD_ENV, &spec)]);
+        let out = child.stdout.take().expect("stdout");
+        let lines = tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(out).lines();
+            let mut seen = Vec::new();
+            while let Ok(Some(l)) = lines.next_line().await {
+                seen.push(l.rsplit("... ").next().unwrap_or(&l).to_owned());
+            }
+            seen
+        });
+        // Until the child dies, or everything is settled with the poison dead-lettered.
+        let drained = async {
+            loop {
+                if ledger.effects().await.len() == POISON_ORDERS {
+                    let copies = h.dead_letters().await;
+                    let seen = {
+                        let mut dead = dead.lock().unwrap();
+                        dead.extend(copies);
+                        !dead.is_empty()
+                    };
+                    if seen && h.settled().await {
+                        return;
+                    }
+                }
+                assert!(tokio::time::Instant::now() < deadline, "not drained within {LIMIT:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        };
+        tokio::select! {
+            status = child.wait() => {
+                assert!(!status.unwrap().success(), "a consumer ended by itself");
+                crashes += 1;
+                printed.extend(lines.await.unwrap());
+                assert!(crashes <= POISON_LIMIT + 2, "{crashes} crashes: {printed:?}");
+            }
+            () = drained => {
+                child.kill().await.unwrap();
+                printed.extend(lines.await.unwrap());
+                break;
+            }
+        }
+    }
+    let aborts = printed.iter().filter(|l| l.starts_with("ABORT ")).count();
+    assert_eq!(
+        (crashes, aborts),
+        (POISON_LIMIT, POISON_LIMIT as usize),
+        "the processes died once per attempt up to the limit: {printed:?}"
+    );
+    assert!(printed.iter().any(|l| l == &format!("DEAD {POISON}")), "{printed:?}");
+    // Only the poison message was dead-lettered, with the crash loop and its attempts as the
+    // reason.
+    let dead = dead.into_inner().unwrap();
+    assert!(!dead.is_empty());
+    for d in &dead {
+        assert_eq!(d.message_id.as_deref(), Some(POISON), "{dead:?}");
+        let reason = d.headers.get(headers::REASON).map(String::as_str).unwrap_or_default();
+        let want = format!("crash loop: {POISON_LIMIT} attempts");
+        assert!(reason.contains(&want), "reason {reason:?} lacks {want:?}");
+    }
+    // Every other order's effect happened; a repeat is a rerun after a takeover (the process
+    // died between an effect and its completion), never the same attempt twice.
+    let effects = ledger.effects().await;
+    assert!(!effects.contains_key(POISON), "the poison handler made its effect");
+    assert_eq!(effects.len(), POISON_ORDERS);
+    let twice: Vec<_> = ledger.attempts().await.into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(twice.is_empty(), "effects repeated under one attempt: {twice:?}");
+    assert!(h.settled().await, "something was left unsettled");
+    h.cleanup().await;
+}
+
 /// Defines the crash suite in the calling test file: `crash_inbox_mode` and
 /// `crash_two_phase_mode` on fresh harnesses from `$make` (an async closure taking the case's
 /// name and returning `Option<harness>`, as for
@@ -588,6 +737,13 @@ macro_rules! __crash_cases {
                 $crate::crash::scenario::<$harness>(h, mode, records, &entry).await;
             }
         )+
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_loop_is_dead_lettered() {
+            let Some(h) = ($make)("crash_loop_is_dead_lettered").await else { return };
+            let entry = $crate::crash::entry(module_path!());
+            $crate::crash::poison::<$harness>(h, &entry).await;
+        }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         #[ignore = "a crash test's child process; run by the crash tests, not alone"]

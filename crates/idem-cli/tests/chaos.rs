@@ -63,11 +63,13 @@ fn row(out: &Output, name: &str) -> u64 {
 /// reused id dead-lettered, every unique id applied once, at least one worker killed.
 fn assert_exactly_once(out: &Output) {
     assert!(out.status.success(), "idem chaos failed:\n{}", text(out));
-    assert_eq!(row(out, "attempted"), 2000);
+    let poison = row(out, "poison (abort)");
+    assert_eq!(row(out, "attempted"), 2000 + poison);
     assert_eq!(row(out, "lost"), 0);
     assert_eq!(row(out, "duplicated"), 0);
     assert_eq!(row(out, "unexpected"), 0);
-    assert_eq!(row(out, "dead letters"), row(out, "reused (other body)"));
+    assert_eq!(row(out, "crash loops"), poison);
+    assert_eq!(row(out, "dead letters"), row(out, "reused (other body)") + poison);
     assert_eq!(row(out, "reused (other body)"), 10);
     assert_eq!(row(out, "effects"), row(out, "unique") + row(out, "reruns after takeover"));
     assert!(row(out, "kills") >= 1, "no worker was killed:\n{}", text(out));
@@ -174,8 +176,32 @@ fn rabbitmq_mysql_inbox() {
     assert_exactly_once(&chaos(&b, &s, &[]));
 }
 
-/// The verifier can fail: workers whose effect commits outside the inbox transaction repeat
-/// effects when killed, and `idem chaos` says so and exits 1.
+/// Messages whose handler aborts the worker process are dead-lettered as crash loops once
+/// their attempts reach the limit; everything else exactly once. The aborts show as worker
+/// exits (at least the limit, 5, for each poison id) next to the random kills.
+#[test]
+fn poison_messages_are_dead_lettered_as_crash_loops() {
+    let (Some(b), Some(s)) = (amqp(), redis()) else { return };
+    let out = chaos(&b, &s, &["--poison", "2", "--kill-every", "1s..2s"]);
+    assert_exactly_once(&out);
+    assert_eq!(row(&out, "poison (abort)"), 2, "{}", text(&out));
+    assert_eq!(row(&out, "crash loops"), 2, "{}", text(&out));
+    assert!(row(&out, "worker exits") >= 5, "{}", text(&out));
+}
+
+#[test]
+fn poison_needs_two_phase_mode() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["chaos", "--broker", "amqp://127.0.0.1", "--store", "x.db", "--poison", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--poison needs two-phase mode"), "{}", text(&out));
+}
+
+/// The verifier can fail: workers whose effect commits outside the inbox transaction abort
+/// themselves between the effect and the commit (after their 20th effect, so it does not
+/// depend on a kill landing in that window), and `idem chaos` says so and exits 1.
 #[test]
 fn a_faulty_worker_fails_the_verifier() {
     let (Some(b), Some(s)) = (amqp(), pg()) else { return };

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use broker::{Admin, BrokerUrl};
 use store::{Ledger, Names, StoreUrl};
-use verdict::{Effect, Events, ORIGINAL, REUSED, Table, Tally};
+use verdict::{Effect, Events, ORIGINAL, POISON, Published, REUSED, Table, Tally};
 
 /// `idem chaos --help`: what it does and what the table's columns mean.
 pub(crate) const ABOUT: &str = "\
@@ -38,6 +38,7 @@ Columns of the table:
   attempted               messages published (unique + duplicates + reused)
   unique                  distinct ids published with their original body
   reused (other body)     ids published a second time with another body
+  poison (abort)          ids whose handler aborts the worker process (--poison)
   effects                 ledger entries written by handlers
   lost                    unique ids with no effect                        (must be 0)
   duplicated              inbox: an id with more than one row; two-phase: the same
@@ -45,9 +46,10 @@ Columns of the table:
   reruns after takeover   two-phase: an id run again under a later attempt after its lease
                           was taken over (safe with the downstream idempotency key)
   unexpected              effects of a reused body, or of ids never published (must be 0)
-  dead letters            distinct ids in the dead-letter queue (must equal reused)
+  dead letters            distinct ids in the dead-letter queue (must equal reused + poison)
+  crash loops             poison ids dead-lettered after the crash-loop limit (must equal poison)
   kills, stalls           SIGKILLs sent; SIGSTOP/SIGCONT pauses longer than the lease
-  worker exits            workers that ended by themselves (replaced)
+  worker exits            workers that ended by themselves (replaced), poison aborts included
   left in broker          messages still queued after the workers stopped
   wall time               the whole run
 
@@ -63,8 +65,9 @@ const STORE_ENV: &str = "IDEM_CHAOS_STORE";
 /// A fault injected into the workers, to prove the verifier catches it. Test only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum Fault {
-    /// The ledger row commits on its own connection before the inbox transaction: a kill
-    /// between the two repeats the effect.
+    /// The ledger row commits on its own connection before the inbox transaction, and each
+    /// worker aborts itself between the two after its 20th effect: the redelivered message
+    /// runs again, so the run shows duplicates whether or not a kill lands in that window.
     EffectOutsideTx,
 }
 
@@ -140,6 +143,12 @@ pub(crate) struct ChaosArgs {
     /// Keep the run's queue, stream, tables and keys.
     #[arg(long)]
     keep: bool,
+    /// Ids (beyond --messages) whose handler calls abort() in the worker, as a handler that
+    /// overflows its stack or is OOM-killed would: each must be dead-lettered as a crash loop
+    /// once its attempts reach the limit (5). Needs two-phase mode (a redis:// store): an inbox
+    /// transaction that dies with its process leaves no attempt to count.
+    #[arg(long, default_value_t = 0)]
+    poison: usize,
     /// Kafka with a SQL store: the offset inbox (each partition's position commits with the
     /// ledger row; markers catch the producer duplicates). The run also checks that the
     /// positions table holds one row per partition.
@@ -167,6 +176,12 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
         && (!matches!(broker, BrokerUrl::Kafka(_)) || matches!(store, StoreUrl::Redis(_)))
     {
         bail!("--offsets needs a kafka:// broker and a SQL store (the offset inbox)");
+    }
+    if args.poison > 0 && !matches!(store, StoreUrl::Redis(_)) {
+        bail!(
+            "--poison needs two-phase mode (a redis:// store): an inbox transaction that dies \
+             with its process leaves no attempt count, so it cannot tell a crash loop"
+        );
     }
     let plan = Plan::new(&args)?;
     let names = Names::new(&plan.tag);
@@ -214,6 +229,8 @@ struct Plan {
     unique: HashSet<String>,
     /// Ids published again with another body once their original has an effect.
     reused: Vec<String>,
+    /// Ids whose handler aborts the worker.
+    poison: HashSet<String>,
 }
 
 impl Plan {
@@ -244,7 +261,13 @@ impl Plan {
         picked.shuffle(&mut rng);
         picked.truncate(reused);
         let reused = picked;
-        Ok(Self { tag, first, unique: ids.into_iter().collect(), reused })
+        let poison: HashSet<String> =
+            (0..args.poison).map(|i| format!("{tag}-poison-{i:03}")).collect();
+        for id in &poison {
+            let at = rng.random_range(0..=first.len());
+            first.insert(at, (id.clone(), POISON));
+        }
+        Ok(Self { tag, first, unique: ids.into_iter().collect(), reused, poison })
     }
 
     fn attempted(&self) -> u64 {
@@ -350,7 +373,7 @@ async fn verify(
     for _ in 0..args.workers {
         workers.push(Worker::start(args, &plan.tag).await?);
     }
-    let goal = (plan.unique.len() + plan.reused.len()) as u64;
+    let goal = (plan.unique.len() + plan.reused.len() + plan.poison.len()) as u64;
     let bar = indicatif::ProgressBar::new(goal).with_style(
         indicatif::ProgressStyle::with_template(
             "{elapsed_precise} [{bar:40}] {pos}/{len} settled  {msg}",
@@ -436,6 +459,11 @@ async fn verify(
                 .reused
                 .iter()
                 .filter(|id| dead.contains(*id) || applied_reused(&effects, id))
+                .count()
+            + plan
+                .poison
+                .iter()
+                .filter(|id| dead.contains(*id) || applied.contains(id.as_str()))
                 .count();
         bar.set_position(settled as u64);
         bar.set_message(format!("kills {}  stalls {}", events.kills, events.stalls));
@@ -471,13 +499,8 @@ async fn verify(
     events.wall = started.elapsed();
     let effects = ledger.effects(store, names).await?;
     let reused: HashSet<String> = plan.reused.iter().cloned().collect();
-    let tally = Tally::count(
-        plan.attempted(),
-        &plan.unique,
-        &reused,
-        &effects,
-        &admin.dead_letters().await?,
-    );
+    let published = Published { unique: &plan.unique, reused: &reused, poison: &plan.poison };
+    let tally = Tally::count(plan.attempted(), &published, &effects, &admin.dead_letters().await?);
     println!(
         "idem chaos: {} × {} ({} workers)",
         Redacted(&args.broker),

@@ -8,6 +8,9 @@ use std::time::Duration;
 pub(crate) const ORIGINAL: &str = "original";
 /// A later message reusing an id with another body: must be dead-lettered, never applied.
 pub(crate) const REUSED: &str = "reused";
+/// A message whose handler aborts the worker process (`--poison`): must be dead-lettered as a
+/// crash loop, never applied.
+pub(crate) const POISON: &str = "poison";
 
 /// One row of the ledger: a handler's effect.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,25 +41,37 @@ pub(crate) struct Tally {
     pub(crate) attempted: u64,
     pub(crate) unique: u64,
     pub(crate) reused: u64,
+    pub(crate) poison: u64,
     pub(crate) effects: u64,
     pub(crate) lost: u64,
     pub(crate) duplicated: u64,
     pub(crate) reruns_after_takeover: u64,
     pub(crate) unexpected: u64,
     pub(crate) dead_letters: u64,
+    /// Poison ids found in the dead-letter queue.
+    pub(crate) crash_loops: u64,
+}
+
+/// The ids published, by what must become of them.
+pub(crate) struct Published<'a> {
+    /// Every id published with its original body (the poison ids are not among them).
+    pub(crate) unique: &'a HashSet<String>,
+    /// Ids also published with another body: dead-lettered as conflicts.
+    pub(crate) reused: &'a HashSet<String>,
+    /// Ids whose handler aborts the worker: dead-lettered as crash loops.
+    pub(crate) poison: &'a HashSet<String>,
 }
 
 impl Tally {
-    /// Counts. `unique` holds every id published with its original body, `reused` the ids
-    /// also published with another body; `dead_letters` the distinct ids in the dead-letter
-    /// queue.
+    /// Counts what became of `published`; `dead_letters` holds the distinct ids in the
+    /// dead-letter queue.
     pub(crate) fn count(
         attempted: u64,
-        unique: &HashSet<String>,
-        reused: &HashSet<String>,
+        published: &Published<'_>,
         effects: &[Effect],
         dead_letters: &HashSet<String>,
     ) -> Self {
+        let (unique, reused) = (published.unique, published.reused);
         let mut per_id: HashMap<&str, u64> = HashMap::new();
         let mut per_attempt: HashMap<(&str, u32), u64> = HashMap::new();
         let mut unexpected = 0;
@@ -85,22 +100,26 @@ impl Tally {
             attempted,
             unique: unique.len() as u64,
             reused: reused.len() as u64,
+            poison: published.poison.len() as u64,
             effects: effects.len() as u64,
             lost: unique.iter().filter(|id| !per_id.contains_key(id.as_str())).count() as u64,
             duplicated,
             reruns_after_takeover: reruns,
             unexpected,
             dead_letters: dead_letters.len() as u64,
+            crash_loops: published.poison.iter().filter(|id| dead_letters.contains(*id)).count()
+                as u64,
         }
     }
 
-    /// Whether the run proves nothing wrong: no lost, duplicated or unexpected effect, and
-    /// every reused id dead-lettered.
+    /// Whether the run proves nothing wrong: no lost, duplicated or unexpected effect, every
+    /// reused id dead-lettered and every poison id dead-lettered as a crash loop.
     pub(crate) fn passed(&self) -> bool {
         self.lost == 0
             && self.duplicated == 0
             && self.unexpected == 0
-            && self.dead_letters == self.reused
+            && self.crash_loops == self.poison
+            && self.dead_letters == self.reused + self.poison
     }
 }
 
@@ -114,16 +133,22 @@ impl fmt::Display for Table<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (t, e) = (self.tally, self.events);
         let flag = |bad: bool| if bad { "  <-- FAIL" } else { "" };
-        let rows: [(&str, String, &str); 14] = [
+        let rows: [(&str, String, &str); 16] = [
             ("attempted", t.attempted.to_string(), ""),
             ("unique", t.unique.to_string(), ""),
             ("reused (other body)", t.reused.to_string(), ""),
+            ("poison (abort)", t.poison.to_string(), ""),
             ("effects", t.effects.to_string(), ""),
             ("lost", t.lost.to_string(), flag(t.lost > 0)),
             ("duplicated", t.duplicated.to_string(), flag(t.duplicated > 0)),
             ("reruns after takeover", t.reruns_after_takeover.to_string(), ""),
             ("unexpected", t.unexpected.to_string(), flag(t.unexpected > 0)),
-            ("dead letters", t.dead_letters.to_string(), flag(t.dead_letters != t.reused)),
+            (
+                "dead letters",
+                t.dead_letters.to_string(),
+                flag(t.dead_letters != t.reused + t.poison),
+            ),
+            ("crash loops", t.crash_loops.to_string(), flag(t.crash_loops != t.poison)),
             ("kills", e.kills.to_string(), ""),
             ("stalls", e.stalls.to_string(), ""),
             ("worker exits", e.worker_exits.to_string(), ""),
@@ -146,6 +171,17 @@ mod tests {
         ids.iter().map(|s| (*s).to_owned()).collect()
     }
 
+    fn count(
+        attempted: u64,
+        unique: &HashSet<String>,
+        reused: &HashSet<String>,
+        effects: &[Effect],
+        dead: &HashSet<String>,
+    ) -> Tally {
+        let poison = HashSet::new();
+        Tally::count(attempted, &Published { unique, reused, poison: &poison }, effects, dead)
+    }
+
     fn fx(id: &str, body: &str, attempt: Option<u32>) -> Effect {
         Effect { id: id.into(), body: body.into(), attempt }
     }
@@ -153,7 +189,7 @@ mod tests {
     #[test]
     fn exactly_once_passes() {
         let effects = [fx("a", ORIGINAL, None), fx("b", ORIGINAL, None)];
-        let t = Tally::count(4, &set(&["a", "b"]), &set(&["b"]), &effects, &set(&["b"]));
+        let t = count(4, &set(&["a", "b"]), &set(&["b"]), &effects, &set(&["b"]));
         assert_eq!((t.lost, t.duplicated, t.unexpected, t.dead_letters), (0, 0, 0, 1));
         assert!(t.passed());
     }
@@ -166,7 +202,7 @@ mod tests {
             fx("b", REUSED, None),
             fx("zz", ORIGINAL, None),
         ];
-        let t = Tally::count(5, &set(&["a", "b", "c"]), &set(&["b"]), &effects, &set(&[]));
+        let t = count(5, &set(&["a", "b", "c"]), &set(&["b"]), &effects, &set(&[]));
         assert_eq!((t.lost, t.duplicated, t.unexpected), (2, 1, 2));
         assert!(!t.passed());
     }
@@ -179,14 +215,29 @@ mod tests {
             fx("b", ORIGINAL, Some(1)),
             fx("b", ORIGINAL, Some(1)),
         ];
-        let t = Tally::count(2, &set(&["a", "b"]), &set(&[]), &effects, &set(&[]));
+        let t = count(2, &set(&["a", "b"]), &set(&[]), &effects, &set(&[]));
         assert_eq!((t.duplicated, t.reruns_after_takeover), (1, 1));
         assert!(!t.passed());
     }
 
     #[test]
+    fn poison_must_be_dead_lettered_and_never_applied() {
+        let (unique, reused, poison) = (set(&["a"]), set(&[]), set(&["p"]));
+        let published = Published { unique: &unique, reused: &reused, poison: &poison };
+        let ok = Tally::count(2, &published, &[fx("a", ORIGINAL, Some(1))], &set(&["p"]));
+        assert_eq!((ok.crash_loops, ok.lost), (1, 0));
+        assert!(ok.passed());
+        let missing = Tally::count(2, &published, &[fx("a", ORIGINAL, Some(1))], &set(&[]));
+        assert!(!missing.passed());
+        let applied = [fx("a", ORIGINAL, Some(1)), fx("p", POISON, Some(1))];
+        let applied = Tally::count(2, &published, &applied, &set(&["p"]));
+        assert_eq!(applied.unexpected, 1);
+        assert!(!applied.passed());
+    }
+
+    #[test]
     fn missing_dead_letter_fails() {
-        let t = Tally::count(2, &set(&["a"]), &set(&["a"]), &[fx("a", ORIGINAL, None)], &set(&[]));
+        let t = count(2, &set(&["a"]), &set(&["a"]), &[fx("a", ORIGINAL, None)], &set(&[]));
         assert!(!t.passed());
     }
 }

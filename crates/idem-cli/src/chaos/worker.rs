@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::io::Write as _;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -16,6 +17,7 @@ use idem::{Consumer, MySqlStore, PostgresStore, SqliteStore, Tx};
 
 use super::broker::{self, BrokerUrl, NATS_CONSUMER};
 use super::store::{self, Names, StoreUrl};
+use super::verdict::POISON;
 use super::{ChaosArgs, Fault};
 use crate::connect;
 
@@ -96,6 +98,10 @@ fn ready() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Effects a worker under `--fault effect-outside-tx` makes before it aborts itself.
+const ABORT_AFTER: usize = 20;
+static OUTSIDE_EFFECTS: AtomicUsize = AtomicUsize::new(0);
+
 /// `(id, body)` of a chaos message; a payload that is not one is a permanent failure.
 fn read(m: &impl Envelope) -> Result<(String, String), HandlerError<String>> {
     let v: serde_json::Value = serde_json::from_slice(m.payload())
@@ -120,6 +126,11 @@ macro_rules! sql_writer {
                 let q = sqlx::query(AssertSqlSafe(sql)).bind(id).bind(body);
                 let done = if outside { q.execute(&pool).await } else { q.execute(&mut *tx).await };
                 done.map_err(|e| HandlerError::Transient(e.to_string()))?;
+                if outside && OUTSIDE_EFFECTS.fetch_add(1, Ordering::SeqCst) + 1 == ABORT_AFTER {
+                    // The effect is committed, the inbox transaction is not: the redelivered
+                    // message runs again, whatever the kills do.
+                    std::process::abort();
+                }
                 Ok(())
             })
         }
@@ -193,6 +204,9 @@ where
                     let (mut conn, key) = (conn.clone(), key.clone());
                     Box::pin(async move {
                         let (id, body) = read?;
+                        if body == POISON {
+                            std::process::abort(); // as a stack overflow or the OOM killer would
+                        }
                         let entry = format!("{id}:{}:{body}", ctx.attempt());
                         let _: i64 = conn
                             .rpush(key, entry)

@@ -93,20 +93,35 @@ pub(crate) async fn pg_pool(url: &str, max: u32) -> anyhow::Result<sqlx::PgPool>
 }
 
 /// A pool on the first of `urls` (one URL, or several separated by commas) that answers; the
-/// error names every one that did not.
+/// error names every one that did not. What a worker writes through.
 pub(crate) async fn my_pool(urls: &str, max: u32) -> anyhow::Result<sqlx::MySqlPool> {
-    let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(max);
+    first_answering(urls, sqlx::mysql::MySqlPoolOptions::new().max_connections(max)).await
+}
+
+/// As [`my_pool`], for the run's setup and verdict: on several nodes, each read waits until its
+/// node has applied every write committed through the others (Galera applies them after
+/// certifying them), so the verdict counts each effect wherever it committed. The workers keep
+/// the server's default, as an application would.
+async fn ledger_pool(urls: &str) -> anyhow::Result<sqlx::MySqlPool> {
+    let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(2);
     if !urls.contains(',') {
         return connect::mysql_pool(urls, options).await;
     }
-    // Several nodes: a read here waits until its node has applied every write committed
-    // through the others (Galera applies them after certifying them), so the verdict counts
-    // each effect wherever it committed.
     let options = options.after_connect(|conn, _| {
         Box::pin(async move {
             sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1").execute(conn).await.map(drop)
         })
     });
+    first_answering(urls, options).await
+}
+
+async fn first_answering(
+    urls: &str,
+    options: sqlx::mysql::MySqlPoolOptions,
+) -> anyhow::Result<sqlx::MySqlPool> {
+    if !urls.contains(',') {
+        return connect::mysql_pool(urls, options).await;
+    }
     let mut failures = Vec::new();
     for url in urls.split(',') {
         match connect::mysql_pool(url, options.clone()).await {
@@ -163,7 +178,7 @@ impl Ledger {
                 Self::Pg(pool)
             }
             StoreUrl::MySql(url) => {
-                let pool = my_pool(url, 2).await?;
+                let pool = ledger_pool(url).await?;
                 MySqlStore::new(pool.clone()).with_table_name(&names.base)?.migrate().await?;
                 let sql = format!(
                     "CREATE TABLE {ledger} (id VARCHAR(128) NOT NULL, body VARCHAR(16) NOT NULL)"

@@ -104,15 +104,37 @@ pub(crate) async fn my_pool(urls: &str, max: u32) -> anyhow::Result<sqlx::MySqlP
 /// the server's default, as an application would.
 async fn ledger_pool(urls: &str) -> anyhow::Result<sqlx::MySqlPool> {
     let options = sqlx::mysql::MySqlPoolOptions::new().max_connections(2);
-    if !urls.contains(',') {
-        return connect::mysql_pool(urls, options).await;
-    }
-    let options = options.after_connect(|conn, _| {
+    first_answering(urls, if urls.contains(',') { causal(options) } else { options }).await
+}
+
+/// Pool options whose connections read causally (`wsrep_sync_wait = 1`: Galera only).
+fn causal(options: sqlx::mysql::MySqlPoolOptions) -> sqlx::mysql::MySqlPoolOptions {
+    options.after_connect(|conn, _| {
         Box::pin(async move {
             sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1").execute(conn).await.map(drop)
         })
-    });
-    first_answering(urls, options).await
+    })
+}
+
+/// Waits until each node of a list that answers has applied the run's tables (Galera runs DDL
+/// on the other nodes after the statement returned): a worker starting there would otherwise
+/// find none. A causal read of the ledger does the waiting; a node that does not answer is
+/// skipped (its workers move on to the next URL).
+async fn created_everywhere(urls: &str, ledger: &str) -> anyhow::Result<()> {
+    if !urls.contains(',') {
+        return Ok(());
+    }
+    for url in urls.split(',') {
+        let options = causal(sqlx::mysql::MySqlPoolOptions::new().max_connections(1));
+        let Ok(pool) = connect::mysql_pool(url, options).await else { continue };
+        let sql = format!("SELECT 1 FROM {ledger} LIMIT 0");
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .with_context(|| format!("the run's tables on {}", Redacted(url)))?;
+        pool.close().await;
+    }
+    Ok(())
 }
 
 async fn first_answering(
@@ -184,6 +206,7 @@ impl Ledger {
                     "CREATE TABLE {ledger} (id VARCHAR(128) NOT NULL, body VARCHAR(16) NOT NULL)"
                 );
                 sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await?;
+                created_everywhere(url, &ledger).await?;
                 Self::My(pool)
             }
             StoreUrl::Sqlite(path) => {

@@ -2,11 +2,17 @@
 # Local services for idem's integration tests (see ../shared/SERVICES.md):
 #   .ci/services.sh up      install what is missing (Debian), start each service that does not answer
 #   .ci/services.sh status  print which services answer; exit 1 if any does not
-#   .ci/services.sh restart postgres|mariadb|rabbitmq
+#   .ci/services.sh restart postgres|mariadb|rabbitmq|galera-N
 #                           restart one shared server and wait until it answers again (the
 #                           server-restart tests run this mid-load)
+#   .ci/services.sh galera  start only the 3-node MariaDB Galera cluster (part of `up`; 17 s cold,
+#                           0.3 s when it runs)
+#   .ci/services.sh kill|stop galera-N
+#                           SIGKILL / shut down Galera node N (1-3) and wait until it is gone;
+#                           `restart galera-N` brings it back (it rejoins by IST, or SST)
 # Ports can be moved with PG_PORT, MYSQL_PORT, REDIS_PORT, AMQP_PORT, MQTT_PORT, NATS_PORT, KAFKA_PORT,
-# REDIS_CLUSTER_PORT (the first of three: a Redis Cluster of 3 masters, no replicas).
+# REDIS_CLUSTER_PORT (the first of three: a Redis Cluster of 3 masters, no replicas), GALERA_PORT
+# (the first of three MariaDB Galera nodes; see galera_up).
 # Kafka is tansu (a Kafka-protocol broker in Rust, ../shared/KAFKA.md): no Debian package, so a
 # missing one is built with `cargo install` once per machine (11-21 min cold, measured), then reused.
 #
@@ -51,6 +57,7 @@ KAFKA_PORT=${KAFKA_PORT:-9092}; TANSU_VERSION=0.6.0
 # stays in memory). A tansu built with other features is rebuilt once.
 TANSU_FEATURES=dynostore,libsql; TANSU_MARK=$HOME/.cache/idem-tansu-features
 REDIS_CLUSTER_PORT=${REDIS_CLUSTER_PORT:-7000}
+GALERA_PORT=${GALERA_PORT:-3311}
 COSMOS_PORT=${COSMOS_PORT:-8081}; COSMOSDB_SERVER_VERSION=1.0.1   # @vercel/cosmosdb-server, see up()
 STATE=${CI_STATE_DIR:-/tmp/idem-ci}; mkdir -p "$STATE"
 SUDO=""; [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO="sudo"
@@ -63,7 +70,8 @@ status() {
   for pair in "postgres:$PG_PORT" "mariadb:$MYSQL_PORT" "redis:$REDIS_PORT" "rabbitmq:$AMQP_PORT" \
               "mosquitto:$MQTT_PORT" "nats:$NATS_PORT" "kafka:$KAFKA_PORT" \
               "redis-cluster:$REDIS_CLUSTER_PORT" "redis-cluster:$((REDIS_CLUSTER_PORT + 1))" \
-              "redis-cluster:$((REDIS_CLUSTER_PORT + 2))"; do
+              "redis-cluster:$((REDIS_CLUSTER_PORT + 2))" "galera-1:$GALERA_PORT" \
+              "galera-2:$((GALERA_PORT + 1))" "galera-3:$((GALERA_PORT + 2))"; do
     name=${pair%%:*}; port=${pair##*:}
     if port_open "$port"; then log "$name answers on 127.0.0.1:$port"; else log "$name DOES NOT answer on 127.0.0.1:$port"; bad=1; fi
   done
@@ -123,6 +131,7 @@ up() {
   mariadb -uroot -h127.0.0.1 -P"$MYSQL_PORT" -e 'select 1' >/dev/null 2>&1 \
     || $SUDO mariadb -uroot -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA mysql_native_password USING PASSWORD(''); FLUSH PRIVILEGES;"
   mariadb -uroot -h127.0.0.1 -P"$MYSQL_PORT" -e 'CREATE DATABASE IF NOT EXISTS test'
+  galera_up
   # Redis without persistence.
   port_open "$REDIS_PORT" || { redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save '' --appendonly no \
     --dir "$STATE" --logfile "$STATE/redis.log" --pidfile "$STATE/redis.pid"; wait_port "$REDIS_PORT" 15 redis; }
@@ -214,6 +223,128 @@ redis_cluster_up() {
   log "redis-cluster did not reach cluster_state:ok within 30s"; return 1
 }
 
+# --- Galera ---------------------------------------------------------------------------------------
+# A 3-node MariaDB Galera cluster on loopback: Debian's galera-4 under three more mariadbd (the
+# shared one on MYSQL_PORT is not touched). Node N (1..3): SQL on GALERA_PORT+N-1 (3311-3313),
+# group communication on 4570+N, IST on 4580+N, rsync SST on 4590+N; datadir, socket, pid file and
+# error log under $STATE/galera/N, reading only its own my.cnf. root with an empty password over
+# TCP, database `test`. With no node in a primary component, node 1 bootstraps a new cluster
+# (--wsrep-new-cluster) and the others join it by SST (rsync); a node restarted later catches up by
+# IST. `restart galera-N` / `kill galera-N` / `stop galera-N` serve the node-failure tests.
+galera_dir() { echo "$STATE/galera/$1"; }
+galera_port() { echo $((GALERA_PORT + $1 - 1)); }
+# shellcheck disable=SC2206   # $SUDO is empty or one word
+galera_sql() { local n=$1; shift; local sql=($SUDO mariadb --defaults-file="$(galera_dir "$n")/my.cnf" -uroot -N -B); "${sql[@]}" "$@"; }
+galera_status_var() { { galera_sql "$1" -e "SHOW GLOBAL STATUS LIKE '$2'" 2>/dev/null || true; } | cut -f2; }
+galera_pid() { $SUDO cat "$(galera_dir "$1")/mysqld.pid" 2>/dev/null || true; }
+galera_running() { local pid; pid=$(galera_pid "$1"); [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; }
+
+galera_cnf() {
+  local n=$1 dir; dir=$(galera_dir "$1")
+  $SUDO install -d -o mysql -g mysql -m 0750 "$dir"
+  tls_put mysql 0644 "$dir/my.cnf" <<EOF || true
+[mariadbd]
+user = mysql
+datadir = $dir/data
+socket = $dir/mysqld.sock
+pid-file = $dir/mysqld.pid
+log-error = $dir/error.log
+port = $(galera_port "$n")
+bind-address = 127.0.0.1
+innodb-buffer-pool-size = 32M
+innodb-flush-log-at-trx-commit = 2
+innodb-autoinc-lock-mode = 2
+performance-schema = OFF
+binlog-format = ROW
+default-storage-engine = InnoDB
+wsrep-on = ON
+wsrep-provider = /usr/lib/galera/libgalera_smm.so
+wsrep-cluster-name = idem-galera
+wsrep-cluster-address = gcomm://127.0.0.1:4571,127.0.0.1:4572,127.0.0.1:4573
+wsrep-node-name = galera-$n
+wsrep-node-address = 127.0.0.1:$((4570 + n))
+wsrep-provider-options = "gmcast.listen_addr=tcp://127.0.0.1:$((4570 + n));ist.recv_addr=127.0.0.1:$((4580 + n));gcache.size=64M;evs.suspect_timeout=PT3S;evs.inactive_timeout=PT6S;evs.install_timeout=PT3S"
+wsrep-sst-method = rsync
+wsrep-sst-receive-address = 127.0.0.1:$((4590 + n))
+wsrep-slave-threads = 2
+[client]
+socket = $dir/mysqld.sock
+EOF
+}
+
+# The last position node N committed, after a crash (its grastate.dat then says seqno -1): what
+# Debian's galera_recovery finds with --wsrep-recover. Passed back as --wsrep-start-position, it
+# lets the node catch up by IST instead of a full SST.
+galera_recovered() {
+  local dir; dir=$(galera_dir "$1")
+  $SUDO grep -qs '^seqno: *-1' "$dir/data/grastate.dat" && $SUDO test -d "$dir/data/mysql" || return 0
+  { $SUDO /usr/sbin/mariadbd --defaults-file="$dir/my.cnf" --wsrep-recover --disable-log-error 2>&1 || true; } \
+    | sed -n 's/.*WSREP: Recovered position: *//p' | tail -1
+}
+
+# Starts node N (extra arguments go to mariadbd) and waits until it is Synced.
+galera_start() {
+  local n=$1 dir i state pos; dir=$(galera_dir "$1"); shift
+  pos=$(galera_recovered "$n")
+  [[ -n $pos ]] && { log "galera-$n recovered position $pos"; set -- "$@" "--wsrep-start-position=$pos"; }
+  $SUDO start-stop-daemon --start --oknodo --background --pidfile "$dir/mysqld.pid" \
+    --exec /usr/sbin/mariadbd -- --defaults-file="$dir/my.cnf" "$@"
+  # A joiner opens its port only after its state transfer; then wait for Synced.
+  for ((i = 0; i < 600; i++)); do
+    state=$(galera_status_var "$n" wsrep_local_state_comment)
+    [[ $state == Synced ]] && { log "galera-$n synced on :$(galera_port "$n") ($((i / 5))s)"; return 0; }
+    sleep 0.2
+  done
+  log "galera-$n not Synced within 120s (state '${state:-down}'); see $dir/error.log"; return 1
+}
+
+# Sends node N SIGTERM (a clean shutdown; the default) or SIGKILL (a crash) and waits until it is
+# gone.
+galera_stop() {
+  local n=$1 sig=${2:-TERM} pid i; pid=$(galera_pid "$n")
+  [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 0
+  kill "-$sig" "$pid"
+  for ((i = 0; i < 600; i++)); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  log "galera-$n (pid $pid) still alive 60s after SIG$sig"; return 1
+}
+
+galera_up() {
+  local n t0=$SECONDS primary=0
+  [[ -e /usr/lib/galera/libgalera_smm.so ]] && command -v rsync >/dev/null || {
+    log "installing: galera-4 rsync"; export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends galera-4 rsync >"$STATE/apt-galera.log" 2>&1 \
+      || { tail -20 "$STATE/apt-galera.log"; exit 1; }; }
+  for n in 1 2 3; do
+    galera_cnf "$n"
+    [[ $(galera_status_var "$n" wsrep_cluster_status) == Primary ]] && primary=1
+  done
+  if ((primary == 0)); then
+    # No cluster to join: whatever runs is stopped, node 1 starts a new one from its data and
+    # the others are sent a full copy (their grastate.dat says nothing the new cluster knows).
+    for n in 1 2 3; do galera_stop "$n" TERM; done
+    if ! $SUDO test -d "$(galera_dir 1)/data/mysql"; then
+      $SUDO mariadb-install-db --defaults-file="$(galera_dir 1)/my.cnf" --auth-root-authentication-method=normal \
+        --skip-test-db >"$STATE/galera-install.log" 2>&1 || { tail -20 "$STATE/galera-install.log"; exit 1; }
+    fi
+    $SUDO sed -i 's/^safe_to_bootstrap: 0/safe_to_bootstrap: 1/' "$(galera_dir 1)/data/grastate.dat" 2>/dev/null || true
+    $SUDO rm -f "$(galera_dir 2)/data/grastate.dat" "$(galera_dir 3)/data/grastate.dat"
+    galera_start 1 --wsrep-new-cluster
+  fi
+  for n in 1 2 3; do
+    galera_running "$n" && [[ $(galera_status_var "$n" wsrep_local_state_comment) == Synced ]] && continue
+    galera_stop "$n" TERM
+    $SUDO install -d -o mysql -g mysql -m 0750 "$(galera_dir "$n")/data"
+    galera_start "$n"
+  done
+  # root over TCP as on the shared server; users and databases replicate (as statements).
+  mariadb -uroot -h127.0.0.1 -P"$GALERA_PORT" -e 'select 1' >/dev/null 2>&1 \
+    || galera_sql 1 -e "ALTER USER 'root'@'localhost' IDENTIFIED VIA mysql_native_password USING PASSWORD(''); FLUSH PRIVILEGES;"
+  galera_sql 1 -e 'CREATE DATABASE IF NOT EXISTS test'
+  log "galera: $(galera_status_var 1 wsrep_cluster_size) nodes on :$GALERA_PORT-:$((GALERA_PORT + 2)) ($((SECONDS - t0))s)"
+}
+# --- end Galera -----------------------------------------------------------------------------------
+
 # Stops and starts one shared server the way an operator would, then waits for it to answer.
 restart() {
   local t0=$SECONDS
@@ -233,7 +364,10 @@ restart() {
     rabbitmq)
       $SUDO rabbitmqctl -q stop_app && $SUDO rabbitmqctl -q start_app
       wait_port "$AMQP_PORT" 60 rabbitmq; wait_port "$AMQPS_PORT" 30 rabbitmq-tls ;;
-    *) echo "usage: $0 restart postgres|mariadb|rabbitmq" >&2; exit 64 ;;
+    galera-[123])
+      galera_stop "${1#galera-}" TERM
+      galera_start "${1#galera-}" ;;
+    *) echo "usage: $0 restart postgres|mariadb|rabbitmq|galera-1|galera-2|galera-3" >&2; exit 64 ;;
   esac
   log "$1 restarted in $((SECONDS - t0))s"
 }
@@ -242,5 +376,11 @@ case "${1:-}" in
   up) up ;;
   status) status ;;
   restart) restart "${2:-}" ;;
-  *) echo "usage: $0 up|status|restart <service>" >&2; exit 64 ;;
+  galera) galera_up ;;
+  kill | stop)
+    [[ ${2:-} == galera-[123] ]] || { echo "usage: $0 $1 galera-1|galera-2|galera-3" >&2; exit 64; }
+    t0=$SECONDS
+    if [[ $1 == kill ]]; then galera_stop "${2#galera-}" KILL; else galera_stop "${2#galera-}" TERM; fi
+    log "$2 gone after $1 in $((SECONDS - t0))s" ;;
+  *) echo "usage: $0 up|status|restart <service>|galera|kill <galera-N>|stop <galera-N>" >&2; exit 64 ;;
 esac

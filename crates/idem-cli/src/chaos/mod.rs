@@ -112,8 +112,10 @@ pub(crate) struct ChaosArgs {
     #[arg(long, value_name = "URL", env = BROKER_ENV, hide_env_values = true)]
     broker: String,
     /// The store: a SQLite file, postgres://…, mysql://… (inbox mode) or redis://… (two-phase).
-    /// Or set IDEM_CHAOS_STORE (not IDEM_STORE: a run creates and drops tables, so it never
-    /// picks up the operator tools' store by accident).
+    /// Several mysql:// URLs separated by commas are the nodes of one cluster (Galera): worker i
+    /// uses URL i mod n, or the next that answers; the setup and the verdict use the first that
+    /// answers. Or set IDEM_CHAOS_STORE (not IDEM_STORE: a run creates and drops tables, so it
+    /// never picks up the operator tools' store by accident).
     #[arg(long, value_name = "FILE|URL", env = STORE_ENV, hide_env_values = true)]
     store: String,
     /// Messages published in all (unique + duplicates + reused).
@@ -295,7 +297,7 @@ impl Worker {
         cmd.args(["chaos", "--worker", "--tag", tag])
             .args(["--lease", &format!("{}ms", args.lease.as_millis())])
             .env(BROKER_ENV, &args.broker)
-            .env(STORE_ENV, &args.store)
+            .env(STORE_ENV, store::for_worker(&args.store))
             .envs(crate::connect::tls().env())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -504,7 +506,7 @@ async fn verify(
     println!(
         "idem chaos: {} × {} ({} workers)",
         Redacted(&args.broker),
-        Redacted(&args.store),
+        store::shown(&args.store),
         args.workers
     );
     println!("{}", Table { tally: &tally, events: &events });

@@ -185,8 +185,15 @@ impl MySqlStore {
             .int("lease", Some(duration_micros(req.lease_for)))
             .int("keep", Some(duration_micros(req.retain_for.max(req.lease_for))))
             .int("owner", Some(nonce()));
-        match self.sql.insert_claim.query(&b).fetch_one(&self.pool).await {
-            Ok(row) => {
+        // The whole reply, not its first row: the row is sent before the statement commits, and
+        // a commit that fails (on Galera: certification lost to the same key inserted through
+        // another node) is reported after it. `fetch_one` returned that row as a won claim.
+        match self.sql.insert_claim.query(&b).fetch_all(&self.pool).await {
+            Ok(rows) => {
+                let [row] = &rows[..] else {
+                    let what = format!("INSERT … RETURNING gave {} rows, not 1", rows.len());
+                    return Err(StoreError::Corrupt { what });
+                };
                 let get = |e| backend("claim", e);
                 let token: i64 = row.try_get(0).map_err(get)?;
                 let until: Option<i64> = row.try_get(1).map_err(get)?;

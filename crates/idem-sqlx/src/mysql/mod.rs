@@ -151,9 +151,12 @@ pub(crate) fn error_number(e: &sqlx::Error) -> Option<u16> {
 }
 
 /// Classifies a driver error: deadlock (1213), lock wait timeout (1205), a lost connection and
-/// pool timeouts are retryable.
+/// pool timeouts are retryable. On a Galera cluster a transaction that lost certification to a
+/// write committed through another node (at `COMMIT`, or aborted by it earlier) is a deadlock
+/// too, and a node outside the primary component or still catching up refuses statements with
+/// 1047 ("WSREP has not yet prepared node for application use"); neither committed anything.
 pub(crate) fn backend(op: &'static str, e: sqlx::Error) -> StoreError {
-    let retryable = matches!(error_number(&e), Some(1213 | 1205 | 2006 | 2013))
+    let retryable = matches!(error_number(&e), Some(1213 | 1205 | 1047 | 2006 | 2013))
         || matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed);
     StoreError::backend(op, retryable, e)
 }

@@ -50,6 +50,17 @@ pub enum StoreOp {
     },
     /// `claim_many`, requests as `(key, fingerprint)`.
     ClaimMany(Vec<(usize, Option<u8>)>),
+    /// One request of a `claim_many`, when batches are checked request by request
+    /// ([`Config::atomic_batches`](super::Config::atomic_batches) off): the lease it may grant
+    /// is `lease`.
+    ClaimSlot {
+        /// Key index.
+        key: usize,
+        /// Fingerprint index.
+        fp: Option<u8>,
+        /// The batch's operation and this request's place in it.
+        lease: LeaseId,
+    },
     /// `complete` with `result`.
     Complete {
         /// The lease.
@@ -176,6 +187,9 @@ pub struct Rec {
 pub struct StoreModel {
     /// How many keys the history uses.
     pub keys: usize,
+    /// Whether a conflict's record must be the key's current one (state and attempt); off,
+    /// only its fingerprint is compared.
+    pub exact_conflicts: bool,
 }
 
 impl StoreModel {
@@ -226,6 +240,9 @@ impl StoreModel {
         match op {
             StoreOp::Claim { key, fp } => {
                 StoreRet::Claims(vec![Self::claim(recs, *key, *fp, LeaseId { op: id, slot: 0 })])
+            }
+            StoreOp::ClaimSlot { key, fp, lease } => {
+                StoreRet::Claims(vec![Self::claim(recs, *key, *fp, *lease)])
             }
             StoreOp::ClaimMany(reqs) => StoreRet::Claims(
                 reqs.iter()
@@ -290,6 +307,21 @@ impl StoreModel {
     }
 }
 
+impl StoreModel {
+    fn agrees(&self, got: &StoreRet, want: &StoreRet) -> bool {
+        match (got, want) {
+            (StoreRet::Claims(g), StoreRet::Claims(w)) if !self.exact_conflicts => {
+                g.len() == w.len()
+                    && g.iter().zip(w).all(|pair| match pair {
+                        (Answer::Conflict { fp: a, .. }, Answer::Conflict { fp: b, .. }) => a == b,
+                        (a, b) => a == b,
+                    })
+            }
+            _ => got == want,
+        }
+    }
+}
+
 impl Model for StoreModel {
     type State = Vec<Option<Rec>>;
     type Op = StoreOp;
@@ -308,7 +340,7 @@ impl Model for StoreModel {
     ) -> Option<Self::State> {
         let mut next = state.clone();
         let answer = self.apply(&mut next, id, op);
-        ret.is_none_or(|r| *r == answer).then_some(next)
+        ret.is_none_or(|r| self.agrees(r, &answer)).then_some(next)
     }
 }
 
@@ -318,7 +350,7 @@ mod tests {
 
     #[test]
     fn second_claim_is_in_progress_and_stale_complete_is_fenced() {
-        let m = StoreModel { keys: 1 };
+        let m = StoreModel { keys: 1, exact_conflicts: true };
         let mut s = m.init();
         let first = m.apply(&mut s, 0, &StoreOp::Claim { key: 0, fp: Some(0) });
         assert_eq!(
@@ -344,7 +376,7 @@ mod tests {
 
     #[test]
     fn claim_many_decides_repeats_in_order() {
-        let m = StoreModel { keys: 1 };
+        let m = StoreModel { keys: 1, exact_conflicts: true };
         let mut s = m.init();
         let ret = m.apply(&mut s, 0, &StoreOp::ClaimMany(vec![(0, Some(0)), (0, Some(1))]));
         let StoreRet::Claims(answers) = ret else { panic!("claims") };

@@ -43,6 +43,15 @@ pub struct Config {
     pub keys: usize,
     /// Seed of the first history; history `n` uses `seed + n`.
     pub seed: u64,
+    /// Whether a `claim_many` must take effect as one atomic step (the contract's reading:
+    /// "stores apply a batch in one transaction or script"). Off, each request of a batch must
+    /// take effect on its own, in batch order, within the call.
+    pub atomic_batches: bool,
+    /// Whether histories include the operator's `force_release` and `force_fail`.
+    pub operator_ops: bool,
+    /// Whether a conflict must carry the key's current record (see
+    /// [`StoreModel::exact_conflicts`]).
+    pub exact_conflicts: bool,
 }
 
 impl Default for Config {
@@ -58,6 +67,9 @@ impl Default for Config {
             ops_per_task: 6,
             keys: 3,
             seed: env("IDEM_LIN_SEED").unwrap_or_else(rand::random),
+            atomic_batches: true,
+            operator_ops: true,
+            exact_conflicts: true,
         }
     }
 }
@@ -117,7 +129,7 @@ where
         let seed = cfg.seed.wrapping_add(n as u64);
         let keys = (cfg.keys - n % 2).max(1);
         let (history, errors) = run_history(Arc::clone(&store), cfg, seed, keys).await;
-        let verdict = check(&StoreModel { keys }, &history);
+        let verdict = check(&StoreModel { keys, exact_conflicts: cfg.exact_conflicts }, &history);
         if !verdict.is_linearizable() {
             return Err(Violation { seed, report: describe(&history, &errors, &verdict.longest) });
         }
@@ -193,8 +205,8 @@ where
         .map(|t| {
             let shared = Arc::clone(&shared);
             let rng = StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(t as u64));
-            let ops = cfg.ops_per_task;
-            tokio::spawn(async move { task(shared, t, rng, ops).await })
+            let (ops, operator) = (cfg.ops_per_task, cfg.operator_ops);
+            tokio::spawn(async move { task(shared, t, rng, ops, operator).await })
         })
         .collect();
     for t in tasks {
@@ -211,7 +223,43 @@ where
         }
         hist.push(e);
     }
+    if !cfg.atomic_batches {
+        split_batches(&mut hist);
+    }
     (hist, errors)
+}
+
+/// Replaces each `claim_many` by one entry per request with the batch's call and return
+/// instants, each after the previous request of the same key (the contract orders repeats of a
+/// key inside a batch, nothing else); extra entries go at the end, so indices stay put.
+fn split_batches(hist: &mut Hist) {
+    for i in 0..hist.len() {
+        let StoreOp::ClaimMany(reqs) = &hist[i].op else { continue };
+        let reqs = reqs.clone();
+        let (task, call, ret) = (hist[i].task, hist[i].call, hist[i].ret.clone());
+        let answers = match &ret {
+            Some((_, StoreRet::Claims(a))) if a.len() == reqs.len() => Some(a.clone()),
+            _ => None,
+        };
+        let mut prev: Vec<Option<usize>> =
+            vec![None; reqs.iter().map(|r| r.0 + 1).max().unwrap_or(0)];
+        for (slot, (key, fp)) in reqs.into_iter().enumerate() {
+            let op = StoreOp::ClaimSlot { key, fp, lease: LeaseId { op: i, slot } };
+            let ret = match (&ret, &answers) {
+                (Some((at, _)), Some(a)) => Some((*at, StoreRet::Claims(vec![a[slot].clone()]))),
+                _ => None,
+            };
+            let entry = Entry { task, op, call, ret, after: prev[key] };
+            let at = if slot == 0 {
+                hist[i] = entry;
+                i
+            } else {
+                hist.push(entry);
+                hist.len() - 1
+            };
+            prev[key] = Some(at);
+        }
+    }
 }
 
 impl<S> Shared<S> {
@@ -241,7 +289,7 @@ fn pick_fp(rng: &mut StdRng) -> Option<u8> {
     }
 }
 
-async fn task<S>(shared: Arc<Shared<S>>, t: usize, mut rng: StdRng, ops: usize)
+async fn task<S>(shared: Arc<Shared<S>>, t: usize, mut rng: StdRng, ops: usize, operator_ops: bool)
 where
     S: DedupStore + InspectStore,
 {
@@ -260,14 +308,14 @@ where
             let h = held.swap_remove(rng.random_range(0..held.len()));
             lease_op(&shared, &mut rng, id, h, &mut held).await
         } else {
-            key_op(&shared, &mut rng, id, nkeys, &mut held).await
+            key_op(&shared, &mut rng, id, nkeys, &mut held, operator_ops).await
         };
         let ret_at = Instant::now();
         let (ret, err) = match outcome {
             Ok(r) => (Some((ret_at, r)), None),
             Err(e) => (None, Some(format!("{e:#}"))),
         };
-        let entry = Entry { task: t, op, call, ret };
+        let entry = Entry { task: t, op, call, ret, after: None };
         shared.log.lock().unwrap_or_else(|p| p.into_inner()).push((id, entry, err));
     }
 }
@@ -318,12 +366,18 @@ async fn key_op<S>(
     id: usize,
     nkeys: usize,
     held: &mut Vec<Held>,
+    operator_ops: bool,
 ) -> (StoreOp, Result<StoreRet, StoreError>)
 where
     S: DedupStore + InspectStore,
 {
     let store = &shared.store;
-    match rng.random_range(0..100) {
+    // Without operator operations, their share goes to claims and purges.
+    let roll = match rng.random_range(0..100) {
+        n @ 75..93 if !operator_ops => n - 75,
+        n => n,
+    };
+    match roll {
         0..55 => {
             let (key, fp) = (rng.random_range(0..nkeys), pick_fp(rng));
             let r = store.claim(&shared.req(key, fp)).await;

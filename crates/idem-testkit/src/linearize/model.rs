@@ -66,7 +66,7 @@ pub enum StoreOp {
         /// The lease.
         lease: LeaseId,
         /// The result stored.
-        result: Vec<u8>,
+        result: String,
     },
     /// `fail`.
     Fail {
@@ -75,7 +75,7 @@ pub enum StoreOp {
         /// Permanent or in doubt.
         kind: FailKind,
         /// The reason stored.
-        reason: Vec<u8>,
+        reason: String,
     },
     /// `release`.
     Release {
@@ -97,7 +97,7 @@ pub enum StoreOp {
         /// Key index.
         key: usize,
         /// The reason stored.
-        reason: Vec<u8>,
+        reason: String,
     },
     /// `purge`.
     Purge,
@@ -136,8 +136,8 @@ pub enum Answer {
         attempt: u32,
         /// Its fingerprint.
         fp: Option<u8>,
-        /// Its stored result or reason.
-        result: Option<Vec<u8>>,
+        /// Its stored result or reason (as text: the histories store text).
+        result: Option<String>,
     },
     /// `Claim::InProgress`.
     InProgress {
@@ -178,7 +178,7 @@ pub struct Rec {
     attempt: u32,
     /// The latest lease, while in progress (cleared otherwise, so equal records hash equal).
     holder: Option<LeaseId>,
-    result: Option<Vec<u8>>,
+    result: Option<String>,
 }
 
 /// The sequential store over `keys` keys: the reference semantics of
@@ -293,7 +293,7 @@ impl StoreModel {
         recs: &mut [Option<Rec>],
         lease: LeaseId,
         state: RecordState,
-        result: Option<&Vec<u8>>,
+        result: Option<&String>,
     ) -> StoreRet {
         match Self::fenced(recs, lease) {
             Some(rec) => {
@@ -370,7 +370,7 @@ mod tests {
                 fp: Some(0)
             }])
         );
-        let stale = StoreOp::Complete { lease, result: b"r".to_vec() };
+        let stale = StoreOp::Complete { lease, result: "r".to_owned() };
         assert_eq!(m.apply(&mut s, 4, &stale), StoreRet::LeaseLost);
     }
 

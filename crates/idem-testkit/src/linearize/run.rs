@@ -345,8 +345,8 @@ where
     }
     match rng.random_range(0..10) {
         0..6 => {
-            let result = format!("r{id}").into_bytes();
-            let r = store.complete(h.lease, Some(&result), RETAIN).await;
+            let result = format!("r{id}");
+            let r = store.complete(h.lease, Some(result.as_bytes()), RETAIN).await;
             (StoreOp::Complete { lease, result }, fenced(r))
         }
         6..8 => (StoreOp::Release { lease }, fenced(store.release(h.lease).await)),
@@ -354,7 +354,7 @@ where
             let kind = if n == 8 { FailKind::Permanent } else { FailKind::InDoubt };
             let reason = format!("f{id}");
             let r = store.fail(h.lease, kind, &reason, RETAIN).await;
-            (StoreOp::Fail { lease, kind, reason: reason.into_bytes() }, fenced(r))
+            (StoreOp::Fail { lease, kind, reason }, fenced(r))
         }
     }
 }
@@ -407,7 +407,7 @@ where
             let key = rng.random_range(0..nkeys);
             let reason = format!("ff{id}");
             let r = store.force_fail(&shared.keys[key], &reason).await.map(StoreRet::Changed);
-            (StoreOp::ForceFail { key, reason: reason.into_bytes() }, r)
+            (StoreOp::ForceFail { key, reason }, r)
         }
         _ => (StoreOp::Purge, store.purge(100).await.map(StoreRet::Purged)),
     }
@@ -436,7 +436,7 @@ fn answer<S>(shared: &Shared<S>, c: Claim, op: usize, slot: usize, held: &mut Ve
             state: rec.state,
             attempt: rec.attempt,
             fp: shared.fp_index(rec.fingerprint),
-            result: rec.result,
+            result: rec.result.map(|r| String::from_utf8_lossy(&r).into_owned()),
         },
         Claim::InProgress { attempt, .. } => Answer::InProgress { attempt },
         Claim::Conflict(rec) => Answer::Conflict {

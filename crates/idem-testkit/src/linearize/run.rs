@@ -6,7 +6,7 @@
 //! leases it holds, operator releases and failures, purges). After a `complete`, `fail` or
 //! `release` a task may keep a copy of the spent lease (same token) and use it again later: the
 //! store must fence it. Every call and return instant is recorded and the history checked
-//! with [`check`](super::check).
+//! with [`super::check`].
 //!
 //! The seed fixes each task's choices given the answers it gets; the interleaving is the
 //! runtime's, so a failing seed reproduces the same kind of history, not always the same one.

@@ -16,12 +16,17 @@
 //!   operator's `force_release` / `force_fail` between the two makes the claim drop the lease it
 //!   had just won and take the key over again (`attempt + 1`, `previous` = released/failed),
 //!   while the operator saw a record no caller held. Operator operations are left out.
+//! - MySQL through `Batched` (group commit): `complete_many` answers `Ok` to a repeat of a
+//!   completion already applied with the same token (the repeat's result is dropped), where
+//!   `complete` and PostgreSQL's `complete_many` answer `LeaseLost`; that test is ignored.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
 use std::sync::Arc;
 
+#[allow(unused_imports)]
+use idem_core::{BatchConfig, Batched};
 use idem_core::{DedupStore, InspectStore};
 use idem_testkit::linearize::{Config, check_store};
 
@@ -45,7 +50,7 @@ async fn sqlite_store_is_linearizable() {
 mod postgres {
     use super::*;
 
-    async fn run(cfg: Config) {
+    async fn run(cfg: Config, group_commit: bool) {
         let Some(url) = common::pg_url() else { return };
         let schema = common::unique("idem_lin");
         let _guard = common::DropSql {
@@ -59,18 +64,31 @@ mod postgres {
             .expect("connect to postgres");
         let store = idem_sqlx::PostgresStore::new(pool).with_schema(&schema).expect("valid schema");
         store.migrate().await.expect("migrate");
-        assert_linearizable("postgres", store, cfg).await;
+        if group_commit {
+            let store = Batched::new(store, BatchConfig::default());
+            assert_linearizable("postgres (group commit)", store, cfg).await;
+        } else {
+            assert_linearizable("postgres", store, cfg).await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_store_is_linearizable() {
-        run(Config { atomic_batches: false, exact_conflicts: false, ..Config::default() }).await;
+        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
+        run(cfg, false).await;
+    }
+
+    /// Completions through `Batched`: `complete_many`'s one statement must fence each lease.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_group_commit_is_linearizable() {
+        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
+        run(cfg, true).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "known: claim_many is not atomic and may answer a stale conflict record"]
     async fn postgres_store_strict() {
-        run(Config::default()).await;
+        run(Config::default(), false).await;
     }
 }
 
@@ -78,7 +96,7 @@ mod postgres {
 mod mysql {
     use super::*;
 
-    async fn run(cfg: Config) {
+    async fn run(cfg: Config, group_commit: bool) {
         let Some(url) = common::mysql_url() else { return };
         let table = common::unique("lin");
         let _guard = common::DropSql {
@@ -92,7 +110,12 @@ mod mysql {
             .expect("connect to mysql");
         let store = idem_sqlx::MySqlStore::new(pool).with_table_name(&table).expect("valid table");
         store.migrate().await.expect("migrate");
-        assert_linearizable("mysql", store, cfg).await;
+        if group_commit {
+            let store = Batched::new(store, BatchConfig::default());
+            assert_linearizable("mysql (group commit)", store, cfg).await;
+        } else {
+            assert_linearizable("mysql", store, cfg).await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,18 +126,35 @@ mod mysql {
             operator_ops: false,
             ..Config::default()
         };
-        run(cfg).await;
+        run(cfg, false).await;
+    }
+
+    /// Completions through `Batched`. Known to fail: when a batch's `UPDATE` does not change
+    /// every row, `complete_many` reads the tokens back and answers `Ok` for any row completed
+    /// with the lease's token, so a repeat of an applied completion (a spent lease used again)
+    /// is told `Ok` while its result is dropped, where `complete` answers `LeaseLost`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "known: complete_many answers Ok to a repeat of an applied completion"]
+    async fn mysql_group_commit_is_linearizable() {
+        let cfg = Config {
+            atomic_batches: false,
+            exact_conflicts: false,
+            operator_ops: false,
+            ..Config::default()
+        };
+        run(cfg, true).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "known: an operator release between a claim's upsert and its read-back"]
     async fn mysql_store_with_operator_ops() {
-        run(Config { atomic_batches: false, exact_conflicts: false, ..Config::default() }).await;
+        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
+        run(cfg, false).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     #[ignore = "known: claim_many is not atomic and may answer a stale conflict record"]
     async fn mysql_store_strict() {
-        run(Config { operator_ops: false, ..Config::default() }).await;
+        run(Config { operator_ops: false, ..Config::default() }, false).await;
     }
 }

@@ -14,15 +14,30 @@ mod common;
 
 use std::sync::Arc;
 
-use idem_testkit::linearize::{Config, check_store};
+use idem_core::{BatchConfig, Batched};
+use idem_testkit::linearize::{Config, Summary, Violation, check_store};
 
 async fn run(tag: &str, fast: bool, cfg: Config) {
     let Some(url) = common::url() else { return };
     let (store, _offset, _cleanup) = common::store_with(&url, tag, fast).await;
-    match check_store(Arc::new(store), &cfg).await {
+    report(tag, check_store(Arc::new(store), &cfg).await, &cfg);
+}
+
+fn report(tag: &str, r: Result<Summary, Violation>, cfg: &Config) {
+    match r {
         Ok(sum) => eprintln!("{tag}: seed {} {sum:?}", cfg.seed),
         Err(v) => panic!("{tag}: {v}"),
     }
+}
+
+/// Completions through `Batched`: the `complete_many` script must fence each lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_group_commit_is_linearizable() {
+    let Some(url) = common::url() else { return };
+    let (store, _offset, _cleanup) = common::store_with(&url, "lin-batched", false).await;
+    let store = Batched::new(store, BatchConfig::default());
+    let cfg = Config::default();
+    report("lin-batched", check_store(Arc::new(store), &cfg).await, &cfg);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

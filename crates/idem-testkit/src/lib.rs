@@ -13,6 +13,9 @@
 //!   and two-phase mode, over the same harness as the source suite plus [`crash::CrashHarness`].
 //! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
 //!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
+//! - [`linearize`]: a linearizability checker (Wing–Gong search, memoised) and the sequential
+//!   model of the store contract; [`linearize::check_store`] runs seeded concurrent histories
+//!   against a real store and checks each one.
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
@@ -23,6 +26,7 @@ pub mod cases;
 pub mod crash;
 pub mod faults;
 pub mod inbox;
+pub mod linearize;
 pub mod outbox;
 #[cfg(feature = "source")]
 pub mod process;

@@ -136,13 +136,20 @@ pub trait DedupStore: Send + Sync + 'static {
     /// lost with it, and the key stays in progress until the lease runs out.
     fn claim(&self, req: &ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Claims a batch in one round trip. Answers are in request order. A key that repeats inside
-    /// the batch is decided in order: the first occurrence may acquire it, later ones then see it
-    /// in progress (or in conflict, when their fingerprint differs).
+    /// Claims a batch in one round trip where the store can. Answers are in request order, each
+    /// the one a single claim of that request would give at some instant during the call. A key
+    /// that repeats inside the batch is decided in order: the first occurrence may acquire it,
+    /// later ones then see it in progress (or in conflict, when their fingerprint differs; the
+    /// record a conflict carries may predate that acquisition).
+    ///
+    /// The batch is not one atomic step on every store (the linearizability checks in
+    /// `idem-testkit` found PostgreSQL and MySQL upserting then reading back what they lost,
+    /// Redis pipelining `SET NX` before its script, Cosmos DB writing one document per request):
+    /// another caller's operation may land between two of its requests.
     ///
     /// # Errors
-    /// As [`DedupStore::claim`]; on error no claim of the batch took effect (stores apply a batch
-    /// in one transaction or script).
+    /// As [`DedupStore::claim`]. A batch that fails may have acquired some of its keys; those
+    /// leases are lost with the error and run out by themselves, as a lost single claim's does.
     ///
     /// # Cancel safety
     /// As [`DedupStore::claim`].

@@ -13,6 +13,8 @@
 //!   and two-phase mode, over the same harness as the source suite plus [`crash::CrashHarness`].
 //! - `publisher_conformance!` (feature `source`): the outbox-publisher contract
 //!   ([`idem_core::outbox::Publisher`]) on a real broker, read back through the same crate's source.
+//! - [`netns`] and [`proxy`]: network namespaces as test hosts, cut from their servers and
+//!   healed, and a TCP proxy that stalls, delays or closes connections (network partitions).
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
@@ -23,9 +25,11 @@ pub mod cases;
 pub mod crash;
 pub mod faults;
 pub mod inbox;
+pub mod netns;
 pub mod outbox;
 #[cfg(feature = "source")]
 pub mod process;
+pub mod proxy;
 #[cfg(feature = "source")]
 pub mod publisher;
 pub mod service;

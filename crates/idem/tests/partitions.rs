@@ -30,7 +30,7 @@ use idem::amqp::AmqpPublisher;
 use idem::amqp::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use idem::amqp::lapin::types::FieldTable;
 use idem::amqp::lapin::{Connection, ConnectionProperties};
-use idem::consumer::Report;
+use idem::consumer::{FetchFailures, Report, Source, SourceConfig};
 use idem::engine::HandlerError;
 use idem::extract::Envelope;
 use idem::outbox::{OutboxId, Outgoing, Publisher};
@@ -65,9 +65,18 @@ const RESUME_BOUND: Duration = Duration::from_secs(20);
 /// after two heartbeats without a byte and checks every half heartbeat (≤ 5 s with a 2 s
 /// heartbeat), plus scheduling.
 const DETECT_BOUND: Duration = Duration::from_secs(7);
+/// From the cut to an idle Redis Streams consumer's run ending. A fetch blocked in its read is
+/// given the idle wait (200 ms) plus the broker timeout (5 s here; 30 s by default) and then
+/// ends the run; a fetch that fails instead (its reader connection given up, a new one cannot
+/// connect: up to 5 s each) is tried [`FETCH_FAILURES`] times 500 ms apart: at worst
+/// 5.2 + 3 × 5.5 s, plus scheduling.
+const STREAM_DETECT_BOUND: Duration = Duration::from_secs(25);
 /// Anything a scenario waits for that should take seconds.
 const LIMIT: Duration = Duration::from_secs(60);
 const CHILD_ENV: &str = "IDEM_PARTITION_CHILD";
+/// Fetch failures in a row that end a run, 500 ms apart (RabbitMQ's lost connection ends it at
+/// the first: it is fatal). The default, 10 a second apart, would take up to a minute.
+const FETCH_FAILURES: u32 = 3;
 
 /// One scenario at a time: the detection and resume times are measured, and two children
 /// sharing 2 cores would measure each other.
@@ -103,12 +112,28 @@ enum Mode {
     RedisTwoPhase { redis: String, namespace: String, ledger: String },
 }
 
+/// Where the child's messages come from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum Broker {
+    /// A RabbitMQ queue.
+    Amqp { url: String, queue: String },
+    /// A Redis stream, read by the consumer group `partitions`.
+    Stream { url: String, stream: String },
+}
+
 /// The child's instructions (JSON in [`CHILD_ENV`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Spec {
-    amqp: String,
-    queue: String,
+    broker: Broker,
     mode: Mode,
+}
+
+impl Spec {
+    /// The RabbitMQ queue of a spec that reads one.
+    fn queue(&self) -> &str {
+        let Broker::Amqp { queue, .. } = &self.broker else { panic!("not a RabbitMQ spec") };
+        queue
+    }
 }
 
 /// The full chain of an error's messages, on one line.
@@ -166,18 +191,43 @@ async fn consume_once(
     spec: &Spec,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<Report, String> {
-    // The connect itself is bounded: during a partition it would wait for TCP's SYN retries.
-    let connecting = Connection::connect(&spec.amqp, ConnectionProperties::default());
-    let conn = tokio::time::timeout(Duration::from_secs(5), connecting)
-        .await
-        .map_err(|_| "cannot connect to RabbitMQ: no answer within 5 s".to_owned())?
-        .map_err(|e| format!("cannot connect to RabbitMQ: {}", chain(&e)))?;
-    let config = idem::amqp::AmqpConfig::new(&conn, spec.queue.as_str());
+    match &spec.broker {
+        Broker::Amqp { url, queue } => {
+            // The connect itself is bounded: during a partition it would wait for TCP's SYN
+            // retries.
+            let connecting = Connection::connect(url, ConnectionProperties::default());
+            let conn = tokio::time::timeout(Duration::from_secs(5), connecting)
+                .await
+                .map_err(|_| "cannot connect to RabbitMQ: no answer within 5 s".to_owned())?
+                .map_err(|e| format!("cannot connect to RabbitMQ: {}", chain(&e)))?;
+            let config = idem::amqp::AmqpConfig::new(&conn, queue.as_str());
+            let ended = run_mode(config, &spec.mode, stop).await;
+            // Bounded: on a dead connection the close would wait for the heartbeat.
+            let close = conn.close(200, "done".into());
+            let _ = tokio::time::timeout(Duration::from_secs(1), close).await;
+            ended
+        }
+        Broker::Stream { url, stream } => {
+            let client = idem::redis::redis::Client::open(url.as_str()).unwrap();
+            let me = format!("c-{}-{}", std::process::id(), rand::rng().random::<u32>());
+            let config = idem::redis::StreamConfig::new(client, stream, "partitions", me);
+            run_mode(config, &spec.mode, stop).await
+        }
+    }
+}
+
+/// Builds the consumer of `config` in `mode` and runs it until `stop`.
+async fn run_mode<C: SourceConfig>(
+    config: C,
+    mode: &Mode,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<Report, String> {
     let builder = idem::Consumer::builder(config)
         .batch(32)
         .idle_wait(Duration::from_millis(200))
-        .broker_timeout(Duration::from_secs(5));
-    let ended = match &spec.mode {
+        .broker_timeout(Duration::from_secs(5))
+        .fetch_failures(FetchFailures::new(FETCH_FAILURES, Duration::from_millis(500)));
+    match mode {
         Mode::PgInbox { pg, schema } => {
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(4)
@@ -205,7 +255,7 @@ async fn consume_once(
             let d = builder.store(store).scope("partitions").lease(LEASE).retain(WEEK).build();
             let d = d.await.map_err(|e| chain(&e))?;
             println!("CONSUMING");
-            let handler = |ctx: idem::engine::Context, m: idem::amqp::Delivery| {
+            let handler = |ctx: idem::engine::Context, m: <C::Source as Source>::Delivery| {
                 let id = m.message_id().unwrap_or_default().to_owned();
                 let downstream = ctx.downstream_key().unwrap_or_default().to_owned();
                 let took_over = i64::from(ctx.took_over_expired());
@@ -223,10 +273,7 @@ async fn consume_once(
             };
             d.run(handler, stop).await.map_err(|e| chain(&e))
         }
-    };
-    // Bounded: on a dead connection the close would wait for the heartbeat.
-    let _ = tokio::time::timeout(Duration::from_secs(1), conn.close(200, "done".into())).await;
-    ended
+    }
 }
 
 type HandlerFuture =
@@ -497,7 +544,7 @@ async fn partition_under_load(net: &Net, spec: &Spec, ledger: &Ledger, amqp: &st
     let resumed = ledger_reaches(ledger, at_heal + 1, "the ledger growing after the heal").await;
     ledger_reaches(ledger, UNIQUE as i64, "every id's effect").await;
     idem_testkit::wait_for("the queue drained", LIMIT, || async {
-        backlog(amqp, &spec.queue).await == 0
+        backlog(amqp, spec.queue()).await == 0
     })
     .await;
     let detected = child.after(cut, "RUN_ENDED").first().map(|(t, _)| *t - cut);
@@ -507,12 +554,12 @@ async fn partition_under_load(net: &Net, spec: &Spec, ledger: &Ledger, amqp: &st
     // Consumers that stop hand back what they had fetched ahead (RabbitMQ counts only ready
     // messages, so the wait above did not see them): another child drains until none is.
     let mut drains = 0;
-    while backlog(amqp, &spec.queue).await > 0 {
+    while backlog(amqp, spec.queue()).await > 0 {
         drains += 1;
         assert!(drains <= 5, "the queue never settles");
         let again = Child::spawn(&net.ns, spec);
         idem_testkit::wait_for("the queue drained again", LIMIT, || async {
-            backlog(amqp, &spec.queue).await == 0
+            backlog(amqp, spec.queue()).await == 0
         })
         .await;
         again.stop().await;
@@ -551,8 +598,7 @@ async fn pg_inbox_partitioned_under_load_then_healed() {
     let ledger = Ledger::pg(&pg).await;
     let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
     let spec = Spec {
-        amqp: net.amqp_url(&amqp),
-        queue: queue.clone(),
+        broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
         mode: Mode::PgInbox { pg: through(&pg, &net.pg), schema: schema.clone() },
     };
     let m = partition_under_load(&net, &spec, &ledger, &amqp).await;
@@ -581,8 +627,7 @@ async fn redis_two_phase_partitioned_under_load_then_healed() {
     let (ledger, file) = Ledger::sqlite().await;
     let namespace = format!("idem-partition-{}", rand::rng().random::<u32>());
     let spec = Spec {
-        amqp: net.amqp_url(&amqp),
-        queue: queue.clone(),
+        broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
         mode: Mode::RedisTwoPhase {
             redis: through(&redis, &net.redis),
             namespace: namespace.clone(),
@@ -635,24 +680,40 @@ enum Idle {
     Stall,
 }
 
-/// An idle consumer (empty queue, blocked in its read from RabbitMQ) meets `fault`: its run
-/// ends within [`DETECT_BOUND`] naming the lost heartbeat; once healed it processes a new
-/// message. Returns (detection, resume) times.
-async fn idle_consumer_notices(fault: Idle) -> Option<(Duration, Duration)> {
+/// Which broker an idle consumer reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleOn {
+    /// RabbitMQ: the consumer waits for deliveries on its connection; the heartbeat notices.
+    Rabbit,
+    /// A Redis stream: the consumer blocks in `XREADGROUP … BLOCK` for its idle wait; a fetch
+    /// that outlasts the idle wait plus the broker timeout ends the run, and so do
+    /// [`FETCH_FAILURES`] failed fetches in a row.
+    Stream,
+}
+
+/// An idle consumer (nothing to read, blocked in its read from the broker) meets `fault`: its
+/// run ends (within [`DETECT_BOUND`] on RabbitMQ, naming the lost heartbeat; within
+/// [`STREAM_DETECT_BOUND`] on a Redis stream, saying the connection looks lost or naming the
+/// Redis command that failed); once
+/// healed it processes a new message. Returns (detection, resume) times.
+async fn idle_consumer_notices(on: IdleOn, fault: Idle) -> Option<(Duration, Duration)> {
     let _one = ONE_AT_A_TIME.lock().await;
-    let (net, pg, amqp, _) = Net::new().await?;
-    let queue = queue(&amqp, &[]).await;
+    let (net, pg, amqp, redis) = Net::new().await?;
     let ledger = Ledger::pg(&pg).await;
     let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
-    let spec = Spec {
-        amqp: net.amqp_url(&amqp),
-        queue: queue.clone(),
-        mode: Mode::PgInbox { pg: through(&pg, &net.pg), schema: schema.clone() },
+    let mode = Mode::PgInbox { pg: through(&pg, &net.pg), schema: schema.clone() };
+    let broker = match on {
+        IdleOn::Rabbit => Broker::Amqp { url: net.amqp_url(&amqp), queue: queue(&amqp, &[]).await },
+        IdleOn::Stream => Broker::Stream {
+            url: through(&redis, &net.redis),
+            stream: format!("idem-partition-{}", rand::rng().random::<u32>()),
+        },
     };
+    let spec = Spec { broker, mode };
     let spawned = Instant::now();
     let child = Child::spawn(&net.ns, &spec);
-    // Idle: every consumer's source is open (consuming) and the queue is empty, so each is
-    // blocked in its read from RabbitMQ until the fault.
+    // Idle: every consumer's source is open (consuming) and there is nothing to read, so each
+    // is blocked in its read from the broker until the fault.
     idem_testkit::wait_for("the consumers consuming", LIMIT, || {
         let n = child.after(spawned, "CONSUMING").len();
         async move { n >= CONSUMERS }
@@ -661,39 +722,86 @@ async fn idle_consumer_notices(fault: Idle) -> Option<(Duration, Duration)> {
     let fault_at = Instant::now();
     match fault {
         Idle::Cut => net.ns.cut(),
-        Idle::Stall => net.amqp.stall(),
+        Idle::Stall if on == IdleOn::Rabbit => net.amqp.stall(),
+        Idle::Stall => net.redis.stall(),
     }
+    // Each consumer's first run that ended (a restarted run may end again, on a connect).
+    let firsts = || {
+        let ended = child.after(fault_at, "RUN_ENDED");
+        (0..CONSUMERS)
+            .filter_map(|i| {
+                let me = format!("RUN_ENDED {i} ");
+                ended.iter().find(|(_, l)| l.starts_with(&me)).cloned()
+            })
+            .collect::<Vec<_>>()
+    };
     idem_testkit::wait_for("every consumer noticed", LIMIT, || {
-        let n = child.after(fault_at, "RUN_ENDED").len();
-        async move { n >= CONSUMERS }
+        let n = firsts().len();
+        async move { n == CONSUMERS }
     })
     .await;
-    let ended = child.after(fault_at, "RUN_ENDED");
+    let ended = firsts();
     let detected = ended.iter().map(|(t, _)| *t - fault_at).max().unwrap();
-    for (_, l) in &ended[..CONSUMERS] {
+    for (_, l) in &ended {
         println!("  {l}");
-        assert!(l.contains("heartbeat"), "the error names the lost heartbeat: {l}");
+        let why: &[&str] =
+            if on == IdleOn::Rabbit { &["heartbeat"] } else { &["looks lost", "Redis `"] };
+        assert!(why.iter().any(|w| l.contains(w)), "the error says one of {why:?}: {l}");
     }
     // Heal, then a new message is processed by a new run.
     let healed = Instant::now();
     match fault {
         Idle::Cut => net.ns.heal(),
         Idle::Stall => {
-            net.amqp.resume();
-            // The stalled connections are dead for both ends already; close them.
-            net.amqp.close_all();
+            let proxy = if on == IdleOn::Rabbit { &net.amqp } else { &net.redis };
+            proxy.resume();
+            // The stalled connections were given up on by the client; close them.
+            proxy.close_all();
         }
     }
-    let tag = format!("i{}", rand::rng().random::<u32>());
-    let one = queue_publish(&amqp, &queue, &format!("{tag}-0")).await;
-    assert!(one, "published");
+    let id = format!("i{}-0", rand::rng().random::<u32>());
+    match &spec.broker {
+        Broker::Amqp { queue, .. } => assert!(queue_publish(&amqp, queue, &id).await),
+        Broker::Stream { stream, .. } => stream_publish(&redis, stream, &id).await,
+    }
     ledger_reaches(&ledger, 1, "a message processed after the heal").await;
     let resumed = healed.elapsed();
     child.stop().await;
     assert_eq!(ledger.count().await, (1, 1));
-    delete_queue(&amqp, &queue).await;
+    match &spec.broker {
+        Broker::Amqp { queue, .. } => delete_queue(&amqp, queue).await,
+        Broker::Stream { stream, .. } => delete_stream(&redis, stream).await,
+    }
     ledger.cleanup().await;
     Some((detected, resumed))
+}
+
+/// `XADD` of one message with the stream source's default fields.
+async fn stream_publish(url: &str, stream: &str, id: &str) {
+    use idem::redis::redis;
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(stream)
+        .arg("*")
+        .arg("message_id")
+        .arg(id)
+        .arg("payload")
+        .arg(r#"{"n":1}"#)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+}
+
+/// Deletes the stream and its dead-letter stream (which must be empty).
+async fn delete_stream(url: &str, stream: &str) {
+    use idem::redis::redis;
+    let client = redis::Client::open(url).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let dead = format!("{stream}:dead-letter");
+    let dead_letters: u64 = redis::cmd("XLEN").arg(&dead).query_async(&mut c).await.unwrap();
+    let _: () = redis::cmd("DEL").arg(stream).arg(&dead).query_async(&mut c).await.unwrap();
+    assert_eq!(dead_letters, 0, "nothing is dead-lettered");
 }
 
 async fn queue_publish(amqp: &str, queue: &str, id: &str) -> bool {
@@ -713,7 +821,9 @@ async fn queue_publish(amqp: &str, queue: &str, id: &str) -> bool {
 /// new run consumes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_consumer_notices_a_half_open_link() {
-    let Some((detected, resumed)) = idle_consumer_notices(Idle::Cut).await else { return };
+    let Some((detected, resumed)) = idle_consumer_notices(IdleOn::Rabbit, Idle::Cut).await else {
+        return;
+    };
     println!(
         "half-open link: every idle consumer's run ended {:.2} s after the cut (bound {DETECT_BOUND:?}, \
          heartbeat {HEARTBEAT} s); a new message processed {:.2} s after the heal",
@@ -728,7 +838,9 @@ async fn idle_consumer_notices_a_half_open_link() {
 /// ends its run within [`DETECT_BOUND`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_consumer_notices_a_stalled_broker_connection() {
-    let Some((detected, resumed)) = idle_consumer_notices(Idle::Stall).await else { return };
+    let Some((detected, resumed)) = idle_consumer_notices(IdleOn::Rabbit, Idle::Stall).await else {
+        return;
+    };
     println!(
         "stalled broker connection: every idle consumer's run ended {:.2} s after the stall \
          (bound {DETECT_BOUND:?}); a new message processed {:.2} s after the resume",
@@ -736,4 +848,22 @@ async fn idle_consumer_notices_a_stalled_broker_connection() {
         resumed.as_secs_f64()
     );
     assert!(detected <= DETECT_BOUND, "noticed after {detected:?}");
+}
+
+/// The link of an idle Redis Streams consumer goes down and stays down. Its blocking read gets
+/// no answer: the consumer's bound on a fetch, or its fetch-failure policy, ends the run
+/// within [`STREAM_DETECT_BOUND`]; after the heal a new run consumes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_stream_consumer_notices_a_half_open_link() {
+    let Some((detected, resumed)) = idle_consumer_notices(IdleOn::Stream, Idle::Cut).await else {
+        return;
+    };
+    println!(
+        "half-open link, Redis Streams: every idle consumer's run ended {:.2} s after the cut \
+         (bound {STREAM_DETECT_BOUND:?}, broker timeout 5 s, {FETCH_FAILURES} failed fetches); \
+         a new message processed {:.2} s after the heal",
+        detected.as_secs_f64(),
+        resumed.as_secs_f64()
+    );
+    assert!(detected <= STREAM_DETECT_BOUND, "noticed after {detected:?}");
 }

@@ -12,8 +12,18 @@
 //!   with the same downstream key (two-phase over Redis); the queue drains; the ledger grows
 //!   again within [`RESUME_BOUND`] of the heal.
 //! - Idle, the link is cut and stays down, or the broker connection is stalled (open, but
-//!   nothing forwarded): the consumer notices within [`DETECT_BOUND`] and its run ends with an
-//!   error naming the lost heartbeat; after the heal it consumes again.
+//!   nothing forwarded): the consumer notices within [`DETECT_BOUND`] (RabbitMQ: the
+//!   heartbeat) or [`STREAM_DETECT_BOUND`] (a Redis stream: the consumer's bound on a fetch)
+//!   and its run ends with an error saying so; after the heal it consumes again.
+//! - One of two hosts is cut under load and stays cut: the other finishes every message
+//!   exactly once, because PostgreSQL gives up the cut host's open transaction (whose inbox
+//!   markers' row locks the other host's marks wait on) after [`IDLE_IN_TRANSACTION`]. Without
+//!   that setting the other host waited past the 60 s limit (`idle in transaction` for the cut
+//!   host, `Lock: transactionid` for the other, in `pg_stat_activity`).
+//!
+//! Under load the consumers are blocked in PostgreSQL reads while cut (sqlx sets no TCP
+//! keepalive): they notice only after the heal; the AMQP heartbeat ends their broker
+//! connections meanwhile, so the broker hands their deliveries to others.
 //!
 //! They need root and iproute2: otherwise they print `skipped: network namespaces unavailable
 //! (<why>)`, and fail under `CI=true`.
@@ -71,6 +81,10 @@ const DETECT_BOUND: Duration = Duration::from_secs(7);
 /// connect: up to 5 s each) is tried [`FETCH_FAILURES`] times 500 ms apart: at worst
 /// 5.2 + 3 × 5.5 s, plus scheduling.
 const STREAM_DETECT_BOUND: Duration = Duration::from_secs(25);
+/// The consumers' PostgreSQL sessions' `idle_in_transaction_session_timeout`: how long the
+/// server keeps the transaction of a client that went silent (and the row locks of its inbox
+/// markers). Above the longest pause inside a handler's transaction.
+const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
 /// Anything a scenario waits for that should take seconds.
 const LIMIT: Duration = Duration::from_secs(60);
 const CHILD_ENV: &str = "IDEM_PARTITION_CHILD";
@@ -229,10 +243,16 @@ async fn run_mode<C: SourceConfig>(
         .fetch_failures(FetchFailures::new(FETCH_FAILURES, Duration::from_millis(500)));
     match mode {
         Mode::PgInbox { pg, schema } => {
+            // A transaction whose client went silent (a cut host) holds its inbox markers'
+            // row locks, which other hosts' marks of the same keys wait on, until the server
+            // gives it up: bounded here, as it should be in production.
+            let opts: sqlx::postgres::PgConnectOptions = pg.parse().unwrap();
+            let idle = format!("{}ms", IDLE_IN_TRANSACTION.as_millis());
+            let opts = opts.options([("idle_in_transaction_session_timeout", idle.as_str())]);
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(4)
                 .acquire_timeout(Duration::from_secs(5))
-                .connect(pg)
+                .connect_with(opts)
                 .await
                 .map_err(|e| format!("cannot connect to PostgreSQL: {}", chain(&e)))?;
             let store = PostgresStore::new(pool).with_schema(schema).unwrap();
@@ -866,4 +886,53 @@ async fn idle_stream_consumer_notices_a_half_open_link() {
         resumed.as_secs_f64()
     );
     assert!(detected <= STREAM_DETECT_BOUND, "noticed after {detected:?}");
+}
+
+/// Two consumer hosts on the PostgreSQL inbox; one is cut under load and stays cut. The
+/// broker takes its deliveries back after the heartbeat timeout and the other host must finish
+/// every message exactly once, which it can only do once PostgreSQL has given up the cut
+/// host's open transaction (its inbox markers hold row locks the other host's marks wait on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_host_finishes_while_another_stays_partitioned() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((cut_net, pg, amqp, _)) = Net::new().await else { return };
+    let Some((ok_net, ..)) = Net::new().await else { return };
+    let tag = format!("h{}", rand::rng().random::<u32>());
+    let queue =
+        queue(&amqp, &idem_testkit::workload::ids_with_duplicates(&tag, UNIQUE, DUPLICATES)).await;
+    let ledger = Ledger::pg(&pg).await;
+    let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
+    let spec = |net: &Net| Spec {
+        broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
+        mode: Mode::PgInbox { pg: through(&pg, &net.pg), schema: schema.clone() },
+    };
+    let (cut_spec, ok_spec) = (spec(&cut_net), spec(&ok_net));
+    let cut_host = Child::spawn(&cut_net.ns, &cut_spec);
+    let ok_host = Child::spawn(&ok_net.ns, &ok_spec);
+    ledger_reaches(&ledger, (UNIQUE / 3) as i64, "a third of the ledger before the cut").await;
+    let at_cut = ledger.count().await.1;
+    let cut = Instant::now();
+    cut_net.ns.cut();
+    ledger_reaches(&ledger, UNIQUE as i64, "every id's effect from the other host").await;
+    let finished = cut.elapsed();
+    idem_testkit::wait_for("the queue drained", LIMIT, || async {
+        backlog(&amqp, &queue).await == 0
+    })
+    .await;
+    let lines = ok_host.stop().await;
+    let ok_runs_ended = lines.iter().filter(|l| l.starts_with("RUN_ENDED")).count();
+    // Heal so the cut host can see its stop signal through; it finds nothing left.
+    cut_net.ns.heal();
+    cut_host.stop().await;
+    let (rows, distinct) = ledger.count().await;
+    println!(
+        "one of two hosts cut for good at {at_cut} of {UNIQUE}: the other finished every \
+         effect {:.2} s after the cut ({rows} rows, {distinct} distinct; {ok_runs_ended} of its \
+         runs ended with an error)",
+        finished.as_secs_f64()
+    );
+    assert_eq!(distinct, UNIQUE as i64, "every message has its effect");
+    assert_eq!(rows, UNIQUE as i64, "no effect twice");
+    delete_queue(&amqp, &queue).await;
+    ledger.cleanup().await;
 }

@@ -31,6 +31,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a failed setup step is the test failing
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -257,19 +258,84 @@ async fn backlog(amqp: &str, queue: &str) -> u32 {
 }
 
 /// Deletes the work queue and the companions the consumer declared (delay queue, dead-letter
-/// exchange and queue); the dead-letter queue must be empty: nothing here is a conflict.
-async fn delete_queue(amqp: &str, queue: &str) {
-    use idem::amqp::lapin::options::ExchangeDeleteOptions;
+/// exchange and queue) when dropped, also when the test failed.
+fn queue_guard(amqp: &str, queue: &str) -> Defer {
+    let (amqp, queue) = (amqp.to_owned(), queue.to_owned());
+    defer(move || async move {
+        use idem::amqp::lapin::options::ExchangeDeleteOptions;
+        let Ok(conn) = Connection::connect(&amqp, ConnectionProperties::default()).await else {
+            return;
+        };
+        for q in [queue.clone(), format!("{queue}.idem.delay"), format!("{queue}.idem.dlq")] {
+            // A channel each: deleting a queue that was never declared closes the channel.
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+            }
+        }
+        if let Ok(ch) = conn.create_channel().await {
+            let dlx = format!("{queue}.idem.dlx");
+            let _ = ch.exchange_delete(dlx.as_str().into(), ExchangeDeleteOptions::default()).await;
+        }
+        let _ = conn.close(200, "done".into()).await;
+    })
+}
+
+/// Nothing was dead-lettered: no message here is a conflict or a poison.
+async fn assert_no_dead_letters(amqp: &str, queue: &str) {
     let dead = ready(amqp, &format!("{queue}.idem.dlq")).await.unwrap_or(0);
-    let conn = Connection::connect(amqp, ConnectionProperties::default()).await.unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    for q in [queue.to_owned(), format!("{queue}.idem.delay"), format!("{queue}.idem.dlq")] {
-        let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
-    }
-    let dlx = format!("{queue}.idem.dlx");
-    let _ = ch.exchange_delete(dlx.as_str().into(), ExchangeDeleteOptions::default()).await;
-    let _ = conn.close(200, "done".into()).await;
     assert_eq!(dead, 0, "nothing is dead-lettered");
+}
+
+type Job = Box<dyn FnOnce() -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// Runs its job when dropped — also when the test failed — on a runtime of its own, so what a
+/// scenario made on the shared servers is deleted either way.
+struct Defer(Option<Job>);
+
+fn defer<F: Future<Output = ()> + Send + 'static>(
+    job: impl FnOnce() -> F + Send + 'static,
+) -> Defer {
+    Defer(Some(Box::new(move || Box::pin(job()))))
+}
+
+impl Drop for Defer {
+    fn drop(&mut self) {
+        let Some(job) = self.0.take() else { return };
+        // A thread of its own: dropped inside the test's runtime, which cannot block on it.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            if let Ok(rt) = rt {
+                rt.block_on(job());
+            }
+        })
+        .join();
+    }
+}
+
+/// Drops the PostgreSQL schema when dropped.
+fn schema_guard(pg: &str, schema: &str) -> Defer {
+    let (pg, sql) = (pg.to_owned(), format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"));
+    defer(move || async move {
+        use sqlx::Connection as _;
+        if let Ok(mut c) = sqlx::PgConnection::connect(&pg).await {
+            let _ = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut c).await;
+        }
+    })
+}
+
+/// Deletes the Redis keys matching `pattern` when dropped.
+fn redis_guard(url: &str, pattern: String) -> Defer {
+    let url = url.to_owned();
+    defer(move || async move {
+        use idem::redis::redis;
+        let Ok(client) = redis::Client::open(url) else { return };
+        let Ok(mut c) = client.get_multiplexed_async_connection().await else { return };
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(pattern).query_async(&mut c).await.unwrap_or_default();
+        if !keys.is_empty() {
+            let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut c).await;
+        }
+    })
 }
 
 /// Where the parent reads the effects: rows per message id.
@@ -294,6 +360,12 @@ impl Ledger {
         Self::Pg { pool, schema }
     }
 
+    /// Drops a PostgreSQL ledger's schema when dropped.
+    fn guard(&self, pg: &str) -> Option<Defer> {
+        let Self::Pg { schema, .. } = self else { return None };
+        Some(schema_guard(pg, schema))
+    }
+
     /// A SQLite ledger in a temporary directory, with the downstream key and takeover flag.
     async fn sqlite() -> (Self, String) {
         let dir = tempfile::tempdir().unwrap();
@@ -314,13 +386,6 @@ impl Ledger {
                 sqlx::query_as(AssertSqlSafe(sql)).fetch_one(pool).await.unwrap()
             }
             Self::Sqlite { pool, .. } => sqlx::query_as(sql).fetch_one(pool).await.unwrap(),
-        }
-    }
-
-    async fn cleanup(self) {
-        if let Self::Pg { pool, schema } = self {
-            let sql = format!("DROP SCHEMA \"{schema}\" CASCADE");
-            sqlx::raw_sql(AssertSqlSafe(sql)).execute(&pool).await.unwrap();
         }
     }
 }
@@ -414,7 +479,9 @@ async fn pg_inbox_partitioned_under_load_then_healed() {
     let tag = format!("p{}", rand::rng().random::<u32>());
     let queue =
         queue(&amqp, &idem_testkit::workload::ids_with_duplicates(&tag, UNIQUE, DUPLICATES)).await;
+    let _queue_gone = queue_guard(&amqp, &queue);
     let ledger = Ledger::pg(&pg).await;
+    let _schema_gone = ledger.guard(&pg);
     let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
     let spec = Spec {
         broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
@@ -428,8 +495,7 @@ async fn pg_inbox_partitioned_under_load_then_healed() {
     assert_eq!(rows, UNIQUE as i64, "no effect twice");
     assert!(m.detected.is_some(), "no run noticed the partition");
     assert!(m.resumed <= RESUME_BOUND, "resumed {:?} after the heal", m.resumed);
-    delete_queue(&amqp, &queue).await;
-    ledger.cleanup().await;
+    assert_no_dead_letters(&amqp, &queue).await;
 }
 
 /// RabbitMQ in front of the two-phase Redis store, the link cut under load for longer than the
@@ -443,8 +509,10 @@ async fn redis_two_phase_partitioned_under_load_then_healed() {
     let tag = format!("r{}", rand::rng().random::<u32>());
     let queue =
         queue(&amqp, &idem_testkit::workload::ids_with_duplicates(&tag, UNIQUE, DUPLICATES)).await;
+    let _queue_gone = queue_guard(&amqp, &queue);
     let (ledger, file) = Ledger::sqlite().await;
     let namespace = format!("idem-partition-{}", rand::rng().random::<u32>());
+    let _keys_gone = redis_guard(&redis, format!("idem:{{{namespace}}}:*"));
     let spec = Spec {
         broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
         mode: Mode::RedisTwoPhase {
@@ -474,20 +542,7 @@ async fn redis_two_phase_partitioned_under_load_then_healed() {
     }
     assert!(m.detected.is_some(), "no run noticed the partition");
     assert!(m.resumed <= RESUME_BOUND, "resumed {:?} after the heal", m.resumed);
-    delete_queue(&amqp, &queue).await;
-    purge_redis(&redis, &namespace).await;
-}
-
-/// Deletes the namespace's keys.
-async fn purge_redis(url: &str, namespace: &str) {
-    use idem::redis::redis;
-    let client = redis::Client::open(url).unwrap();
-    let mut c = client.get_multiplexed_async_connection().await.unwrap();
-    let keys: Vec<String> =
-        redis::cmd("KEYS").arg(format!("*{namespace}*")).query_async(&mut c).await.unwrap();
-    if !keys.is_empty() {
-        let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut c).await.unwrap();
-    }
+    assert_no_dead_letters(&amqp, &queue).await;
 }
 
 /// Which fault an idle consumer meets.
@@ -519,6 +574,7 @@ async fn idle_consumer_notices(on: IdleOn, fault: Idle) -> Option<(Duration, Dur
     let _one = ONE_AT_A_TIME.lock().await;
     let (net, pg, amqp, redis) = Net::new().await?;
     let ledger = Ledger::pg(&pg).await;
+    let _schema_gone = ledger.guard(&pg);
     let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
     let mode = Mode::PgInbox { pg: through(&pg, &net.pg), schema: schema.clone() };
     let broker = match on {
@@ -529,6 +585,11 @@ async fn idle_consumer_notices(on: IdleOn, fault: Idle) -> Option<(Duration, Dur
         },
     };
     let spec = Spec { broker, mode };
+    let _broker_gone = match &spec.broker {
+        Broker::Amqp { queue, .. } => queue_guard(&amqp, queue),
+        // The stream and its dead-letter stream.
+        Broker::Stream { stream, .. } => redis_guard(&redis, format!("{stream}*")),
+    };
     let spawned = Instant::now();
     let child = Child::spawn(&net.ns, &spec);
     // Idle: every consumer's source is open (consuming) and there is nothing to read, so each
@@ -588,10 +649,9 @@ async fn idle_consumer_notices(on: IdleOn, fault: Idle) -> Option<(Duration, Dur
     child.stop().await;
     assert_eq!(ledger.count().await, (1, 1));
     match &spec.broker {
-        Broker::Amqp { queue, .. } => delete_queue(&amqp, queue).await,
-        Broker::Stream { stream, .. } => delete_stream(&redis, stream).await,
+        Broker::Amqp { queue, .. } => assert_no_dead_letters(&amqp, queue).await,
+        Broker::Stream { stream, .. } => assert_no_dead_stream_letters(&redis, stream).await,
     }
-    ledger.cleanup().await;
     Some((detected, resumed))
 }
 
@@ -612,14 +672,13 @@ async fn stream_publish(url: &str, stream: &str, id: &str) {
         .unwrap();
 }
 
-/// Deletes the stream and its dead-letter stream (which must be empty).
-async fn delete_stream(url: &str, stream: &str) {
+/// Nothing was dead-lettered to the stream's dead-letter stream.
+async fn assert_no_dead_stream_letters(url: &str, stream: &str) {
     use idem::redis::redis;
     let client = redis::Client::open(url).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
     let dead = format!("{stream}:dead-letter");
     let dead_letters: u64 = redis::cmd("XLEN").arg(&dead).query_async(&mut c).await.unwrap();
-    let _: () = redis::cmd("DEL").arg(stream).arg(&dead).query_async(&mut c).await.unwrap();
     assert_eq!(dead_letters, 0, "nothing is dead-lettered");
 }
 
@@ -699,7 +758,9 @@ async fn healthy_host_finishes_while_another_stays_partitioned() {
     let tag = format!("h{}", rand::rng().random::<u32>());
     let queue =
         queue(&amqp, &idem_testkit::workload::ids_with_duplicates(&tag, UNIQUE, DUPLICATES)).await;
+    let _queue_gone = queue_guard(&amqp, &queue);
     let ledger = Ledger::pg(&pg).await;
+    let _schema_gone = ledger.guard(&pg);
     let Ledger::Pg { schema, .. } = &ledger else { unreachable!() };
     let spec = |net: &Net| Spec {
         broker: Broker::Amqp { url: net.amqp_url(&amqp), queue: queue.clone() },
@@ -732,6 +793,5 @@ async fn healthy_host_finishes_while_another_stays_partitioned() {
     );
     assert_eq!(distinct, UNIQUE as i64, "every message has its effect");
     assert_eq!(rows, UNIQUE as i64, "no effect twice");
-    delete_queue(&amqp, &queue).await;
-    ledger.cleanup().await;
+    assert_no_dead_letters(&amqp, &queue).await;
 }

@@ -157,6 +157,13 @@ impl SourceConfig for AmqpConfig<'_> {
                 format!("idem-{scope}-{:016x}", rand_suffix())
             }
         };
+        // Without a heartbeat a connection whose peer vanished without a reset (a network
+        // partition, a host that lost power) is never noticed: the consumer waits in its read
+        // until the kernel gives up, which for an idle connection is never.
+        if self.conn.configuration().heartbeat() == 0 {
+            tracing::warn!(target: "idem",
+                "the RabbitMQ connection has no heartbeat: a half-open connection would go unnoticed; add `?heartbeat=10` to the URL");
+        }
         let setup = |what: &'static str| move |source| Error::Setup { what, source };
         let channel = self.conn.create_channel().await.map_err(setup("open consuming channel"))?;
         channel

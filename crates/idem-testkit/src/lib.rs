@@ -16,6 +16,8 @@
 //! - [`linearize`]: a linearizability checker (Wing–Gong search, memoised) and the sequential
 //!   model of the store contract; [`linearize::check_store`] runs seeded concurrent histories
 //!   against a real store and checks each one.
+//! - [`netns`] and [`proxy`]: network namespaces as test hosts, cut from their servers and
+//!   healed, and a TCP proxy that stalls, delays or closes connections (network partitions).
 //! - [`service`]: finds the real servers integration tests need, and refuses to let a suite pass
 //!   silently without them under `CI=true`; [`tls`]: the test PKI of the TLS listeners.
 
@@ -27,9 +29,11 @@ pub mod crash;
 pub mod faults;
 pub mod inbox;
 pub mod linearize;
+pub mod netns;
 pub mod outbox;
 #[cfg(feature = "source")]
 pub mod process;
+pub mod proxy;
 #[cfg(feature = "source")]
 pub mod publisher;
 pub mod service;

@@ -26,6 +26,8 @@ struct Counters {
     fail_complete: AtomicU32,
     fail_release: AtomicU32,
     fail_fail: AtomicU32,
+    /// Calls that never answer, per [`Op`] (in its declaration order).
+    hang: [AtomicU32; 4],
     claims: AtomicU64,
     claim_many_calls: AtomicU64,
     completes: AtomicU64,
@@ -54,6 +56,20 @@ impl<S> FaultyStore<S> {
     /// Fails the next `n` calls of `op`.
     pub fn fail_next(&self, op: Op, n: u32) {
         self.slot(op).store(n, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` calls of `op` never answer, as a connection a network partition left
+    /// half-open would (nothing reaches the inner store).
+    pub fn hang_next(&self, op: Op, n: u32) {
+        self.c.hang[op as usize].store(n, Ordering::SeqCst);
+    }
+
+    /// Never returns when a hang of `op` is armed (and disarms one).
+    async fn hang(&self, op: Op) {
+        let slot = &self.c.hang[op as usize];
+        if slot.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// `claim` calls so far (each key of a `claim_many` counts once too).
@@ -92,12 +108,14 @@ impl<S> FaultyStore<S> {
 
 impl<S: DedupStore> DedupStore for FaultyStore<S> {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        self.hang(Op::Claim).await;
         self.trip(Op::Claim, "claim")?;
         self.c.claims.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(req).await
     }
 
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        self.hang(Op::Claim).await;
         self.trip(Op::Claim, "claim_many")?;
         self.c.claim_many_calls.fetch_add(1, Ordering::SeqCst);
         self.c.claims.fetch_add(reqs.len() as u64, Ordering::SeqCst);
@@ -110,6 +128,7 @@ impl<S: DedupStore> DedupStore for FaultyStore<S> {
         result: Option<&[u8]>,
         retain_for: Duration,
     ) -> Result<(), StoreError> {
+        self.hang(Op::Complete).await;
         self.trip(Op::Complete, "complete")?;
         self.inner.complete(lease, result, retain_for).await?;
         self.c.completes.fetch_add(1, Ordering::SeqCst);

@@ -81,6 +81,12 @@ const STREAM_DETECT_BOUND: Duration = Duration::from_secs(25);
 /// server keeps the transaction of a client that went silent (and the row locks of its inbox
 /// markers). Above the longest pause inside a handler's transaction.
 const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
+/// The consumers' store timeout: a PostgreSQL call or inbox transaction on a connection the
+/// partition left half-open is given up after it (sqlx sets no TCP keepalive).
+const STORE_TIMEOUT: Duration = Duration::from_secs(4);
+/// A consumer host cut from PostgreSQL and RabbitMQ for good ends its runs within this of the
+/// cut: the store timeout, then the broker verb on the dead channel (broker timeout 5 s).
+const PG_DETECT_BOUND: Duration = Duration::from_secs(20);
 /// Anything a scenario waits for that should take seconds.
 const LIMIT: Duration = Duration::from_secs(60);
 const CHILD_ENV: &str = "IDEM_PARTITION_CHILD";
@@ -775,6 +781,14 @@ async fn healthy_host_finishes_while_another_stays_partitioned() {
     cut_net.ns.cut();
     ledger_reaches(&ledger, UNIQUE as i64, "every id's effect from the other host").await;
     let finished = cut.elapsed();
+    // The cut host notices while still cut: its consumers were blocked in PostgreSQL reads
+    // that never answer; the store timeout gives them up and the run ends on the dead channel.
+    idem_testkit::wait_for("the cut host's runs to end", PG_DETECT_BOUND, || async {
+        !cut_host.after(cut, "RUN_ENDED").is_empty()
+    })
+    .await;
+    let noticed = cut_host.after(cut, "RUN_ENDED")[0].0.duration_since(cut);
+    assert!(noticed <= PG_DETECT_BOUND, "the cut host noticed after {noticed:?}");
     idem_testkit::wait_for("the queue drained", LIMIT, || async {
         backlog(&amqp, &queue).await == 0
     })
@@ -788,8 +802,9 @@ async fn healthy_host_finishes_while_another_stays_partitioned() {
     println!(
         "one of two hosts cut for good at {at_cut} of {UNIQUE}: the other finished every \
          effect {:.2} s after the cut ({rows} rows, {distinct} distinct; {ok_runs_ended} of its \
-         runs ended with an error)",
-        finished.as_secs_f64()
+         runs ended with an error); the cut host's first run ended {:.2} s after the cut",
+        finished.as_secs_f64(),
+        noticed.as_secs_f64()
     );
     assert_eq!(distinct, UNIQUE as i64, "every message has its effect");
     assert_eq!(rows, UNIQUE as i64, "no effect twice");

@@ -76,11 +76,16 @@ pub(crate) struct Config {
     pub(crate) max_key_bytes: usize,
     pub(crate) max_result_bytes: usize,
     pub(crate) complete_retry: Duration,
+    pub(crate) store_timeout: Duration,
     /// Rounds of this engine (and its clones) with takeovers still to run alone: while one
     /// is, no claims are taken ahead, so a takeover that kills the process again holds no
     /// other key.
     pub(crate) solo: std::sync::atomic::AtomicUsize,
 }
+
+/// The longest a store call, or an inbox batch's whole transaction, may take (see
+/// [`EngineBuilder::store_timeout`]).
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How many attempts whose lease ran out a key gets before the engine dead-letters it as a
 /// crash loop (see [`EngineBuilder::crash_loop_limit`]).
@@ -127,6 +132,7 @@ pub(crate) struct Settings {
     pub(crate) max_key_bytes: usize,
     pub(crate) max_result_bytes: usize,
     pub(crate) complete_retry: Duration,
+    pub(crate) store_timeout: Duration,
 }
 
 impl Default for Settings {
@@ -145,6 +151,7 @@ impl Default for Settings {
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
             max_result_bytes: 64 * 1024,
             complete_retry: Duration::from_secs(5),
+            store_timeout: DEFAULT_STORE_TIMEOUT,
         }
     }
 }
@@ -230,6 +237,21 @@ macro_rules! engine_setters {
             self
         }
 
+        /// The longest a store call (two-phase: claim, complete, fail, release) or an inbox
+        /// batch's whole transaction (its marks, its handlers' statements, its commit) may take
+        /// before it is given up as a transient failure (default
+        /// [`DEFAULT_STORE_TIMEOUT`](crate::engine::DEFAULT_STORE_TIMEOUT), 120 s). A
+        /// connection cut by a network partition drops packets without a reset: without a bound
+        /// a consumer would wait in its read until the kernel gives up (about 15 minutes) or for
+        /// ever. Giving up is safe: an inbox transaction that did commit makes the redelivery a
+        /// duplicate, one that did not leaves nothing; a two-phase call is answered as a store
+        /// error (a completion is tried again with the same lease). Make it longer than the
+        /// slowest inbox batch; `Duration::MAX` turns it off.
+        pub fn store_timeout(mut self, limit: std::time::Duration) -> Self {
+            self.$settings.store_timeout = limit;
+            self
+        }
+
         /// Longest key id accepted, in bytes.
         pub fn max_key_bytes(mut self, limit: usize) -> Self {
             self.$settings.max_key_bytes = limit;
@@ -286,6 +308,9 @@ impl Settings {
         if self.retain.is_zero() {
             return Err(ConfigError::ZeroDuration { field: "retain" });
         }
+        if self.store_timeout.is_zero() {
+            return Err(ConfigError::ZeroDuration { field: "store_timeout" });
+        }
         if self.crash_loop_limit == 0 {
             return Err(ConfigError::ZeroLimit { field: "crash_loop_limit" });
         }
@@ -305,6 +330,7 @@ impl Settings {
                 max_key_bytes: self.max_key_bytes,
                 max_result_bytes: self.max_result_bytes,
                 complete_retry: self.complete_retry.min(self.lease / 2),
+                store_timeout: self.store_timeout,
                 solo: std::sync::atomic::AtomicUsize::new(0),
             }),
         };

@@ -26,7 +26,8 @@ impl<S: DedupStore> Engine<S> {
         loop {
             let again = lease.retry_copy();
             let started = Instant::now();
-            let done = self.store.complete(lease, stored, self.cfg.retain).await;
+            let done =
+                self.bounded("complete", self.store.complete(lease, stored, self.cfg.retain)).await;
             self.observe_complete(started);
             if let Err(e) = &done {
                 telemetry::store_error(&self.cfg.scope, "complete", e);
@@ -64,7 +65,7 @@ impl<S: DedupStore> Engine<S> {
             let n = pending.len();
             let batch = pending.into_iter().map(|(_, c)| c).collect();
             let started = Instant::now();
-            let done = self.store.complete_many(batch).await;
+            let done = self.bounded("complete_many", self.store.complete_many(batch)).await;
             self.observe_complete(started);
             let got = match done {
                 Ok(r) if r.len() == n => {

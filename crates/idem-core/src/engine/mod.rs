@@ -27,7 +27,8 @@ use std::time::Duration;
 pub use ahead::Ahead;
 pub use backend::Backend;
 pub use builder::{
-    ConfigError, DEFAULT_CRASH_LOOP_LIMIT, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy,
+    ConfigError, DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_STORE_TIMEOUT, EngineBuilder,
+    ExpiredLeasePolicy, MissingKeyPolicy,
 };
 pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;

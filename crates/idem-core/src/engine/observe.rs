@@ -74,6 +74,23 @@ impl<B> Engine<B> {
         }
     }
 
+    /// `fut`, a store call, bounded by the store timeout: past it, a retryable
+    /// [`StoreError`] saying so (the connection may be half-open).
+    pub(crate) async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let limit = self.cfg.store_timeout;
+        let Some(deadline) = tokio::time::Instant::now().checked_add(limit) else {
+            return fut.await;
+        };
+        match tokio::time::timeout_at(deadline, fut).await {
+            Ok(answer) => answer,
+            Err(_) => Err(StoreError::backend(op, true, TimedOut(limit))),
+        }
+    }
+
     /// Counts an inbox batch transaction run again after the database aborted it to keep it
     /// serializable, in `idem_tx_retries_total`.
     pub(crate) fn count_tx_retry(&self) {
@@ -100,3 +117,11 @@ impl<B> Engine<B> {
         }
     }
 }
+
+/// A store call or an inbox transaction that outlived the store timeout.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no answer within the store timeout ({0:?}): the connection may be half-open (a network \
+     partition drops packets without a reset); given up, to be retried"
+)]
+pub(crate) struct TimedOut(pub(crate) std::time::Duration);

@@ -64,7 +64,7 @@ impl<S: DedupStore> Engine<S> {
             }
         };
         let started = Instant::now();
-        let claim = self.store.claim(&req).await;
+        let claim = self.bounded("claim", self.store.claim(&req)).await;
         self.observe_claim(started);
         if let Err(e) = &claim {
             self.observe_store_error("claim", e);
@@ -110,7 +110,7 @@ impl<S: DedupStore> Engine<S> {
     /// (each message then gets its own answer, or its own error).
     pub(super) async fn claim_all(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
         let started = Instant::now();
-        let batch = self.store.claim_many(reqs).await;
+        let batch = self.bounded("claim_many", self.store.claim_many(reqs)).await;
         self.observe_claim(started);
         match batch {
             Ok(c) if c.len() == reqs.len() => return c.into_iter().map(Ok).collect(),
@@ -123,7 +123,8 @@ impl<S: DedupStore> Engine<S> {
                 tracing::warn!(target: "idem", error = %e, "batch claim failed; claiming one by one");
             }
         }
-        let claims = futures_util::future::join_all(reqs.iter().map(|r| self.store.claim(r))).await;
+        let claims = reqs.iter().map(|r| self.bounded("claim", self.store.claim(r)));
+        let claims = futures_util::future::join_all(claims).await;
         for e in claims.iter().filter_map(|c| c.as_ref().err()) {
             self.observe_store_error("claim", e);
         }
@@ -197,7 +198,9 @@ impl<S: DedupStore> Engine<S> {
                 (FailKind::Permanent, Cause::CrashLoop { attempts: attempt - 1, limit })
             };
             let reason = cause.to_string();
-            if let Err(e) = self.store.fail(lease, kind, &reason, cfg.retain).await {
+            if let Err(e) =
+                self.bounded("fail", self.store.fail(lease, kind, &reason, cfg.retain)).await
+            {
                 self.observe_store_error("fail", &e);
                 return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
             }
@@ -218,7 +221,7 @@ impl<S: DedupStore> Engine<S> {
             }
             Err(HandlerError::Transient(e)) => {
                 let key = lease.key().to_string();
-                if let Err(re) = self.store.release(lease).await {
+                if let Err(re) = self.bounded("release", self.store.release(lease)).await {
                     self.observe_store_error("release", &re);
                     tracing::warn!(target: "idem", %key, error = %re,
                         "could not release the claim after a transient failure; it frees itself when the lease ends");
@@ -229,8 +232,12 @@ impl<S: DedupStore> Engine<S> {
                 let key = lease.key().to_string();
                 let mut reason = e.to_string();
                 truncate_utf8(&mut reason, 4096);
-                if let Err(fe) =
-                    self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain).await
+                if let Err(fe) = self
+                    .bounded(
+                        "fail",
+                        self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain),
+                    )
+                    .await
                 {
                     self.observe_store_error("fail", &fe);
                     tracing::warn!(target: "idem", %key, error = %fe,

@@ -46,12 +46,12 @@ where
     fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             if !I::ANSWERS_AT_COMMIT {
-                return self.round(&round).await;
+                return self.bounded_round(&round).await;
             }
             // One message per transaction: its marker is written with its effects.
             let mut decided = Vec::with_capacity(round.len());
             for item in round {
-                decided.extend(self.round(std::slice::from_ref(&item)).await);
+                decided.extend(self.bounded_round(std::slice::from_ref(&item)).await);
             }
             decided
         }
@@ -80,6 +80,20 @@ where
 {
     fn inbox(&self) -> &I {
         self.engine.store().inner()
+    }
+
+    /// [`round`](Self::round) bounded by the store timeout: a transaction on a connection that
+    /// went half-open (a network partition) is given up, its messages failed as transient.
+    /// Safe: had it committed, the redeliveries are duplicates; if not, nothing of it is left.
+    async fn bounded_round(&self, round: &[Item]) -> Vec<Decided<T, E>> {
+        let run = async { Ok::<_, StoreError>(self.round(round).await) };
+        match self.engine.bounded("inbox transaction", run).await {
+            Ok(decided) => decided,
+            Err(e) => {
+                self.engine.observe_store_error("commit", &e);
+                failed_round(round, e)
+            }
+        }
     }
 
     /// The fast path, and after a handler failure the savepoint path for the rest; the whole

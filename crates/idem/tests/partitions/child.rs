@@ -14,7 +14,9 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::{CHILD_ENV, CONSUMERS, FETCH_FAILURES, IDLE_IN_TRANSACTION, LEASE, WEEK};
+use super::{
+    CHILD_ENV, CONSUMERS, FETCH_FAILURES, IDLE_IN_TRANSACTION, LEASE, STORE_TIMEOUT, WEEK,
+};
 
 /// What the child consumes, and where its effects go.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -135,6 +137,7 @@ async fn run_mode<C: SourceConfig>(
         .batch(32)
         .idle_wait(Duration::from_millis(200))
         .broker_timeout(Duration::from_secs(5))
+        .store_timeout(STORE_TIMEOUT)
         .fetch_failures(FetchFailures::new(FETCH_FAILURES, Duration::from_millis(500)));
     match mode {
         Mode::PgInbox { pg, schema } => {

@@ -1,0 +1,119 @@
+//! The store timeout: a store call, or an inbox batch's transaction, that never answers (a
+//! connection a network partition left half-open) is given up as a transient failure, never
+//! waited on for ever, and nothing of it is left behind.
+#![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use idem_core::engine::{FailureKind, HandlerError};
+use idem_core::extract::Message;
+use idem_core::inbox::{Inbox, Tx};
+use idem_core::{Engine, MemoryStore, Outcome, OutcomeKind};
+use idem_sqlx::{SqliteInbox, SqliteStore};
+use idem_testkit::faults::{FaultyStore, Op};
+
+type Out = Outcome<String, String>;
+
+fn order(id: &str) -> Message {
+    Message::new(format!(r#"{{"order_id":"{id}"}}"#)).with_message_id(id)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_that_never_answers_is_given_up_after_the_store_timeout() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let engine = Engine::builder(store.clone())
+        .scope("orders")
+        .store_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    store.hang_next(Op::Claim, 1);
+    let runs = Arc::new(AtomicU32::new(0));
+    let handler = |runs: Arc<AtomicU32>| {
+        move |_ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok::<_, HandlerError<String>>("charged".to_owned()))
+        }
+    };
+    let started = tokio::time::Instant::now();
+    let out: Out = engine.process(&order("o-1"), handler(Arc::clone(&runs))).await;
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    let Outcome::Failed(f) = &out else { panic!("{out:?}") };
+    assert_eq!(f.kind, FailureKind::Transient);
+    assert!(
+        f.cause.to_string().contains("no answer within the store timeout (10s)"),
+        "{}",
+        f.cause
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler ran without a claim");
+    // The redelivery finds the store answering again.
+    let out: Out = engine.process(&order("o-1"), handler(Arc::clone(&runs))).await;
+    assert!(matches!(out, Outcome::Processed(_)), "{out:?}");
+}
+
+/// An inbox batch whose handler's statement never answers: the whole transaction is given up
+/// after the store timeout, its messages are transient failures, and neither the handler's
+/// writes nor the markers are left (the redelivery processes them).
+#[tokio::test]
+async fn an_inbox_transaction_that_never_answers_is_given_up_and_leaves_nothing() {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let file = std::env::temp_dir().join(format!("idem-timeout-{}.sqlite", nanos.as_nanos()));
+    let _gone = Remove(file.clone());
+    let store = SqliteStore::open(&file).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE ledger (k TEXT NOT NULL)").execute(store.pool()).await.unwrap();
+    let engine: Engine<Inbox<SqliteInbox>> =
+        Engine::builder(Inbox::new(store.inbox(Duration::from_secs(86_400))))
+            .scope("orders")
+            .store_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+    let msgs = [order("o-1"), order("o-2")];
+    let hang = Arc::new(AtomicU32::new(1));
+    let handler = |mut tx: Tx<SqliteInbox>, m: Message| {
+        let hang = Arc::clone(&hang);
+        async move {
+            let k = m.message_id.clone().unwrap_or_default();
+            sqlx::query("INSERT INTO ledger (k) VALUES (?)")
+                .bind(&k)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            // The second message's statement "never answers": a half-open connection.
+            if k == "o-2"
+                && hang
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, HandlerError<String>>(k)
+        }
+    };
+    let given_up =
+        tokio::time::timeout(Duration::from_secs(30), engine.decide_batch(&msgs, &handler));
+    let outs: Vec<Out> = given_up.await.expect("the transaction was waited on for ever");
+    assert!(outs.iter().all(|o| o.kind() == OutcomeKind::FailedTransient), "{outs:?}");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
+    assert_eq!(rows, 0, "the given-up transaction left writes behind");
+    // The redelivery runs both, once.
+    let outs: Vec<Out> = engine.decide_batch(&msgs, &handler).await;
+    assert!(outs.iter().all(|o| o.kind() == OutcomeKind::Processed), "{outs:?}");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
+    assert_eq!(rows, 2);
+}
+
+/// Removes the test's SQLite file (and its journal files) when dropped.
+struct Remove(std::path::PathBuf);
+
+impl Drop for Remove {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm", "-journal"] {
+            let mut p = self.0.clone().into_os_string();
+            p.push(suffix);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}

@@ -63,7 +63,7 @@ fn every_delivery_is_traced_and_counted() {
     let snapshotter = recorder.snapshotter();
     tracing::subscriber::with_default(subscriber, || {
         metrics::with_local_recorder(&recorder, || {
-            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
             rt.block_on(async {
                 let c = consumer(MemoryStore::new());
                 let runs = Arc::new(AtomicU32::new(0));

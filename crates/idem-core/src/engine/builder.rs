@@ -246,7 +246,8 @@ macro_rules! engine_setters {
         /// ever. Giving up is safe: an inbox transaction that did commit makes the redelivery a
         /// duplicate, one that did not leaves nothing; a two-phase call is answered as a store
         /// error (a completion is tried again with the same lease). Make it longer than the
-        /// slowest inbox batch; `Duration::MAX` turns it off.
+        /// slowest inbox batch; `Duration::MAX` turns it off. Needs a Tokio runtime with timers
+        /// (`enable_time`, or `enable_all`), as the heartbeat and completion retries do.
         pub fn store_timeout(mut self, limit: std::time::Duration) -> Self {
             self.$settings.store_timeout = limit;
             self

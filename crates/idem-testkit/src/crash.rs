@@ -747,6 +747,8 @@ macro_rules! __crash_cases {
         )+
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[ignore = "run alone by .ci/run: beside the other crash scenarios on RabbitMQ it once \
+                    did not drain within 300 s (not diagnosed yet)"]
         async fn crash_loop_is_dead_lettered() {
             let Some(h) = ($make)("crash_loop_is_dead_lettered").await else { return };
             let entry = $crate::crash::entry(module_path!());

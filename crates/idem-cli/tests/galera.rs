@@ -10,11 +10,10 @@
 //! -- --ignored`.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
-use std::net::{TcpStream, ToSocketAddrs};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use idem_testkit::service::{host_port, in_ci, require};
+use idem_testkit::service::require;
 use sqlx::mysql::MySqlPool;
 use sqlx::{AssertSqlSafe, Connection as _};
 
@@ -31,28 +30,7 @@ fn services() -> String {
 
 /// The nodes' URLs, if every one answers on TCP: `skipped: …` otherwise, a panic under CI.
 fn galera_urls() -> Option<Vec<String>> {
-    let list = std::env::var(URLS_VAR).unwrap_or_else(|_| DEFAULT_URLS.to_owned());
-    let urls: Vec<String> =
-        list.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_owned).collect();
-    assert!(urls.len() >= 3, "{URLS_VAR}={list:?}: expected three comma-separated URLs");
-    for url in &urls {
-        let addr = host_port(url);
-        let up = addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut it| it.next())
-            .is_some_and(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(2)).is_ok());
-        if !up {
-            assert!(
-                !in_ci(),
-                "Galera unreachable at {addr} (from {URLS_VAR}) and CI=true: failing instead of \
-                 skipping (start it with .ci/services.sh galera)"
-            );
-            eprintln!("skipped: Galera unreachable at {addr}");
-            return None;
-        }
-    }
-    Some(urls)
+    idem_testkit::service::require_all("Galera", URLS_VAR, DEFAULT_URLS, 3)
 }
 
 /// `.ci/services.sh <args>`, which must succeed; its output is shown.

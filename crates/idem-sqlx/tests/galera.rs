@@ -12,7 +12,6 @@ mod common;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
@@ -20,7 +19,7 @@ use idem_core::engine::{Cause, FailureKind, HandlerError};
 use idem_core::inbox::TxInbox;
 use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Outcome, StoreError};
 use idem_sqlx::{MySqlInbox, MySqlStore};
-use idem_testkit::service::{host_port, in_ci};
+use idem_testkit::service::host_port;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Connection as _};
 
@@ -37,28 +36,7 @@ static TWINS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The nodes' URLs, if every one answers on TCP: `skipped: …` otherwise, a panic under CI.
 fn galera_urls() -> Option<Vec<String>> {
-    let list = std::env::var(URLS_VAR).unwrap_or_else(|_| DEFAULT_URLS.to_owned());
-    let urls: Vec<String> =
-        list.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_owned).collect();
-    assert!(urls.len() >= 2, "{URLS_VAR}={list:?}: expected at least two comma-separated URLs");
-    for url in &urls {
-        let addr = host_port(url);
-        let up = addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut it| it.next())
-            .is_some_and(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(2)).is_ok());
-        if !up {
-            assert!(
-                !in_ci(),
-                "Galera unreachable at {addr} (from {URLS_VAR}) and CI=true: failing instead of \
-                 skipping (start it with .ci/services.sh galera)"
-            );
-            eprintln!("skipped: Galera unreachable at {addr}");
-            return None;
-        }
-    }
-    Some(urls)
+    idem_testkit::service::require_all("Galera", URLS_VAR, DEFAULT_URLS, 2)
 }
 
 async fn pool(url: &str) -> MySqlPool {

@@ -14,15 +14,10 @@ use std::time::Duration;
 /// When the server is unreachable and the environment has `CI=true`.
 pub fn require(service: &str, env_var: &str, default: &str) -> Option<String> {
     let url = std::env::var(env_var).unwrap_or_else(|_| default.to_owned());
-    let addr = host_port(&url);
-    let reachable = addr
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut it| it.next())
-        .is_some_and(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(2)).is_ok());
-    if reachable {
+    if reachable(&url) {
         return Some(url);
     }
+    let addr = host_port(&url);
     if in_ci() {
         panic!(
             "{service} unreachable at {addr} (from {env_var}) and CI=true: failing instead of skipping"
@@ -30,6 +25,39 @@ pub fn require(service: &str, env_var: &str, default: &str) -> Option<String> {
     }
     eprintln!("skipped: {service} unreachable at {addr}");
     None
+}
+
+/// [`require`] for a comma-separated list of URLs (the nodes of a cluster): every one must
+/// answer, and there must be at least `min` of them (a list too short is a setup error, named).
+///
+/// # Panics
+/// When the list has fewer than `min` URLs, or a node is unreachable under `CI=true`.
+pub fn require_all(service: &str, env_var: &str, default: &str, min: usize) -> Option<Vec<String>> {
+    let list = std::env::var(env_var).unwrap_or_else(|_| default.to_owned());
+    let urls: Vec<String> =
+        list.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_owned).collect();
+    assert!(urls.len() >= min, "{env_var}={list:?}: expected at least {min} comma-separated URLs");
+    for url in &urls {
+        if !reachable(url) {
+            let addr = host_port(url);
+            assert!(
+                !in_ci(),
+                "{service} unreachable at {addr} (from {env_var}) and CI=true: failing instead of skipping"
+            );
+            eprintln!("skipped: {service} unreachable at {addr}");
+            return None;
+        }
+    }
+    Some(urls)
+}
+
+/// Whether `url`'s host and port accept a TCP connection within 2 s.
+fn reachable(url: &str) -> bool {
+    host_port(url)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut it| it.next())
+        .is_some_and(|sa| TcpStream::connect_timeout(&sa, Duration::from_secs(2)).is_ok())
 }
 
 /// Whether the environment says this is a CI run.

@@ -595,10 +595,11 @@ pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, records: Records, entry
 /// The crash-loop scenario on a fresh destination of `h` (two-phase, records in SQLite): 200
 /// orders with one poison message among them, whose handler calls `std::process::abort()`.
 /// A supervisor starts a consumer process again each time one dies, as a service manager
-/// would. Passes when the processes died exactly [`POISON_LIMIT`] times, the poison message
-/// was dead-lettered with a `crash loop` reason naming the attempts, every other order's effect
-/// happened (repeats only as reruns under a later attempt after a takeover, never twice under
-/// one attempt), nothing else was dead-lettered and nothing is left unsettled.
+/// would. Passes when the processes died exactly three times (the crash-loop limit these
+/// consumers run with), the poison message was dead-lettered with a `crash loop` reason naming
+/// the attempts, every other order's effect happened (repeats only as reruns under a later
+/// attempt after a takeover, never twice under one attempt), nothing else was dead-lettered and
+/// nothing is left unsettled.
 ///
 /// # Panics
 /// When a promise does not hold (the test failing).

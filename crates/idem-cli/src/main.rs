@@ -8,6 +8,7 @@ mod demo;
 mod ops;
 mod relay;
 mod scrub;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -81,6 +82,10 @@ enum Command {
     /// RabbitMQ, NATS JetStream, Redis Streams or Kafka, at least once, each message under its
     /// stable id; or show the outbox's counts, or retry parked rows.
     Relay(relay::RelayArgs),
+    /// Serve the claim API (HTTP/JSON) over a store for services in any language, and push
+    /// each new message of configured queues to an application endpoint.
+    #[command(long_about = serve::ABOUT)]
+    Serve(serve::ServeArgs),
     /// Release a record (in progress, in doubt, failed, even completed) so the next delivery
     /// runs the handler again. A consumer still holding its lease is fenced out: its completion
     /// fails with "lease lost" and changes nothing.
@@ -115,14 +120,20 @@ enum Command {
 async fn main() -> std::process::ExitCode {
     // Client libraries' log lines and error causes may hold a password idem never printed.
     let scrubber = std::sync::Arc::new(scrub::Scrubber::from_process());
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
-        )
-        .with_writer(scrub::Stderr(std::sync::Arc::clone(&scrubber)))
-        .init();
     let cli = Cli::parse();
+    // A server logs by default; the one-shot verbs only when RUST_LOG asks.
+    let (default_filter, json) = match &cli.command {
+        Command::Serve(a) => ("info", a.log_format == "json"),
+        _ => ("off", false),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let writer = scrub::Stderr(std::sync::Arc::clone(&scrubber));
+    if json {
+        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(writer).init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).init();
+    }
     connect::set_tls(cli.tls.clone());
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await.map(|ok| if ok { 0 } else { 1 }),
@@ -137,6 +148,7 @@ async fn main() -> std::process::ExitCode {
             ops::fail(&store, scope, id, reason).await.map(|()| 0)
         }
         Command::Relay(args) => relay::run(args).await.map(|()| 0),
+        Command::Serve(args) => serve::run(args).await.map(|()| 0),
     };
     match result {
         Ok(code) => std::process::ExitCode::from(code),

@@ -19,8 +19,8 @@
 
 use std::net::SocketAddr;
 
-pub use metrics_exporter_prometheus::PrometheusHandle;
-use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
+pub use metrics_exporter_prometheus::{BuildError, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
 use crate::telemetry;
 
@@ -33,6 +33,29 @@ pub const SECONDS_BUCKETS: [f64; 14] =
 pub const BATCH_SIZE_BUCKETS: [f64; 11] =
     [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0];
 
+fn with_buckets(b: PrometheusBuilder) -> Result<PrometheusBuilder, BuildError> {
+    b.set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), &SECONDS_BUCKETS).and_then(
+        |b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(telemetry::BATCH_SIZE.to_owned()),
+                &BATCH_SIZE_BUCKETS,
+            )
+        },
+    )
+}
+
+/// Installs the Prometheus recorder (same buckets as [`install`]) without a listener, for a
+/// server that answers `/metrics` itself with [`PrometheusHandle::render`]. Call it inside a
+/// Tokio runtime (the recorder's upkeep task runs on it), once per process.
+///
+/// # Errors
+/// [`BuildError`] when a global recorder is installed already.
+pub fn install_recorder() -> Result<PrometheusHandle, BuildError> {
+    let handle = with_buckets(PrometheusBuilder::new())?.install_recorder()?;
+    crate::describe_metrics();
+    Ok(handle)
+}
+
 /// Installs the Prometheus recorder and serves its metrics on `addr` (every `GET` path
 /// answers; scrape `/metrics`). Returns a handle that renders the same text.
 ///
@@ -44,16 +67,7 @@ pub const BATCH_SIZE_BUCKETS: [f64; 11] =
 /// [`Error`] when `addr` cannot be bound or a global recorder is installed already.
 pub fn install(addr: SocketAddr) -> Result<PrometheusHandle, Error> {
     let fail = |source| Error { addr, source };
-    let builder = PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), &SECONDS_BUCKETS)
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                Matcher::Full(telemetry::BATCH_SIZE.to_owned()),
-                &BATCH_SIZE_BUCKETS,
-            )
-        })
-        .map_err(fail)?;
+    let builder = with_buckets(PrometheusBuilder::new().with_http_listener(addr)).map_err(fail)?;
     // Built inside a runtime (the builder spawns its upkeep task and binds the listener), and
     // the listener started only once the recorder is the global one: a second install fails
     // without leaving a listener that serves nothing.

@@ -1,0 +1,478 @@
+//! `idem serve`'s configuration: a TOML file, then environment variables over it.
+//!
+//! ```toml
+//! listen = "127.0.0.1:7700"          # IDEM_SERVE_LISTEN
+//!
+//! [store]
+//! url_env = "IDEM_STORE"             # or url = "…"; a SQLite file or a postgres://, mysql://,
+//!                                    # redis:// URL
+//! migrate = true                     # create the table if missing (default)
+//!
+//! [tls]                              # optional: HTTPS on the listener
+//! cert = "/etc/idem/server.pem"
+//! key = "/etc/idem/server.key"
+//!
+//! [[auth.tokens]]
+//! name = "orders-service"
+//! token_env = "IDEM_TOKEN_ORDERS"    # or token = "…" (16 bytes at least)
+//! scopes = ["orders"]                # "*" for all, and for purge and store-wide stats
+//!
+//! [[push]]                           # optional: consume a queue, POST each new message
+//! name = "orders"
+//! broker = "amqp://guest:guest@127.0.0.1:5672/%2f"   # or broker_env
+//! source = "orders"                  # queue, stream, topic, or NATS stream
+//! dead_letter = "orders.dlq"
+//! scope = "orders"
+//! endpoint = "http://127.0.0.1:8080/orders"
+//! ```
+//!
+//! `IDEM_SERVE_TOKENS` adds tokens without a file: entries `name:scope,scope:secret`, separated
+//! by whitespace or `;` (the secret is everything after the second colon).
+
+use std::collections::BTreeSet;
+
+use serde::Deserialize;
+
+use crate::auth::{Scopes, Token, TokenError, Tokens};
+
+/// The listener's default address: loopback only (a sidecar).
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7700";
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ServeConfig {
+    /// `host:port` to listen on (default `127.0.0.1:7700`).
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// HTTPS on the listener.
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
+    /// The store.
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// Who may call.
+    #[serde(default)]
+    pub auth: AuthConfig,
+    /// Serve `/metrics` (default true).
+    #[serde(default = "yes")]
+    pub metrics: bool,
+    /// Push-mode consumers.
+    #[serde(default)]
+    pub push: Vec<PushConfig>,
+}
+
+/// PEM files of the listener's certificate chain and key.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct TlsFiles {
+    /// The certificate chain, leaf first.
+    pub cert: String,
+    /// Its private key.
+    pub key: String,
+}
+
+/// Where the records are.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct StoreConfig {
+    /// A SQLite file, or a `postgres://`, `mysql://`, `mariadb://`, `redis://`, `rediss://` URL.
+    #[serde(default)]
+    pub url: Option<String>,
+    /// The environment variable holding the URL (keeps a password out of the file).
+    #[serde(default)]
+    pub url_env: Option<String>,
+    /// PostgreSQL schema (default `idem`).
+    #[serde(default = "default_schema")]
+    pub schema: String,
+    /// Table name of the SQL stores (default `idem_records`).
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// Redis namespace (default `default`).
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// Create the table if it is missing (default true).
+    #[serde(default = "yes")]
+    pub migrate: bool,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            url_env: None,
+            schema: default_schema(),
+            table: default_table(),
+            prefix: default_prefix(),
+            migrate: true,
+        }
+    }
+}
+
+/// Who may call.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AuthConfig {
+    /// No tokens at all: anyone who reaches the listener may use every scope. Only for a
+    /// listener on loopback inside one pod; refused on any other address.
+    #[serde(default)]
+    pub anonymous: bool,
+    /// The tokens.
+    #[serde(default)]
+    pub tokens: Vec<TokenConfig>,
+}
+
+/// One token.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct TokenConfig {
+    /// Shown in logs and errors.
+    pub name: String,
+    /// The secret (prefer `token_env`).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// The environment variable holding the secret.
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// Scopes it may use; `*` for all.
+    pub scopes: Vec<String>,
+}
+
+impl std::fmt::Debug for TokenConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenConfig")
+            .field("name", &self.name)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("token_env", &self.token_env)
+            .field("scopes", &self.scopes)
+            .finish()
+    }
+}
+
+/// One push-mode consumer: a broker source whose new messages are POSTed to `endpoint`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct PushConfig {
+    /// Names the consumer in logs and metrics.
+    pub name: String,
+    /// `amqp://`/`amqps://` (RabbitMQ), `nats://`/`tls://` (JetStream), `redis://`/`rediss://`
+    /// (Streams), `kafka://` (Kafka, in builds with the `kafka` feature).
+    #[serde(default)]
+    pub broker: Option<String>,
+    /// The environment variable holding the broker URL.
+    #[serde(default)]
+    pub broker_env: Option<String>,
+    /// The queue (RabbitMQ), stream (Redis, NATS) or topic (Kafka).
+    pub source: String,
+    /// Where failed and conflicting messages go: a queue, a stream, a subject or a topic.
+    pub dead_letter: String,
+    /// The dedup scope of its keys.
+    pub scope: String,
+    /// The application's URL.
+    pub endpoint: String,
+    /// The key: `message_id` (default), `header:<name>` or `json:<pointer>`.
+    #[serde(default = "default_key")]
+    pub key: String,
+    /// Conflict detection on the payload's SHA-256 (default true).
+    #[serde(default = "yes")]
+    pub fingerprint: bool,
+    /// Per-request timeout (default 10 s); the lease is at least three times this.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Lease per message (default 60 s).
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: u64,
+    /// Messages pushed at once (default 16).
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Consumer group (Redis Streams, Kafka) or durable consumer (NATS); default `idem-<name>`.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// Message headers copied onto the request besides `Content-Type`.
+    #[serde(default)]
+    pub forward_headers: Option<Vec<String>>,
+}
+
+fn default_listen() -> String {
+    DEFAULT_LISTEN.to_owned()
+}
+fn default_schema() -> String {
+    "idem".to_owned()
+}
+fn default_table() -> String {
+    "idem_records".to_owned()
+}
+fn default_prefix() -> String {
+    "default".to_owned()
+}
+fn default_key() -> String {
+    "message_id".to_owned()
+}
+const fn default_timeout_ms() -> u64 {
+    10_000
+}
+const fn default_lease_ms() -> u64 {
+    60_000
+}
+const fn default_concurrency() -> usize {
+    16
+}
+const fn yes() -> bool {
+    true
+}
+
+/// The configuration is unusable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file does not parse (the message names the line and the key).
+    #[error("config: {0}")]
+    Toml(String),
+    /// A value is missing or out of range.
+    #[error("config: {field}: {problem}")]
+    Invalid {
+        /// The key, as in the file (`store.url`, `push[0].timeout_ms`).
+        field: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A token is unusable.
+    #[error("config: {0}")]
+    Token(#[from] TokenError),
+}
+
+fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), problem: problem.into() }
+}
+
+impl ServeConfig {
+    /// Parses a file's text.
+    ///
+    /// # Errors
+    /// [`ConfigError::Toml`] naming the line and key.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Toml(e.to_string()))
+    }
+
+    /// The defaults (listen on loopback, no store, no token).
+    pub fn empty() -> Self {
+        Self::from_toml("").unwrap_or_else(|_| unreachable!("the empty file parses"))
+    }
+
+    /// Applies `IDEM_SERVE_LISTEN` and `IDEM_STORE` (over the file) as `env` returns them.
+    pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) {
+        if let Some(l) = env("IDEM_SERVE_LISTEN") {
+            self.listen = l;
+        }
+        if let Some(u) = env("IDEM_STORE") {
+            self.store.url = Some(u);
+        }
+    }
+
+    /// The store URL (from `url`, `url_env` or `IDEM_STORE`).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] when none is given or the variable is unset.
+    pub fn store_url(&self, env: impl Fn(&str) -> Option<String>) -> Result<String, ConfigError> {
+        if let Some(u) = &self.store.url {
+            return Ok(u.clone());
+        }
+        match &self.store.url_env {
+            Some(var) => env(var).ok_or_else(|| {
+                invalid("store.url_env", format!("the environment variable {var} is not set"))
+            }),
+            None => Err(invalid(
+                "store.url",
+                "no store: set store.url or store.url_env in the file, or IDEM_STORE",
+            )),
+        }
+    }
+
+    /// The tokens of the file and of `IDEM_SERVE_TOKENS`, or anonymous access when the file
+    /// asks for it (only on a loopback listener).
+    ///
+    /// # Errors
+    /// [`ConfigError`] when a token is unusable, none is configured without `anonymous`, or
+    /// `anonymous` is asked for on a listener other than loopback.
+    pub fn tokens(&self, env: impl Fn(&str) -> Option<String>) -> Result<Tokens, ConfigError> {
+        let mut tokens = Vec::new();
+        for (i, t) in self.auth.tokens.iter().enumerate() {
+            let secret = match (&t.token, &t.token_env) {
+                (Some(s), None) => s.clone(),
+                (None, Some(var)) => env(var).ok_or_else(|| {
+                    invalid(
+                        format!("auth.tokens[{i}].token_env"),
+                        format!("the environment variable {var} is not set"),
+                    )
+                })?,
+                _ => {
+                    return Err(invalid(
+                        format!("auth.tokens[{i}]"),
+                        "give exactly one of token and token_env",
+                    ));
+                }
+            };
+            tokens.push(Token::new(&t.name, &secret, Scopes::from_list(t.scopes.clone()))?);
+        }
+        if let Some(list) = env("IDEM_SERVE_TOKENS") {
+            for entry in
+                list.split(|c: char| c.is_whitespace() || c == ';').filter(|e| !e.is_empty())
+            {
+                let mut parts = entry.splitn(3, ':');
+                let (Some(name), Some(scopes), Some(secret)) =
+                    (parts.next(), parts.next(), parts.next())
+                else {
+                    return Err(invalid(
+                        "IDEM_SERVE_TOKENS",
+                        "each entry is name:scope,scope:secret",
+                    ));
+                };
+                let scopes: BTreeSet<&str> = scopes.split(',').filter(|s| !s.is_empty()).collect();
+                tokens.push(Token::new(name, secret, Scopes::from_list(scopes))?);
+            }
+        }
+        if self.auth.anonymous {
+            if !tokens.is_empty() {
+                return Err(invalid("auth.anonymous", "true, but tokens are configured too"));
+            }
+            let loopback = self
+                .listen
+                .rsplit_once(':')
+                .map(|(host, _)| host.trim_matches(['[', ']']))
+                .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+                .is_some_and(|ip| ip.is_loopback());
+            if !loopback {
+                return Err(invalid(
+                    "auth.anonymous",
+                    format!("only on a loopback listener, not {}", self.listen),
+                ));
+            }
+            return Ok(Tokens::anonymous());
+        }
+        if tokens.is_empty() {
+            return Err(invalid(
+                "auth.tokens",
+                "no token: add [[auth.tokens]] or IDEM_SERVE_TOKENS (or auth.anonymous = true \
+                 on a loopback listener)",
+            ));
+        }
+        Ok(Tokens::new(tokens)?)
+    }
+
+    /// Checks the push consumers' settings.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad field.
+    pub fn check_push(&self) -> Result<(), ConfigError> {
+        let mut names = BTreeSet::new();
+        for (i, p) in self.push.iter().enumerate() {
+            let at = |f: &str| format!("push[{i}].{f}");
+            if !names.insert(p.name.as_str()) {
+                return Err(invalid(at("name"), format!("{:?} is used twice", p.name)));
+            }
+            if p.broker.is_some() == p.broker_env.is_some() {
+                return Err(invalid(at("broker"), "give exactly one of broker and broker_env"));
+            }
+            if !(p.endpoint.starts_with("http://") || p.endpoint.starts_with("https://")) {
+                return Err(invalid(at("endpoint"), "must be an http:// or https:// URL"));
+            }
+            if p.timeout_ms == 0 || p.timeout_ms > 600_000 {
+                return Err(invalid(at("timeout_ms"), "must be 1 to 600000"));
+            }
+            if p.lease_ms < 3 * p.timeout_ms {
+                return Err(invalid(
+                    at("lease_ms"),
+                    format!("must be at least 3 × timeout_ms ({})", 3 * p.timeout_ms),
+                ));
+            }
+            if p.concurrency == 0 || p.concurrency > 1024 {
+                return Err(invalid(at("concurrency"), "must be 1 to 1024"));
+            }
+            let key_ok = p.key == "message_id"
+                || p.key.strip_prefix("header:").is_some_and(|h| !h.is_empty())
+                || p.key.strip_prefix("json:").is_some_and(|j| j.starts_with('/'));
+            if !key_ok {
+                return Err(invalid(
+                    at("key"),
+                    "must be message_id, header:<name> or json:/<pointer>",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| (*v).to_owned())
+    }
+
+    #[test]
+    fn the_documented_example_parses() {
+        let text = include_str!("config.rs")
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|s| s.split("```").next())
+            .expect("example")
+            .lines()
+            .map(|l| l.strip_prefix("//! ").or_else(|| l.strip_prefix("//!")).unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let c = ServeConfig::from_toml(&text).expect("parses");
+        c.check_push().expect("valid push");
+        let e = env(&[
+            ("IDEM_STORE", "postgres://x"),
+            ("IDEM_TOKEN_ORDERS", "0123456789abcdef-orders"),
+        ]);
+        assert_eq!(c.store_url(&e).expect("url"), "postgres://x");
+        assert_eq!(c.tokens(&e).expect("tokens").len(), 1);
+    }
+
+    #[test]
+    fn tokens_come_from_the_environment_too() {
+        let c = ServeConfig::empty();
+        let e = env(&[(
+            "IDEM_SERVE_TOKENS",
+            "a:orders,payments:0123456789abcdef:x; ops:*:fedcba9876543210",
+        )]);
+        let t = c.tokens(e).expect("tokens");
+        assert_eq!(t.len(), 2);
+        assert!(matches!(
+            c.tokens(env(&[])),
+            Err(ConfigError::Invalid { field, .. }) if field == "auth.tokens"
+        ));
+    }
+
+    #[test]
+    fn anonymous_only_on_loopback() {
+        let mut c = ServeConfig::from_toml("[auth]\nanonymous = true").expect("parses");
+        assert!(c.tokens(env(&[])).expect("loopback").is_anonymous());
+        c.listen = "0.0.0.0:7700".into();
+        assert!(c.tokens(env(&[])).is_err());
+        c.listen = "[::1]:7700".into();
+        assert!(c.tokens(env(&[])).is_ok());
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        let err = ServeConfig::from_toml("listen = 3").expect_err("type");
+        assert!(err.to_string().contains("listen"), "{err}");
+        let c = ServeConfig::from_toml(
+            "[[push]]\nname='a'\nbroker='amqp://x'\nsource='q'\ndead_letter='d'\nscope='s'\n\
+             endpoint='http://x'\ntimeout_ms=1000\nlease_ms=2000",
+        )
+        .expect("parses");
+        let err = c.check_push().expect_err("lease too short");
+        assert!(err.to_string().contains("push[0].lease_ms"), "{err}");
+        assert!(ServeConfig::from_toml("bogus = 1").is_err());
+    }
+}

@@ -1,0 +1,183 @@
+//! The API's errors: one [`Problem`] document per cause, with its status.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use idem_core::StoreError;
+
+use crate::wire::Problem;
+
+/// An error the claim API answers with. Each becomes an RFC 9457 problem document whose `type`
+/// is one word (see [`Problem::kind`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiError {
+    /// `400`: a field is missing, malformed or past its limit.
+    #[error("{field} {detail}")]
+    Invalid {
+        /// The field, as the request names it (`lease_ms`, `lease.token`).
+        field: String,
+        /// What is wrong with it.
+        detail: String,
+        /// The limit it broke, when it is a number.
+        limit: Option<u64>,
+    },
+    /// `401`: no `Authorization: Bearer` token, or one the server does not know.
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// `403`: the token is not allowed this scope (or a store-wide operation).
+    #[error("token {token} may not use {what}")]
+    Forbidden {
+        /// The token's name (never the secret).
+        token: String,
+        /// The scope or operation refused.
+        what: String,
+    },
+    /// `404`: no record for the key.
+    #[error("no record for {0}")]
+    NotFound(String),
+    /// `409`: the lease's fencing token is stale; nothing changed.
+    #[error("{0}")]
+    LeaseLost(String),
+    /// `413`: a result or reason is longer than the store keeps.
+    #[error("{field} is {len} bytes, longer than the store's limit of {limit} bytes")]
+    TooLarge {
+        /// `result` or `reason`.
+        field: String,
+        /// Its size.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// `503`: the store failed (a lost connection, a timeout); `retryable` says whether trying
+    /// again may help.
+    #[error("{detail}")]
+    Unavailable {
+        /// The store's error chain.
+        detail: String,
+        /// Whether trying again may succeed.
+        retryable: bool,
+    },
+    /// `500`: the store holds something that does not decode, or is not migrated.
+    #[error("{detail}")]
+    Internal {
+        /// `corrupt`, `not_migrated` or `internal`.
+        kind: &'static str,
+        /// What happened.
+        detail: String,
+    },
+}
+
+impl ApiError {
+    /// `invalid` naming `field`.
+    pub(crate) fn invalid(field: &str, detail: impl Into<String>) -> Self {
+        Self::Invalid { field: field.to_owned(), detail: detail.into(), limit: None }
+    }
+
+    /// `invalid` naming `field` and its limit.
+    pub(crate) fn invalid_limit(field: &str, detail: impl Into<String>, limit: u64) -> Self {
+        Self::Invalid { field: field.to_owned(), detail: detail.into(), limit: Some(limit) }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Invalid { .. } => StatusCode::BAD_REQUEST,
+            Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::LeaseLost(_) => StatusCode::CONFLICT,
+            Self::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The problem document.
+    pub fn problem(&self) -> Problem {
+        let status = self.status();
+        let (kind, field, limit, retryable) = match self {
+            Self::Invalid { field, limit, .. } => ("invalid", Some(field.clone()), *limit, false),
+            Self::Unauthorized(_) => ("unauthorized", None, None, false),
+            Self::Forbidden { .. } => ("forbidden", None, None, false),
+            Self::NotFound(_) => ("not_found", None, None, false),
+            Self::LeaseLost(_) => ("lease_lost", None, None, false),
+            Self::TooLarge { field, limit, .. } => {
+                ("too_large", Some(field.clone()), Some(*limit), false)
+            }
+            Self::Unavailable { retryable, .. } => ("unavailable", None, None, *retryable),
+            Self::Internal { kind, .. } => (*kind, None, None, false),
+        };
+        Problem {
+            kind: kind.to_owned(),
+            title: status.canonical_reason().unwrap_or("Error").to_owned(),
+            status: status.as_u16(),
+            detail: self.to_string(),
+            field,
+            limit,
+            retryable,
+        }
+    }
+
+    /// The error a client gets back from a problem document.
+    pub(crate) fn from_problem(p: Problem) -> Self {
+        match p.kind.as_str() {
+            "invalid" => Self::Invalid {
+                field: p.field.unwrap_or_default(),
+                detail: p.detail,
+                limit: p.limit,
+            },
+            "lease_lost" => Self::LeaseLost(p.detail),
+            "not_found" => Self::NotFound(p.detail),
+            "too_large" => Self::TooLarge {
+                len: len_in(&p.detail).unwrap_or(0),
+                field: p.field.unwrap_or_default(),
+                limit: p.limit.unwrap_or(0),
+            },
+            "unavailable" => Self::Unavailable { detail: p.detail, retryable: p.retryable },
+            "forbidden" => Self::Forbidden { token: String::new(), what: p.detail },
+            "unauthorized" => Self::Unauthorized("the server refused the token"),
+            "corrupt" => Self::Internal { kind: "corrupt", detail: p.detail },
+            "not_migrated" => Self::Internal { kind: "not_migrated", detail: p.detail },
+            _ => Self::Internal { kind: "internal", detail: p.detail },
+        }
+    }
+}
+
+/// The length a `too_large` detail names ("result is 300 bytes, …").
+fn len_in(detail: &str) -> Option<u64> {
+    detail.split(" is ").nth(1)?.split(' ').next()?.parse().ok()
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match &e {
+            StoreError::LeaseLost { .. } => Self::LeaseLost(e.to_string()),
+            StoreError::TooLarge { field, len, limit } => Self::TooLarge {
+                field: (*field).to_owned(),
+                len: *len as u64,
+                limit: *limit as u64,
+            },
+            StoreError::Corrupt { .. } => Self::Internal { kind: "corrupt", detail: e.to_string() },
+            StoreError::NotMigrated { .. } => {
+                Self::Internal { kind: "not_migrated", detail: e.to_string() }
+            }
+            _ => Self::Unavailable {
+                detail: idem_core::ErrorChain(&e).to_string(),
+                retryable: e.is_retryable(),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let mut res = (status, axum::Json(self.problem())).into_response();
+        res.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if status == StatusCode::UNAUTHORIZED {
+            res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        res
+    }
+}

@@ -237,3 +237,85 @@ fn help_explains_the_columns() {
     }
     assert!(!t.contains("--worker "), "the worker mode is hidden:\n{t}");
 }
+
+/// `idem chaos --push` on `broker`: two `idem serve` sidecars push to an application process;
+/// kills hit both. Exit 0, nothing lost, the same attempt never delivered twice, conflicts and
+/// the application's 422s dead-lettered, the application itself killed at least once.
+fn push_run(broker: &str, kill_every: &str, stall: bool) {
+    let Some(store) = redis() else { return };
+    // At most one kill per 0.3-1 s: a sidecar takes longer to come up than a bare worker (an
+    // HTTP listener, two clients), and kills faster than it starts only measure start-up.
+    let args = [
+        "chaos",
+        "--push",
+        "--broker",
+        broker,
+        "--store",
+        &store,
+        "--messages",
+        "2000",
+        "--workers",
+        "2",
+        "--lease",
+        "3s",
+        "--kill-every",
+        kill_every,
+        "--poison",
+        "3",
+        "--timeout",
+        "180s",
+    ];
+    let stall_arg: &[&str] = if stall { &["--stall"] } else { &[] };
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(args).args(stall_arg).output().unwrap();
+    println!("{}\n({:.1} s)", text(&out), started.elapsed().as_secs_f64());
+    assert!(out.status.success(), "idem chaos --push failed:\n{}", text(&out));
+    assert_eq!(row(&out, "attempted"), 2003);
+    assert_eq!(row(&out, "lost"), 0);
+    assert_eq!(row(&out, "duplicated"), 0);
+    assert_eq!(row(&out, "unexpected"), 0);
+    assert_eq!(row(&out, "poison (HTTP 422)"), 3);
+    assert_eq!(row(&out, "4xx dead-lettered"), 3);
+    assert_eq!(row(&out, "dead letters"), row(&out, "reused (other body)") + 3);
+    assert_eq!(row(&out, "effects"), row(&out, "unique") + row(&out, "reruns after takeover"));
+    assert!(row(&out, "application kills") >= 1, "application not killed:\n{}", text(&out));
+    assert!(
+        row(&out, "kills") > row(&out, "application kills"),
+        "no sidecar killed:\n{}",
+        text(&out)
+    );
+    assert_eq!(row(&out, "left in broker"), 0);
+}
+
+#[test]
+fn push_mode_rabbitmq() {
+    if let Some(b) = amqp() {
+        push_run(&b, "300ms..1s", true);
+    }
+}
+
+#[test]
+fn push_mode_nats() {
+    if let Some(b) = nats() {
+        push_run(&b, "300ms..1s", true);
+    }
+}
+
+#[test]
+fn push_mode_redis_streams() {
+    if let Some(b) = redis() {
+        push_run(&b, "300ms..1s", true);
+    }
+}
+
+#[cfg(feature = "kafka")]
+#[test]
+#[ignore = "slow (1-2 min): every sidecar kill costs a consumer-group rebalance"]
+fn push_mode_kafka() {
+    let Some(b) = require("Kafka (tansu)", "IDEM_TEST_KAFKA_BROKERS", "127.0.0.1:9092") else {
+        return;
+    };
+    // No stall: a stopped sidecar holds its partitions until its session times out (10 s), and
+    // with a rebalance per kill the run then outlasts its timeout without showing more.
+    push_run(&format!("kafka://{b}"), "1s..2s", false);
+}

@@ -197,6 +197,12 @@ pub struct PushConfig {
     /// Message headers copied onto the request besides `Content-Type`.
     #[serde(default)]
     pub forward_headers: Option<Vec<String>>,
+    /// Attempts after which a message whose last holder's lease ran out is dead-lettered as a
+    /// crash loop instead of pushed again (default 20). Higher than the engine's 5: attempts
+    /// count every failed push too (an application restarting answers nothing for a moment),
+    /// and a message cannot crash the sidecar the way it can crash an in-process handler.
+    #[serde(default = "default_crash_loop_limit")]
+    pub crash_loop_limit: u32,
 }
 
 fn default_listen() -> String {
@@ -219,6 +225,12 @@ const fn default_timeout_ms() -> u64 {
 }
 const fn default_lease_ms() -> u64 {
     60_000
+}
+/// Push mode's crash-loop limit (see [`PushConfig::crash_loop_limit`]).
+pub const DEFAULT_PUSH_CRASH_LOOP_LIMIT: u32 = 20;
+
+const fn default_crash_loop_limit() -> u32 {
+    DEFAULT_PUSH_CRASH_LOOP_LIMIT
 }
 const fn default_concurrency() -> usize {
     16
@@ -390,6 +402,9 @@ impl ServeConfig {
                     at("lease_ms"),
                     format!("must be at least 3 × timeout_ms ({})", 3 * p.timeout_ms),
                 ));
+            }
+            if p.crash_loop_limit == 0 {
+                return Err(invalid(at("crash_loop_limit"), "must be at least 1"));
             }
             if p.concurrency == 0 || p.concurrency > 1024 {
                 return Err(invalid(at("concurrency"), "must be 1 to 1024"));

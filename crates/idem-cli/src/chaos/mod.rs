@@ -32,13 +32,16 @@ Verifies exactly-once effects on your broker and store. Publishes N messages wit
 another body) into a fresh queue or stream, runs K worker processes consuming them with idem \
 (transactional inbox on SQL stores: one ledger row per effect in the handler's transaction; \
 two-phase on Redis: RPUSH of <id>:<attempt> to a ledger list, then complete), SIGKILLs a random \
-worker at random intervals and starts a new one, then drains and checks the ledger.
+worker at random intervals and starts a new one, then drains and checks the ledger. With \
+--push the workers are `idem serve` sidecars pushing each new message to an application process \
+that appends <id>:<attempt> to the ledger; the application is killed and stalled too.
 
 Columns of the table:
   attempted               messages published (unique + duplicates + reused)
   unique                  distinct ids published with their original body
   reused (other body)     ids published a second time with another body
-  poison (abort)          ids whose handler aborts the worker process (--poison)
+  poison (abort)          ids whose handler aborts the worker process (--poison); with --push,
+                          poison (HTTP 422): ids the application refuses with 422
   effects                 ledger entries written by handlers
   lost                    unique ids with no effect                        (must be 0)
   duplicated              inbox: an id with more than one row; two-phase: the same
@@ -47,8 +50,10 @@ Columns of the table:
                           was taken over (safe with the downstream idempotency key)
   unexpected              effects of a reused body, or of ids never published (must be 0)
   dead letters            distinct ids in the dead-letter queue (must equal reused + poison)
-  crash loops             poison ids dead-lettered after the crash-loop limit (must equal poison)
+  crash loops             poison ids dead-lettered after the crash-loop limit (must equal poison);
+                          with --push, 4xx dead-lettered
   kills, stalls           SIGKILLs sent; SIGSTOP/SIGCONT pauses longer than the lease
+  application kills       --push: of the kills, those of the application (the rest hit sidecars)
   worker exits            workers that ended by themselves (replaced), poison aborts included
   left in broker          messages still queued after the workers stopped
   wall time               the whole run
@@ -156,6 +161,13 @@ pub(crate) struct ChaosArgs {
     /// positions table holds one row per partition.
     #[arg(long)]
     offsets: bool,
+    /// Push mode: the workers are `idem serve` sidecars whose push consumer POSTs each new
+    /// message to an application process (started by the run) that writes the ledger; kills
+    /// and stalls hit the sidecars and the application alike. Poison ids (--poison) are
+    /// answered 422 by the application and must be dead-lettered with that status. Needs a
+    /// redis:// store (the sidecars' two-phase store and the application's ledger).
+    #[arg(long)]
+    push: bool,
     /// TEST ONLY: make the workers wrong on purpose, to see the verifier fail.
     #[arg(long, value_enum)]
     fault: Option<Fault>,
@@ -165,11 +177,17 @@ pub(crate) struct ChaosArgs {
     /// The run's tag (worker mode).
     #[arg(long, hide = true)]
     tag: Option<String>,
+    /// Run as the push-mode application on this port (with --worker).
+    #[arg(long, hide = true)]
+    app_port: Option<u16>,
 }
 
 /// Runs the verifier (or, with `--worker`, one worker); the exit code.
 pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
     if args.worker {
+        if args.app_port.is_some() {
+            return worker::push_app(&args).await;
+        }
         return worker::run(&args).await;
     }
     let broker = BrokerUrl::parse(&args.broker)?;
@@ -178,6 +196,12 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
         && (!matches!(broker, BrokerUrl::Kafka(_)) || matches!(store, StoreUrl::Redis(_)))
     {
         bail!("--offsets needs a kafka:// broker and a SQL store (the offset inbox)");
+    }
+    if args.push && (!matches!(store, StoreUrl::Redis(_)) || args.offsets || args.fault.is_some()) {
+        bail!(
+            "--push needs a redis:// store (the sidecars' store and the application's ledger), \
+             and neither --offsets nor --fault"
+        );
     }
     if args.poison > 0 && !matches!(store, StoreUrl::Redis(_)) {
         bail!(
@@ -215,10 +239,20 @@ async fn kill_one(
     tag: &str,
 ) -> anyhow::Result<()> {
     let candidates: Vec<usize> = (0..workers.len()).filter(|i| !workers[*i].stalled).collect();
-    if let Some(&i) = candidates.get(rng.random_range(0..candidates.len().max(1))) {
+    // Push mode: the second kill is always the application's, so every run kills both kinds.
+    let app = candidates.iter().copied().find(|i| matches!(workers[*i].role, Role::App(_)));
+    let pick = match app {
+        Some(a) if events.kills == 1 && events.app_kills == 0 => Some(a),
+        _ => candidates.get(rng.random_range(0..candidates.len().max(1))).copied(),
+    };
+    if let Some(i) = pick {
         workers[i].child.kill().await.context("killing a worker")?;
         events.kills += 1;
-        workers[i] = Worker::start(args, tag).await?;
+        if matches!(workers[i].role, Role::App(_)) {
+            events.app_kills += 1;
+        }
+        let role = workers[i].role.clone();
+        workers[i] = Worker::start(args, tag, role).await?;
     }
     Ok(())
 }
@@ -282,21 +316,45 @@ fn message(destination: &str, id: &str, body: &str) -> anyhow::Result<OutboxMess
     Ok(Outgoing::new(destination, payload).id(OutboxId::new(id)?).into_message(OutboxId::random))
 }
 
+/// What a worker process is.
+#[derive(Debug, Clone)]
+enum Role {
+    /// `idem chaos --worker`: a consumer writing the ledger.
+    Consumer,
+    /// Push mode: `idem serve --config <file>`, a sidecar pushing to the application.
+    Sidecar(std::path::PathBuf),
+    /// Push mode: the application, writing the ledger, on this port.
+    App(u16),
+}
+
 /// One worker process.
 struct Worker {
     child: Child,
     stalled: bool,
+    role: Role,
 }
 
 impl Worker {
     /// The command of a worker: the broker and store URLs go in its environment, where only
     /// the same user (and root) can read them, never in its arguments, which `ps` shows to
     /// every user of the machine.
-    fn command(exe: &std::path::Path, args: &ChaosArgs, tag: &str) -> Command {
+    fn command(exe: &std::path::Path, args: &ChaosArgs, tag: &str, role: &Role) -> Command {
         let mut cmd = Command::new(exe);
-        cmd.args(["chaos", "--worker", "--tag", tag])
-            .args(["--lease", &format!("{}ms", args.lease.as_millis())])
-            .env(BROKER_ENV, &args.broker)
+        match role {
+            Role::Consumer => {
+                cmd.args(["chaos", "--worker", "--tag", tag])
+                    .args(["--lease", &format!("{}ms", args.lease.as_millis())]);
+            }
+            Role::Sidecar(config) => {
+                // Quiet unless asked: conflicts and startup warnings would bury the table.
+                let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into());
+                cmd.arg("serve").arg("--config").arg(config).env("RUST_LOG", log);
+            }
+            Role::App(port) => {
+                cmd.args(["chaos", "--worker", "--tag", tag, "--app-port", &port.to_string()]);
+            }
+        }
+        cmd.env(BROKER_ENV, &args.broker)
             .env(STORE_ENV, store::for_worker(&args.store))
             .envs(crate::connect::tls().env())
             .stdin(Stdio::piped())
@@ -312,16 +370,16 @@ impl Worker {
         cmd
     }
 
-    /// Starts `idem chaos --worker …` and waits for its `ready` line.
-    async fn start(args: &ChaosArgs, tag: &str) -> anyhow::Result<Self> {
+    /// Starts the worker and waits for its `ready` line (a sidecar's `listening on …`).
+    async fn start(args: &ChaosArgs, tag: &str, role: Role) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the idem binary")?;
-        let mut cmd = Self::command(&exe, args, tag);
+        let mut cmd = Self::command(&exe, args, tag, &role);
         let mut child = cmd.spawn().context("starting a worker")?;
         let stdout = child.stdout.take().context("worker stdout")?;
         let mut lines = tokio::io::BufReader::new(stdout).lines();
         let ready = tokio::time::timeout(Duration::from_secs(30), async {
             while let Some(l) = lines.next_line().await? {
-                if l == "ready" {
+                if l == "ready" || l.starts_with("listening on ") {
                     return Ok::<bool, std::io::Error>(true);
                 }
             }
@@ -329,12 +387,23 @@ impl Worker {
         })
         .await;
         match ready {
-            Ok(Ok(true)) => Ok(Self { child, stalled: false }),
+            Ok(Ok(true)) => Ok(Self { child, stalled: false, role }),
             Ok(_) => {
                 let status = child.wait().await?;
                 bail!("a worker ended before it was ready ({status}); its error is above")
             }
             Err(_) => bail!("a worker was not ready within 30 s"),
+        }
+    }
+
+    /// Asks the worker to stop: a sidecar by SIGTERM, the others by closing their stdin.
+    fn stop(&mut self) -> anyhow::Result<()> {
+        match self.role {
+            Role::Sidecar(_) => self.signal("-TERM"),
+            Role::Consumer | Role::App(_) => {
+                drop(self.child.stdin.take());
+                Ok(())
+            }
         }
     }
 
@@ -371,9 +440,25 @@ async fn verify(
     // No reused id goes out inside JetStream's duplicate window of its original, which would
     // drop it unseen.
     let reuse_from = Instant::now() + 2 * broker::NATS_DUPLICATE_WINDOW;
-    let mut workers = Vec::with_capacity(args.workers);
+    // Push mode: the sidecars' configuration names the application's port, which survives
+    // its restarts (the port is bound again by the next application process).
+    let push_dir = tempfile::tempdir().context("a directory for the sidecars' configuration")?;
+    let role = if args.push {
+        let port = free_port()?;
+        let config = push_dir.path().join("serve.toml");
+        std::fs::write(&config, push_config(args, broker, &plan.tag, names, port))
+            .context("writing the sidecars' configuration")?;
+        Some((Role::Sidecar(config), port))
+    } else {
+        None
+    };
+    let mut workers = Vec::with_capacity(args.workers + 1);
+    if let Some((_, port)) = &role {
+        workers.push(Worker::start(args, &plan.tag, Role::App(*port)).await?);
+    }
     for _ in 0..args.workers {
-        workers.push(Worker::start(args, &plan.tag).await?);
+        let r = role.as_ref().map_or(Role::Consumer, |(r, _)| r.clone());
+        workers.push(Worker::start(args, &plan.tag, r).await?);
     }
     let goal = (plan.unique.len() + plan.reused.len() + plan.poison.len()) as u64;
     let bar = indicatif::ProgressBar::new(goal).with_style(
@@ -401,7 +486,8 @@ async fn verify(
         for w in &mut workers {
             if w.child.try_wait()?.is_some() {
                 events.worker_exits += 1;
-                *w = Worker::start(args, &plan.tag).await?;
+                let role = w.role.clone();
+                *w = Worker::start(args, &plan.tag, role).await?;
             }
         }
         if now >= next_kill {
@@ -490,8 +576,10 @@ async fn verify(
     if let Some((i, _)) = stall {
         workers[i].signal("-CONT")?;
     }
+    // The application last: sidecars finishing their in-flight pushes still need it.
+    workers.rotate_left(usize::from(args.push));
     for mut w in workers {
-        drop(w.child.stdin.take()); // the stop signal
+        w.stop()?;
         if tokio::time::timeout(Duration::from_secs(30), w.child.wait()).await.is_err() {
             eprintln!("a worker did not stop within 30 s of its stdin closing; killed");
             w.child.kill().await?;
@@ -509,7 +597,7 @@ async fn verify(
         store::shown(&args.store),
         args.workers
     );
-    println!("{}", Table { tally: &tally, events: &events });
+    println!("{}", Table { tally: &tally, events: &events, push: args.push });
     // The offset inbox keeps one position row per partition, however often workers died.
     let positions_ok = if args.offsets {
         let rows = ledger.position_rows(store, names).await?;
@@ -523,6 +611,47 @@ async fn verify(
         true
     };
     Ok(if tally.passed() && !events.timed_out && positions_ok { 0 } else { 1 })
+}
+
+/// A loopback port free right now (for the push-mode application).
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The sidecars' `idem serve` configuration: anonymous on loopback, the run's Redis namespace
+/// as the store, one push consumer of the run's destination. URLs stay in the environment.
+fn push_config(
+    args: &ChaosArgs,
+    broker: &BrokerUrl,
+    tag: &str,
+    names: &Names,
+    port: u16,
+) -> String {
+    // NATS consumers are read from their stream (which holds the run's subject).
+    let destination = match broker {
+        BrokerUrl::Nats(_) => BrokerUrl::stream(tag),
+        _ => broker.destination(tag),
+    };
+    let (dead_letter, group) = match broker {
+        BrokerUrl::Amqp(_) => (format!("{destination}.idem.dlq"), String::new()),
+        BrokerUrl::Nats(_) => {
+            (BrokerUrl::dead_letter_subject(tag), broker::NATS_CONSUMER.to_owned())
+        }
+        BrokerUrl::Redis(_) => (broker.dead_letter_stream(tag), broker::STREAM_GROUP.to_owned()),
+        BrokerUrl::Kafka(_) => (format!("{destination}.dlq"), format!("idem-chaos-{destination}")),
+    };
+    let lease = u64::try_from(args.lease.as_millis()).unwrap_or(u64::MAX).max(3);
+    let group = if group.is_empty() { String::new() } else { format!("group = {group:?}\n") };
+    format!(
+        "listen = \"127.0.0.1:0\"\nmetrics = false\n\n[store]\nurl_env = {STORE_ENV:?}\n\
+         prefix = {prefix:?}\n\n[auth]\nanonymous = true\n\n[[push]]\nname = \"chaos\"\n\
+         broker_env = {BROKER_ENV:?}\nsource = {destination:?}\ndead_letter = {dead_letter:?}\n\
+         scope = \"chaos\"\nendpoint = \"http://127.0.0.1:{port}/\"\nlease_ms = {lease}\n\
+         timeout_ms = {timeout}\nconcurrency = 16\n{group}",
+        prefix = names.base,
+        timeout = lease / 3,
+    )
 }
 
 fn applied_reused(effects: &[Effect], id: &str) -> bool {
@@ -561,7 +690,7 @@ mod tests {
         let args = cli.map(|c| c.chaos).map_err(|e| e.to_string());
         let args = args.as_ref().map_err(String::as_str);
         let Ok(args) = args else { panic!("{args:?}") };
-        let cmd = Worker::command(std::path::Path::new("idem"), args, "t1");
+        let cmd = Worker::command(std::path::Path::new("idem"), args, "t1", &Role::Consumer);
         let argv: Vec<_> = cmd.as_std().get_args().map(|a| a.to_string_lossy()).collect();
         assert!(argv.iter().all(|a| !a.contains("Planted")), "{argv:?}");
         assert!(argv.contains(&"--worker".into()) && argv.contains(&"t1".into()), "{argv:?}");

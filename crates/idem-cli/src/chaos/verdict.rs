@@ -26,6 +26,8 @@ pub(crate) struct Effect {
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Events {
     pub(crate) kills: u64,
+    /// Of the kills, those of the push-mode application.
+    pub(crate) app_kills: u64,
     pub(crate) stalls: u64,
     /// Workers that ended by themselves (an error), replaced like killed ones.
     pub(crate) worker_exits: u64,
@@ -127,17 +129,23 @@ impl Tally {
 pub(crate) struct Table<'a> {
     pub(crate) tally: &'a Tally,
     pub(crate) events: &'a Events,
+    /// Push mode: poison is refused by the application (4xx), not a crash.
+    pub(crate) push: bool,
 }
 
 impl fmt::Display for Table<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (t, e) = (self.tally, self.events);
         let flag = |bad: bool| if bad { "  <-- FAIL" } else { "" };
-        let rows: [(&str, String, &str); 16] = [
+        let mut rows: Vec<(&str, String, &str)> = vec![
             ("attempted", t.attempted.to_string(), ""),
             ("unique", t.unique.to_string(), ""),
             ("reused (other body)", t.reused.to_string(), ""),
-            ("poison (abort)", t.poison.to_string(), ""),
+            (
+                if self.push { "poison (HTTP 422)" } else { "poison (abort)" },
+                t.poison.to_string(),
+                "",
+            ),
             ("effects", t.effects.to_string(), ""),
             ("lost", t.lost.to_string(), flag(t.lost > 0)),
             ("duplicated", t.duplicated.to_string(), flag(t.duplicated > 0)),
@@ -148,13 +156,21 @@ impl fmt::Display for Table<'_> {
                 t.dead_letters.to_string(),
                 flag(t.dead_letters != t.reused + t.poison),
             ),
-            ("crash loops", t.crash_loops.to_string(), flag(t.crash_loops != t.poison)),
+            (
+                if self.push { "4xx dead-lettered" } else { "crash loops" },
+                t.crash_loops.to_string(),
+                flag(t.crash_loops != t.poison),
+            ),
             ("kills", e.kills.to_string(), ""),
+            ("application kills", e.app_kills.to_string(), ""),
             ("stalls", e.stalls.to_string(), ""),
             ("worker exits", e.worker_exits.to_string(), ""),
             ("left in broker", e.left_in_broker.to_string(), ""),
             ("wall time", format!("{:.1} s", e.wall.as_secs_f64()), flag(e.timed_out)),
         ];
+        if !self.push {
+            rows.retain(|(name, _, _)| *name != "application kills");
+        }
         for (name, value, note) in rows {
             writeln!(f, "{name:<22} {value:>10}{note}")?;
         }

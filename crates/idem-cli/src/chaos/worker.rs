@@ -294,3 +294,55 @@ where
     }
     Ok(0)
 }
+
+/// The push-mode application (`idem chaos --push` starts it): each request it receives is one
+/// effect, appended to the run's ledger as `<id>:<attempt>:<body>` (attempt from
+/// `Idem-Attempt`), so the verdict counts what a real application would have done; poison
+/// bodies are refused with 422 and write nothing. Runs until its stdin closes.
+pub(crate) async fn push_app(args: &ChaosArgs) -> anyhow::Result<u8> {
+    use axum::http::{HeaderMap, StatusCode};
+
+    let tag = args.tag.as_deref().context("--app-port needs --tag")?;
+    let port = args.app_port.context("--app-port")?;
+    let StoreUrl::Redis(url) = StoreUrl::parse(&args.store)? else {
+        anyhow::bail!("the push-mode application keeps its ledger in a redis:// store");
+    };
+    let conn = connect::redis_manager(&url).await?;
+    let key = Names::new(tag).redis_ledger();
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .with_context(|| format!("binding the application's port {port}"))?;
+    let handler = move |headers: HeaderMap, body: axum::body::Bytes| {
+        let (mut conn, key) = (conn.clone(), key.clone());
+        async move {
+            let v: serde_json::Value = match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(e) => return (StatusCode::BAD_REQUEST, format!("not JSON: {e}")),
+            };
+            let field = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
+            let (Some(id), Some(body)) = (field("id"), field("body")) else {
+                return (StatusCode::BAD_REQUEST, "no id and body".to_owned());
+            };
+            if body == POISON {
+                return (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "poison: refused by the application".into(),
+                );
+            }
+            let attempt = headers
+                .get("idem-attempt")
+                .and_then(|a| a.to_str().ok())
+                .and_then(|a| a.parse::<u32>().ok())
+                .unwrap_or(0);
+            let entry = format!("{id}:{attempt}:{body}");
+            match conn.rpush::<_, _, i64>(key, entry).await {
+                Ok(_) => (StatusCode::OK, format!("{{\"applied\":{id:?}}}")),
+                Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("ledger: {e}")),
+            }
+        }
+    };
+    let app = axum::Router::new().fallback(axum::routing::post(handler));
+    ready()?;
+    axum::serve(listener, app).with_graceful_shutdown(stdin_closed()).await?;
+    Ok(0)
+}

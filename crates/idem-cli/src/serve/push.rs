@@ -67,14 +67,20 @@ pub(crate) async fn start<S: DedupStore + Clone>(
                 &group,
                 format!("{group}-{}", std::process::id()),
             )
-            .dead_letter_stream(p.dead_letter.clone());
+            .dead_letter_stream(p.dead_letter.clone())
+            // A dead sidecar's entries are taken over once its leases could have run out.
+            .reclaim_idle(super::lease(&p));
             consume(config, &p, store, stop).await.with_context(at)
         }
         #[cfg(feature = "kafka")]
         s if s.starts_with("kafka") => {
             let target = connect::kafka_target(&broker)?;
             let mut c = target.config();
-            c.set("group.id", &group);
+            // A killed sidecar's partitions move to the others within seconds, not the
+            // client's default 45 s.
+            c.set("group.id", &group)
+                .set("session.timeout.ms", "10000")
+                .set("heartbeat.interval.ms", "1000");
             let config =
                 idem::kafka::KafkaConfig::new(&c, &[p.source.as_str()], p.dead_letter.clone());
             consume(config, &p, store, stop).await.with_context(at)
@@ -113,6 +119,7 @@ where
         .scope(p.scope.as_str())
         .lease(super::lease(p))
         .concurrency(p.concurrency)
+        .crash_loop_limit(p.crash_loop_limit)
         .fingerprint(if p.fingerprint { FingerprintSpec::Bytes } else { FingerprintSpec::None });
     let builder = if let Some(h) = p.key.strip_prefix("header:") {
         builder.key(Header::new(h))

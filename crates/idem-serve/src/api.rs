@@ -33,8 +33,8 @@ pub(crate) struct AppState {
     pub(crate) metrics: Option<MetricsRender>,
 }
 
-/// The claim API over a store: every route of `/v1`, `/healthz`, `/readyz`, `/openapi.json`, and
-/// `/metrics` when given a renderer. Serve it with [`serve`](crate::serve) or any axum server.
+/// The claim API over a store: every route of `/v1`, `/healthz`, `/readyz`, `/openapi.json`,
+/// `/metrics` when given a renderer, and the gRPC service `idem.v1.Claims` (HTTP/2, same port). Serve it with [`serve`](crate::serve) or any axum server.
 ///
 /// ```
 /// use idem_serve::{Scopes, Token, Tokens};
@@ -51,6 +51,12 @@ pub fn router<S: DedupStore + InspectStore>(
     metrics: Option<MetricsRender>,
 ) -> Router {
     let state = AppState { store: Arc::new(store), tokens: Arc::new(tokens), metrics };
+    http_routes(state.clone())
+        .route_service("/idem.v1.Claims/{*method}", crate::grpc::service(state))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+}
+
+fn http_routes(state: AppState) -> Router {
     Router::new()
         .route("/v1/claims", post(claim))
         .route("/v1/claims/batch", post(claim_batch))
@@ -70,7 +76,6 @@ pub fn router<S: DedupStore + InspectStore>(
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -194,19 +199,7 @@ pub(crate) async fn claim(
     caller: Caller,
     Body(b): Body<ClaimBody>,
 ) -> Result<Json<ClaimAnswer>, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        let req = request(&caller, b)?;
-        let claim = s.store.claim(&req).await?;
-        let answer = ClaimAnswer::from_claim(&claim);
-        count_outcome(&answer);
-        // The lease travels to the caller; the in-process value is only a copy of it.
-        drop(claim);
-        Ok(Json(answer))
-    }
-    .await;
-    observe("claim", started, &r);
-    r
+    op_claim(&s, &caller, b).await.map(Json)
 }
 
 /// Claims up to 1000 keys in one round trip; answers in request order.
@@ -224,26 +217,7 @@ pub(crate) async fn claim_batch(
     caller: Caller,
     Body(b): Body<ClaimBatchBody>,
 ) -> Result<Json<ClaimBatchAnswer>, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        if b.claims.len() > MAX_BATCH {
-            return Err(ApiError::invalid_limit(
-                "claims",
-                format!("holds {} claims, more than {MAX_BATCH}", b.claims.len()),
-                MAX_BATCH as u64,
-            ));
-        }
-        let reqs =
-            b.claims.into_iter().map(|c| request(&caller, c)).collect::<Result<Vec<_>, _>>()?;
-        let claims = if reqs.is_empty() { Vec::new() } else { s.store.claim_many(&reqs).await? };
-        let answers: Vec<ClaimAnswer> = claims.iter().map(ClaimAnswer::from_claim).collect();
-        answers.iter().for_each(count_outcome);
-        drop(claims);
-        Ok(Json(ClaimBatchAnswer { answers }))
-    }
-    .await;
-    observe("claim_batch", started, &r);
-    r
+    op_claim_batch(&s, &caller, b).await.map(Json)
 }
 
 fn completion(caller: &Caller, b: CompleteBody) -> Result<Completion, ApiError> {
@@ -271,15 +245,7 @@ pub(crate) async fn complete(
     caller: Caller,
     Body(b): Body<CompleteBody>,
 ) -> Result<StatusCode, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        let c = completion(&caller, b)?;
-        s.store.complete(c.lease, c.result.as_deref(), c.retain_for).await?;
-        Ok(StatusCode::NO_CONTENT)
-    }
-    .await;
-    observe("complete", started, &r);
-    r
+    op_complete(&s, &caller, b).await.map(|()| StatusCode::NO_CONTENT)
 }
 
 /// Completes up to 1000 leases in one round trip (group commit where the store has it).
@@ -335,19 +301,7 @@ pub(crate) async fn fail(
     caller: Caller,
     Body(b): Body<FailBody>,
 ) -> Result<StatusCode, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        caller.may_use(&b.lease.scope)?;
-        wire::check_size("reason", b.reason.len())?;
-        let kind = b.fail_kind()?;
-        let lease = b.lease.to_lease()?;
-        let retain = wire::millis("retain_ms", b.retain_ms, DEFAULT_RETAIN_MS, MAX_RETAIN_MS)?;
-        s.store.fail(lease, kind, &b.reason, retain).await?;
-        Ok(StatusCode::NO_CONTENT)
-    }
-    .await;
-    observe("fail", started, &r);
-    r
+    op_fail(&s, &caller, b).await.map(|()| StatusCode::NO_CONTENT)
 }
 
 /// Gives the key back now (a transient failure): the next claim runs it, attempt + 1.
@@ -366,15 +320,7 @@ pub(crate) async fn release(
     caller: Caller,
     Body(b): Body<ReleaseBody>,
 ) -> Result<StatusCode, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        caller.may_use(&b.lease.scope)?;
-        s.store.release(b.lease.to_lease()?).await?;
-        Ok(StatusCode::NO_CONTENT)
-    }
-    .await;
-    observe("release", started, &r);
-    r
+    op_release(&s, &caller, b).await.map(|()| StatusCode::NO_CONTENT)
 }
 
 /// Extends a live lease to `by_ms` from now, for a long effect.
@@ -393,17 +339,7 @@ pub(crate) async fn extend(
     caller: Caller,
     Body(b): Body<ExtendBody>,
 ) -> Result<Json<ExtendAnswer>, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        caller.may_use(&b.lease.scope)?;
-        let mut lease = b.lease.to_lease()?;
-        let by = wire::millis("by_ms", Some(b.by_ms), DEFAULT_LEASE_MS, MAX_LEASE_MS)?;
-        s.store.extend(&mut lease, by).await?;
-        Ok(Json(ExtendAnswer { lease: LeaseBody::from_lease(&lease) }))
-    }
-    .await;
-    observe("extend", started, &r);
-    r
+    op_extend(&s, &caller, b).await.map(Json)
 }
 
 // ---- operators -------------------------------------------------------------------------------
@@ -413,9 +349,9 @@ pub(crate) async fn extend(
 #[into_params(parameter_in = Path)]
 pub(crate) struct RecordPath {
     /// The key's scope.
-    scope: String,
+    pub(crate) scope: String,
     /// The key (percent-encoded).
-    key: String,
+    pub(crate) key: String,
 }
 
 /// Reads one record.
@@ -434,18 +370,7 @@ pub(crate) async fn inspect(
     caller: Caller,
     PathOf(p): PathOf<RecordPath>,
 ) -> Result<Json<RecordBody>, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        let key = wire::key(&p.scope, &p.key)?;
-        caller.may_use(&p.scope)?;
-        match s.store.get(&key).await? {
-            Some(r) => Ok(Json(RecordBody::from_record(&r))),
-            None => Err(ApiError::NotFound(format!("{}/{}", p.scope, p.key))),
-        }
-    }
-    .await;
-    observe("inspect", started, &r);
-    r
+    op_inspect(&s, &caller, p).await.map(Json)
 }
 
 /// Which records to list.
@@ -509,7 +434,7 @@ pub(crate) async fn list(
 #[into_params(parameter_in = Query)]
 pub(crate) struct StatsQuery {
     /// Only this scope (without it, the token needs `*`).
-    scope: Option<String>,
+    pub(crate) scope: Option<String>,
 }
 
 /// Counts records by state.
@@ -527,17 +452,7 @@ pub(crate) async fn stats(
     caller: Caller,
     QueryOf(q): QueryOf<StatsQuery>,
 ) -> Result<Json<CountsBody>, ApiError> {
-    let started = Instant::now();
-    let r = async {
-        match &q.scope {
-            Some(scope) => caller.may_use(scope)?,
-            None => caller.may_use_all("counting every scope")?,
-        }
-        Ok(Json(s.store.count(q.scope.as_deref()).await?.into()))
-    }
-    .await;
-    observe("stats", started, &r);
-    r
+    op_stats(&s, &caller, q).await.map(Json)
 }
 
 /// Operator release: whatever its state, the record is released and its holder fenced out.
@@ -626,6 +541,166 @@ pub(crate) async fn purge(
     }
     .await;
     observe("purge", started, &r);
+    r
+}
+
+// ---- the operations, shared with gRPC ---------------------------------------------------------
+
+/// claim: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_claim(
+    s: &AppState,
+    caller: &Caller,
+    b: ClaimBody,
+) -> Result<ClaimAnswer, ApiError> {
+    let started = Instant::now();
+    let r = async {
+        let req = request(caller, b)?;
+        let claim = s.store.claim(&req).await?;
+        let answer = ClaimAnswer::from_claim(&claim);
+        count_outcome(&answer);
+        // The lease travels to the caller; the in-process value is only a copy of it.
+        drop(claim);
+        Ok(answer)
+    }
+    .await;
+    observe("claim", started, &r);
+    r
+}
+
+/// claim_batch: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_claim_batch(
+    s: &AppState,
+    caller: &Caller,
+    b: ClaimBatchBody,
+) -> Result<ClaimBatchAnswer, ApiError> {
+    let started = Instant::now();
+    let r = async {
+        if b.claims.len() > MAX_BATCH {
+            return Err(ApiError::invalid_limit(
+                "claims",
+                format!("holds {} claims, more than {MAX_BATCH}", b.claims.len()),
+                MAX_BATCH as u64,
+            ));
+        }
+        let reqs =
+            b.claims.into_iter().map(|c| request(caller, c)).collect::<Result<Vec<_>, _>>()?;
+        let claims = if reqs.is_empty() { Vec::new() } else { s.store.claim_many(&reqs).await? };
+        let answers: Vec<ClaimAnswer> = claims.iter().map(ClaimAnswer::from_claim).collect();
+        answers.iter().for_each(count_outcome);
+        drop(claims);
+        Ok(ClaimBatchAnswer { answers })
+    }
+    .await;
+    observe("claim_batch", started, &r);
+    r
+}
+
+/// complete: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_complete(
+    s: &AppState,
+    caller: &Caller,
+    b: CompleteBody,
+) -> Result<(), ApiError> {
+    let started = Instant::now();
+    let r = async {
+        let c = completion(caller, b)?;
+        s.store.complete(c.lease, c.result.as_deref(), c.retain_for).await?;
+        Ok(())
+    }
+    .await;
+    observe("complete", started, &r);
+    r
+}
+
+/// fail: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_fail(s: &AppState, caller: &Caller, b: FailBody) -> Result<(), ApiError> {
+    let started = Instant::now();
+    let r = async {
+        caller.may_use(&b.lease.scope)?;
+        wire::check_size("reason", b.reason.len())?;
+        let kind = b.fail_kind()?;
+        let lease = b.lease.to_lease()?;
+        let retain = wire::millis("retain_ms", b.retain_ms, DEFAULT_RETAIN_MS, MAX_RETAIN_MS)?;
+        s.store.fail(lease, kind, &b.reason, retain).await?;
+        Ok(())
+    }
+    .await;
+    observe("fail", started, &r);
+    r
+}
+
+/// release: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_release(
+    s: &AppState,
+    caller: &Caller,
+    b: ReleaseBody,
+) -> Result<(), ApiError> {
+    let started = Instant::now();
+    let r = async {
+        caller.may_use(&b.lease.scope)?;
+        s.store.release(b.lease.to_lease()?).await?;
+        Ok(())
+    }
+    .await;
+    observe("release", started, &r);
+    r
+}
+
+/// extend: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_extend(
+    s: &AppState,
+    caller: &Caller,
+    b: ExtendBody,
+) -> Result<ExtendAnswer, ApiError> {
+    let started = Instant::now();
+    let r = async {
+        caller.may_use(&b.lease.scope)?;
+        let mut lease = b.lease.to_lease()?;
+        let by = wire::millis("by_ms", Some(b.by_ms), DEFAULT_LEASE_MS, MAX_LEASE_MS)?;
+        s.store.extend(&mut lease, by).await?;
+        Ok(ExtendAnswer { lease: LeaseBody::from_lease(&lease) })
+    }
+    .await;
+    observe("extend", started, &r);
+    r
+}
+
+/// inspect: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_inspect(
+    s: &AppState,
+    caller: &Caller,
+    p: RecordPath,
+) -> Result<RecordBody, ApiError> {
+    let started = Instant::now();
+    let r = async {
+        let key = wire::key(&p.scope, &p.key)?;
+        caller.may_use(&p.scope)?;
+        match s.store.get(&key).await? {
+            Some(r) => Ok(RecordBody::from_record(&r)),
+            None => Err(ApiError::NotFound(format!("{}/{}", p.scope, p.key))),
+        }
+    }
+    .await;
+    observe("inspect", started, &r);
+    r
+}
+
+/// stats: the operation behind both transports (HTTP and gRPC), counted in the API's metrics.
+pub(crate) async fn op_stats(
+    s: &AppState,
+    caller: &Caller,
+    q: StatsQuery,
+) -> Result<CountsBody, ApiError> {
+    let started = Instant::now();
+    let r = async {
+        match &q.scope {
+            Some(scope) => caller.may_use(scope)?,
+            None => caller.may_use_all("counting every scope")?,
+        }
+        Ok(s.store.count(q.scope.as_deref()).await?.into())
+    }
+    .await;
+    observe("stats", started, &r);
     r
 }
 

@@ -11,6 +11,8 @@
 //! - [`RemoteStore`]: a `DedupStore` over the API, so Rust consumers (and the conformance suite)
 //!   use a remote store as a local one.
 //! - [`Pusher`]: push mode's delivery of each new message to an application's HTTP endpoint.
+//! - [`grpc`]: the same API over gRPC (`proto/idem/v1/claims.proto`, generated code in
+//!   [`grpc::pb`], a client included), served on the same port.
 //! - [`wire`]: the JSON bodies; [`openapi::ApiDoc`]: the OpenAPI 3.1 document derived from them
 //!   (served at `/openapi.json`).
 //! - [`config`]: `idem serve`'s TOML configuration.
@@ -31,6 +33,7 @@ mod auth;
 pub mod config;
 mod dynstore;
 mod error;
+pub mod grpc;
 pub mod openapi;
 mod push;
 mod remote;

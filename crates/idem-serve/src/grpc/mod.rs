@@ -1,0 +1,253 @@
+//! The claim API over gRPC (`proto/idem/v1/claims.proto`): the same operations as the
+//! HTTP/JSON routes, run by the same code, on the same port (HTTP/2, with or without TLS).
+
+use idem_core::Fingerprint;
+use tonic::{Code, Request, Response, Status};
+
+use crate::api::{self, AppState, RecordPath, StatsQuery};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::wire;
+
+#[allow(
+    missing_docs,
+    unreachable_pub,
+    clippy::all,
+    clippy::pedantic,
+    clippy::nursery,
+    rustdoc::all
+)]
+#[rustfmt::skip]
+pub mod pb;
+
+use pb::claims_server::{Claims, ClaimsServer};
+
+/// The gRPC service, routed by the axum router under `/idem.v1.Claims/`.
+pub(crate) fn service(state: AppState) -> ClaimsServer<Service> {
+    ClaimsServer::new(Service { state })
+}
+
+pub(crate) struct Service {
+    state: AppState,
+}
+
+impl Service {
+    fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
+        let headers = req.metadata().clone().into_headers();
+        self.state.tokens.authenticate(&headers).map_err(status)
+    }
+}
+
+/// The gRPC status of an API error; `idem-problem` metadata carries the problem's type.
+fn status(e: ApiError) -> Status {
+    let code = match &e {
+        ApiError::Invalid { .. } => Code::InvalidArgument,
+        ApiError::Unauthorized(_) => Code::Unauthenticated,
+        ApiError::Forbidden { .. } => Code::PermissionDenied,
+        ApiError::NotFound(_) => Code::NotFound,
+        ApiError::LeaseLost(_) => Code::FailedPrecondition,
+        ApiError::TooLarge { .. } => Code::ResourceExhausted,
+        ApiError::Unavailable { .. } => Code::Unavailable,
+        _ => Code::Internal,
+    };
+    let problem = e.problem();
+    let mut s = Status::new(code, problem.detail);
+    if let Ok(v) = problem.kind.parse() {
+        s.metadata_mut().insert("idem-problem", v);
+    }
+    if let Some(field) = problem.field.and_then(|f| f.parse().ok()) {
+        s.metadata_mut().insert("idem-field", field);
+    }
+    s
+}
+
+fn missing(field: &str) -> Status {
+    status(ApiError::invalid(field, "is required"))
+}
+
+fn claim_body(c: pb::ClaimRequest) -> ClaimBodyResult {
+    let fingerprint = match (c.fingerprint, c.payload) {
+        (Some(_), Some(_)) => {
+            return Err(status(ApiError::invalid(
+                "payload",
+                "give fingerprint or payload, not both",
+            )));
+        }
+        (Some(f), None) => Some(f),
+        (None, Some(p)) => Some(hex::encode(Fingerprint::of_bytes(&p).as_bytes())),
+        (None, None) => None,
+    };
+    Ok(wire::ClaimBody {
+        scope: c.scope,
+        key: c.key,
+        fingerprint,
+        payload: None,
+        lease_ms: c.lease_ms,
+        retain_ms: c.retain_ms,
+    })
+}
+
+type ClaimBodyResult = Result<wire::ClaimBody, Status>;
+
+fn lease_in(l: Option<pb::Lease>) -> Result<wire::LeaseBody, Status> {
+    let l = l.ok_or_else(|| missing("lease"))?;
+    Ok(wire::LeaseBody {
+        scope: l.scope,
+        key: l.key,
+        token: l.token.to_string(),
+        attempt: l.attempt,
+        until_us: l.until_us,
+        fingerprint: l.fingerprint,
+        previous: l.previous,
+    })
+}
+
+fn lease_out(l: wire::LeaseBody) -> Result<pb::Lease, Status> {
+    Ok(pb::Lease {
+        token: l.token.parse().map_err(|_| Status::internal("fencing token"))?,
+        scope: l.scope,
+        key: l.key,
+        attempt: l.attempt,
+        until_us: l.until_us,
+        fingerprint: l.fingerprint,
+        previous: l.previous,
+    })
+}
+
+fn record_out(r: wire::RecordBody) -> Result<pb::Record, Status> {
+    let result = wire::decode_result(r.result, r.result_base64).map_err(status)?;
+    Ok(pb::Record {
+        token: r.token.parse().map_err(|_| Status::internal("fencing token"))?,
+        scope: r.scope,
+        key: r.key,
+        state: r.state,
+        fingerprint: r.fingerprint,
+        result,
+        attempt: r.attempt,
+        previous: r.previous,
+        created_us: r.created_us,
+        updated_us: r.updated_us,
+        lease_until_us: r.lease_until_us,
+        expires_us: r.expires_us,
+    })
+}
+
+fn answer_out(a: wire::ClaimAnswer) -> Result<pb::ClaimAnswer, Status> {
+    use pb::claim_answer::Outcome;
+    let outcome = match a {
+        wire::ClaimAnswer::Acquired { lease, downstream_key } => {
+            Outcome::Acquired(pb::Acquired { lease: Some(lease_out(lease)?), downstream_key })
+        }
+        wire::ClaimAnswer::Duplicate { record } => Outcome::Duplicate(record_out(record)?),
+        wire::ClaimAnswer::InProgress { retry_after_ms, attempt } => {
+            Outcome::InProgress(pb::InProgress { retry_after_ms, attempt })
+        }
+        wire::ClaimAnswer::Conflict { record } => Outcome::Conflict(record_out(record)?),
+    };
+    Ok(pb::ClaimAnswer { outcome: Some(outcome) })
+}
+
+fn result_in(result: Option<Vec<u8>>) -> (Option<String>, Option<String>) {
+    wire::encode_result(result.as_deref())
+}
+
+#[tonic::async_trait]
+impl Claims for Service {
+    async fn claim(
+        &self,
+        req: Request<pb::ClaimRequest>,
+    ) -> Result<Response<pb::ClaimAnswer>, Status> {
+        let caller = self.caller(&req)?;
+        let body = claim_body(req.into_inner())?;
+        let a = api::op_claim(&self.state, &caller, body).await.map_err(status)?;
+        Ok(Response::new(answer_out(a)?))
+    }
+
+    async fn claim_batch(
+        &self,
+        req: Request<pb::ClaimBatchRequest>,
+    ) -> Result<Response<pb::ClaimBatchAnswer>, Status> {
+        let caller = self.caller(&req)?;
+        let claims =
+            req.into_inner().claims.into_iter().map(claim_body).collect::<Result<Vec<_>, _>>()?;
+        let a = api::op_claim_batch(&self.state, &caller, wire::ClaimBatchBody { claims })
+            .await
+            .map_err(status)?;
+        let answers = a.answers.into_iter().map(answer_out).collect::<Result<Vec<_>, _>>()?;
+        Ok(Response::new(pb::ClaimBatchAnswer { answers }))
+    }
+
+    async fn complete(
+        &self,
+        req: Request<pb::CompleteRequest>,
+    ) -> Result<Response<pb::Done>, Status> {
+        let caller = self.caller(&req)?;
+        let c = req.into_inner();
+        let (result, result_base64) = result_in(c.result);
+        let body = wire::CompleteBody {
+            lease: lease_in(c.lease)?,
+            result,
+            result_base64,
+            retain_ms: c.retain_ms,
+        };
+        api::op_complete(&self.state, &caller, body).await.map_err(status)?;
+        Ok(Response::new(pb::Done {}))
+    }
+
+    async fn fail(&self, req: Request<pb::FailRequest>) -> Result<Response<pb::Done>, Status> {
+        let caller = self.caller(&req)?;
+        let f = req.into_inner();
+        let body = wire::FailBody {
+            lease: lease_in(f.lease)?,
+            kind: f.kind,
+            reason: f.reason,
+            retain_ms: f.retain_ms,
+        };
+        api::op_fail(&self.state, &caller, body).await.map_err(status)?;
+        Ok(Response::new(pb::Done {}))
+    }
+
+    async fn release(
+        &self,
+        req: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::Done>, Status> {
+        let caller = self.caller(&req)?;
+        let body = wire::ReleaseBody { lease: lease_in(req.into_inner().lease)? };
+        api::op_release(&self.state, &caller, body).await.map_err(status)?;
+        Ok(Response::new(pb::Done {}))
+    }
+
+    async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::Lease>, Status> {
+        let caller = self.caller(&req)?;
+        let e = req.into_inner();
+        let body = wire::ExtendBody { lease: lease_in(e.lease)?, by_ms: e.by_ms };
+        let a = api::op_extend(&self.state, &caller, body).await.map_err(status)?;
+        Ok(Response::new(lease_out(a.lease)?))
+    }
+
+    async fn inspect(
+        &self,
+        req: Request<pb::InspectRequest>,
+    ) -> Result<Response<pb::Record>, Status> {
+        let caller = self.caller(&req)?;
+        let i = req.into_inner();
+        let r = api::op_inspect(&self.state, &caller, RecordPath { scope: i.scope, key: i.key })
+            .await
+            .map_err(status)?;
+        Ok(Response::new(record_out(r)?))
+    }
+
+    async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::Counts>, Status> {
+        let caller = self.caller(&req)?;
+        let scope = req.into_inner().scope;
+        let c = api::op_stats(&self.state, &caller, StatsQuery { scope }).await.map_err(status)?;
+        Ok(Response::new(pb::Counts {
+            in_progress: c.in_progress,
+            completed: c.completed,
+            released: c.released,
+            failed: c.failed,
+            in_doubt: c.in_doubt,
+            expired: c.expired,
+        }))
+    }
+}

@@ -144,6 +144,14 @@ impl FromRequestParts<AppState> for Caller {
 
 // ---- metrics ---------------------------------------------------------------------------------
 
+/// Every metric `idem serve` adds to the engine's (`docs/OPERATIONS.md` lists each).
+pub const METRICS: [&str; 4] = [
+    "idem_api_requests_total",
+    "idem_api_request_seconds",
+    "idem_api_claims_total",
+    "idem_push_requests_total",
+];
+
 /// Counts a finished request: `idem_api_requests_total{operation, status}` and its latency.
 fn observe<T>(op: &'static str, started: Instant, r: &Result<T, ApiError>) {
     let status = match r {

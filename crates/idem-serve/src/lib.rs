@@ -41,7 +41,7 @@ mod server;
 mod tls;
 pub mod wire;
 
-pub use api::{MetricsRender, router};
+pub use api::{METRICS, MetricsRender, router};
 pub use auth::{Caller, MIN_SECRET_LEN, Scopes, Token, TokenError, Tokens};
 pub use error::ApiError;
 pub use push::{DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};

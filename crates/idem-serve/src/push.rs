@@ -147,8 +147,8 @@ impl Pusher {
         h
     }
 
-    /// Delivers one message: `Ok(body)` on 2xx (stored as the key's result), else the failure
-    /// and whether to retry it.
+    /// Delivers one message: `Ok(body)` on 2xx (stored as the key's result: the body itself
+    /// when it is JSON, else as a JSON string), else the failure and whether to retry it.
     ///
     /// # Errors
     /// `HandlerError::Transient` for timeouts, 408, 429, 5xx and transport failures;
@@ -157,7 +157,7 @@ impl Pusher {
         &self,
         ctx: &Context,
         msg: &impl Envelope,
-    ) -> Result<String, HandlerError<PushError>> {
+    ) -> Result<serde_json::Value, HandlerError<PushError>> {
         let headers = self.headers(ctx, msg);
         let body = msg.payload().to_vec();
         let mut waited = Duration::ZERO;
@@ -182,7 +182,9 @@ impl Pusher {
             let retry_after = retry_after(res.headers());
             let text = res.text().await.unwrap_or_default();
             if status.is_success() {
-                return Ok(text);
+                // The engine stores a handler's value as JSON: a JSON body as itself, not as a
+                // string holding it.
+                return Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)));
             }
             let err = PushError::Status { status: status.as_u16(), body: truncate(&text) };
             match status {

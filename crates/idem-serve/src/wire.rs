@@ -435,6 +435,14 @@ impl LeaseBody {
             .token
             .parse::<u64>()
             .map_err(|_| ApiError::invalid("lease.token", "must be a decimal fencing token"))?;
+        // Every store hands out tokens from its clock in microseconds, below i64::MAX (the SQL
+        // stores keep them as BIGINT): a larger one was never handed out, so its lease is lost.
+        if i64::try_from(token).is_err() {
+            return Err(ApiError::LeaseLost(format!(
+                "lease on {}/{} was lost: token {token} was never handed out",
+                self.scope, self.key
+            )));
+        }
         let fingerprint = self
             .fingerprint
             .as_deref()

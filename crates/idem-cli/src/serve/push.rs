@@ -46,7 +46,8 @@ pub(crate) async fn start<S: DedupStore + Clone>(
                 .with_dead_letter(format!("{}.idem.dlx", p.source), Some(p.dead_letter.clone()));
             let config = idem::amqp::AmqpConfig::new(conn, &p.source)
                 .topology(topology)
-                .prefetch(u16::try_from(p.concurrency * 4).unwrap_or(u16::MAX));
+                // A full batch for every lane in flight (the driver's default batch is 64).
+                .prefetch(u16::try_from(p.concurrency * 64).unwrap_or(u16::MAX));
             consume(config, &p, store, stop).await.with_context(at)
         }
         "nats" | "tls" => {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use idem::redact::Redacted;
 use idem::{DedupStore, InspectStore, MySqlStore, PostgresStore, SqliteStore, sqlx};
-use idem_serve::config::{PushConfig, ServeConfig};
+use idem_serve::config::ServeConfig;
 use tokio::sync::watch;
 
 use crate::connect;
@@ -218,9 +218,4 @@ async fn shutdown_signal() {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
-}
-
-/// The push consumer's settings, as the engine takes them.
-pub(crate) fn lease(p: &PushConfig) -> Duration {
-    Duration::from_millis(p.lease_ms)
 }

@@ -25,6 +25,8 @@ pub(crate) const NATS_DUPLICATE_WINDOW: Duration = Duration::from_millis(100);
 pub(crate) const NATS_CONSUMER: &str = "chaos";
 /// The Redis Streams consumer group every worker reads in.
 pub(crate) const STREAM_GROUP: &str = "chaos";
+/// Prefix of the runs' Kafka consumer groups.
+pub(crate) const KAFKA_GROUP: &str = "idem-chaos";
 
 /// The broker, as given by `--broker`.
 #[derive(Debug, Clone)]
@@ -71,6 +73,26 @@ impl BrokerUrl {
             Self::Redis(_) => format!("idem:chaos:{tag}"),
             _ => format!("idem.chaos.{tag}"),
         }
+    }
+
+    /// Where the run's consumers dead-letter: RabbitMQ's default dead-letter queue of the
+    /// destination, the NATS subject, the Redis stream, the Kafka topic.
+    pub(crate) fn dead_letter(&self, tag: &str) -> String {
+        match self {
+            Self::Amqp(_) => idem::amqp::Topology::for_queue(self.destination(tag))
+                .dead_letter_queue()
+                .map(str::to_owned)
+                .unwrap_or_default(),
+            Self::Nats(_) => Self::dead_letter_subject(tag),
+            Self::Redis(_) => self.dead_letter_stream(tag),
+            Self::Kafka(_) => format!("{}.dlq", self.destination(tag)),
+        }
+    }
+
+    /// The Kafka consumer group of the run's topic: a group per run, so runs side by side do
+    /// not rebalance each other.
+    pub(crate) fn kafka_group(topic: &str) -> String {
+        format!("{KAFKA_GROUP}-{topic}")
     }
 
     /// Where the Redis Streams source dead-letters (its default).
@@ -185,7 +207,7 @@ impl Admin {
             BrokerUrl::Kafka(brokers) => {
                 connect::kafka_reachable(&connect::kafka_target(&format!("kafka://{brokers}"))?)
                     .await?;
-                let dead_letter = format!("{destination}.dlq");
+                let dead_letter = broker.dead_letter(tag);
                 Ok(Self::Kafka(
                     super::kafka::KafkaAdmin::create(brokers, destination, dead_letter).await?,
                 ))

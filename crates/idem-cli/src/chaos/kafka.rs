@@ -15,8 +15,9 @@ use idem::kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem::kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
 use idem::outbox::{OutboxMessage, Publisher};
 
+use super::broker::{BrokerUrl, KAFKA_GROUP};
+
 /// The consumer group every worker joins.
-pub(crate) const GROUP: &str = "idem-chaos";
 const PARTITIONS: i32 = 3;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -25,7 +26,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) fn consumer_config(brokers: &str, topic: &str) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
-        .set("group.id", format!("{GROUP}-{topic}"))
+        .set("group.id", BrokerUrl::kafka_group(topic))
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
         .set("max.poll.interval.ms", "30000")
@@ -147,7 +148,7 @@ impl KafkaAdmin {
         off_thread("read the dead letters", move || {
             let c: BaseConsumer = ClientConfig::new()
                 .set("bootstrap.servers", &brokers)
-                .set("group.id", format!("{GROUP}-reader"))
+                .set("group.id", format!("{KAFKA_GROUP}-reader"))
                 .set("enable.auto.commit", "false")
                 .create()?;
             let (_, high) = c.fetch_watermarks(&topic, 0, TIMEOUT)?;

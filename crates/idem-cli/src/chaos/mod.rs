@@ -633,13 +633,12 @@ fn push_config(
         BrokerUrl::Nats(_) => BrokerUrl::stream(tag),
         _ => broker.destination(tag),
     };
-    let (dead_letter, group) = match broker {
-        BrokerUrl::Amqp(_) => (format!("{destination}.idem.dlq"), String::new()),
-        BrokerUrl::Nats(_) => {
-            (BrokerUrl::dead_letter_subject(tag), broker::NATS_CONSUMER.to_owned())
-        }
-        BrokerUrl::Redis(_) => (broker.dead_letter_stream(tag), broker::STREAM_GROUP.to_owned()),
-        BrokerUrl::Kafka(_) => (format!("{destination}.dlq"), format!("idem-chaos-{destination}")),
+    let dead_letter = broker.dead_letter(tag);
+    let group = match broker {
+        BrokerUrl::Amqp(_) => String::new(),
+        BrokerUrl::Nats(_) => broker::NATS_CONSUMER.to_owned(),
+        BrokerUrl::Redis(_) => broker::STREAM_GROUP.to_owned(),
+        BrokerUrl::Kafka(_) => BrokerUrl::kafka_group(&destination),
     };
     let lease = u64::try_from(args.lease.as_millis()).unwrap_or(u64::MAX).max(3);
     let group = if group.is_empty() { String::new() } else { format!("group = {group:?}\n") };

@@ -69,7 +69,7 @@ pub(crate) async fn run(args: &ChaosArgs) -> anyhow::Result<u8> {
             let config = idem::kafka::KafkaConfig::new(
                 &super::kafka::consumer_config(brokers, &topic),
                 &[topic.as_str()],
-                format!("{topic}.dlq"),
+                broker.dead_letter(tag),
             )
             .retry_delay(Duration::from_millis(200))
             .close_timeout(Duration::from_secs(5));

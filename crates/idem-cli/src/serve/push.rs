@@ -42,8 +42,10 @@ pub(crate) async fn start<S: DedupStore + Clone>(
             // borrows it, so it is leaked rather than dropped (its heartbeats keep running).
             let conn: &'static _ =
                 Box::leak(Box::new(connect::amqp_connection(&broker).await.with_context(at)?));
-            let topology = idem::amqp::Topology::for_queue(&p.source)
-                .with_dead_letter(format!("{}.idem.dlx", p.source), Some(p.dead_letter.clone()));
+            // The default dead-letter exchange of the queue, bound to the configured queue.
+            let defaults = idem::amqp::Topology::for_queue(&p.source);
+            let exchange = defaults.dead_letter_exchange().to_owned();
+            let topology = defaults.with_dead_letter(exchange, Some(p.dead_letter.clone()));
             let config = idem::amqp::AmqpConfig::new(conn, &p.source)
                 .topology(topology)
                 // A full batch for every lane in flight (the driver's default batch is 64).
@@ -70,7 +72,7 @@ pub(crate) async fn start<S: DedupStore + Clone>(
             )
             .dead_letter_stream(p.dead_letter.clone())
             // A dead sidecar's entries are taken over once its leases could have run out.
-            .reclaim_idle(super::lease(&p));
+            .reclaim_idle(Duration::from_millis(p.lease_ms));
             consume(config, &p, store, stop).await.with_context(at)
         }
         #[cfg(feature = "kafka")]
@@ -118,7 +120,7 @@ where
     };
     let builder = Consumer::builder(config)
         .scope(p.scope.as_str())
-        .lease(super::lease(p))
+        .lease(Duration::from_millis(p.lease_ms))
         .concurrency(p.concurrency)
         .crash_loop_limit(p.crash_loop_limit)
         .fingerprint(if p.fingerprint { FingerprintSpec::Bytes } else { FingerprintSpec::None });

@@ -16,9 +16,6 @@
 //!   operator's `force_release` / `force_fail` between the two makes the claim drop the lease it
 //!   had just won and take the key over again (`attempt + 1`, `previous` = released/failed),
 //!   while the operator saw a record no caller held. Operator operations are left out.
-//! - MySQL through `Batched` (group commit): `complete_many` answers `Ok` to a repeat of a
-//!   completion already applied with the same token (the repeat's result is dropped), where
-//!   `complete` and PostgreSQL's `complete_many` answer `LeaseLost`; that test is ignored.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -129,12 +126,10 @@ mod mysql {
         run(cfg, false).await;
     }
 
-    /// Completions through `Batched`. Known to fail: when a batch's `UPDATE` does not change
-    /// every row, `complete_many` reads the tokens back and answers `Ok` for any row completed
-    /// with the lease's token, so a repeat of an applied completion (a spent lease used again)
-    /// is told `Ok` while its result is dropped, where `complete` answers `LeaseLost`.
+    /// Completions through `Batched` (`complete_many`). It used to answer `Ok` to a spent lease
+    /// completing again (any row completed with the lease's token counted as applied); it now
+    /// tells the rows this batch's statement changed by their `updated_at`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "known: complete_many answers Ok to a repeat of an applied completion"]
     async fn mysql_group_commit_is_linearizable() {
         let cfg = Config {
             atomic_batches: false,

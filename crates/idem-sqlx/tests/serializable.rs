@@ -196,8 +196,10 @@ async fn serializable_inbox_retries_aborted_batches_and_keeps_effects_exact() {
 }
 
 /// The whole store contract on connections whose default isolation is `SERIALIZABLE`: each
-/// store operation is one statement, so the database may abort one (`40001`); the answer is a
-/// retryable error, never a wrong claim.
+/// store statement commits on its own, so the database may abort one (`40001`). A claim then
+/// decides again (its aborted upsert changed nothing: `concurrent_claims_have_one_winner` once
+/// failed CI on such an abort answered to the caller); other operations answer a retryable
+/// error, never a wrong one.
 mod store_contract {
     use super::*;
 

@@ -8,9 +8,8 @@ mod common;
 use std::time::Duration;
 
 use idem_core::consumer::{BuildError, MemoryQueue};
-use idem_core::engine::HandlerError;
 use idem_core::inbox::{Inbox, TxInbox};
-use idem_core::{Backend, Consumer, DedupStore, StoreError};
+use idem_core::{Consumer, DedupStore, StoreError};
 
 const DAY: Duration = Duration::from_secs(86_400);
 
@@ -44,7 +43,7 @@ fn assert_unmigrated<T>(
 /// Five messages against a table dropped after the consumer was built: every one fails
 /// (transiently, so it is retried), and the report says which store error.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-async fn fails_with_the_reason<B: Backend>(
+async fn fails_with_the_reason<B: idem_core::Backend>(
     consumer: Consumer<MemoryQueue, B>,
     queue: &MemoryQueue,
     why: &str,
@@ -52,7 +51,8 @@ async fn fails_with_the_reason<B: Backend>(
     for i in 0..5 {
         queue.push(format!("o-{i}"), "{}");
     }
-    let report = consumer.poll(|_, _| async { Ok::<_, HandlerError<String>>(()) }).await.unwrap();
+    let handler = |_, _| async { Ok::<_, idem_core::engine::HandlerError<String>>(()) };
+    let report = consumer.poll(handler).await.unwrap();
     assert_eq!((report.failed_transient, report.retried), (5, 5), "{report}");
     let text = report.to_string();
     assert!(text.contains("failed 5 (transient 5, permanent 0)") && text.contains(why), "{text}");

@@ -289,37 +289,54 @@ impl DedupStore for MySqlStore {
                 .execute(&self.pool)
                 .await
                 .map_err(|e| backend("complete_many", e))?;
-            if usize::try_from(done.rows_affected()).unwrap_or(0) == chunk.len() {
+            let applied = usize::try_from(done.rows_affected()).unwrap_or(0);
+            if applied == chunk.len() {
                 for &i in chunk {
                     out[i] = Some(Ok(()));
                 }
                 continue;
             }
-            // Some leases were stale: a row completed with our token is ours.
+            // Some leases were stale. A row completed with the lease's token was completed by
+            // this statement, or by an earlier completion of the same lease (a repeat, which
+            // must answer `LeaseLost`): the statement gave every row it changed one
+            // `updated_at` (its `NOW(6)`), later than any earlier completion's.
             let mut sel = sqlx::query(AssertSqlSafe(self.sql.tokens_of(chunk.len())));
             for &i in chunk {
                 sel = sel.bind(items[i].lease.key().hash().0.to_vec());
             }
             let rows = sel.fetch_all(&self.pool).await.map_err(|e| backend("complete_many", e))?;
-            let mut applied = std::collections::HashSet::new();
+            let mine = |i: usize| {
+                let l = &items[i].lease;
+                (l.key().hash().0.to_vec(), i64::try_from(l.token()).unwrap_or(-1))
+            };
+            let leases: std::collections::HashSet<(Vec<u8>, i64)> =
+                chunk.iter().map(|&i| mine(i)).collect();
+            let mut completed = std::collections::HashMap::new();
             for row in &rows {
                 let get = |e| backend("complete_many", e);
-                let (h, tok, state): (Vec<u8>, i64, i64) = (
+                let (h, tok, state, at): (Vec<u8>, i64, i64, i64) = (
                     row.try_get(0).map_err(get)?,
                     row.try_get(1).map_err(get)?,
                     row.try_get(2).map_err(get)?,
+                    row.try_get(3).map_err(get)?,
                 );
-                if state == i64::from(RecordState::Completed.code()) {
-                    applied.insert((h, tok));
+                let lease = (h, tok);
+                if state == i64::from(RecordState::Completed.code()) && leases.contains(&lease) {
+                    completed.insert(lease, at);
                 }
             }
+            let now = completed.values().copied().max();
+            let mut ours: std::collections::HashSet<(Vec<u8>, i64)> = completed
+                .into_iter()
+                .filter(|(_, at)| applied > 0 && Some(*at) == now)
+                .map(|(k, _)| k)
+                .collect();
             for &i in chunk {
-                let l = &items[i].lease;
-                let mine = (l.key().hash().0.to_vec(), i64::try_from(l.token()).unwrap_or(-1));
-                out[i] = Some(if applied.contains(&mine) {
+                // `remove`: the same lease twice in one batch completes once.
+                out[i] = Some(if ours.remove(&mine(i)) {
                     Ok(())
                 } else {
-                    Err(StoreError::LeaseLost { key: l.key().to_string() })
+                    Err(StoreError::LeaseLost { key: items[i].lease.key().to_string() })
                 });
             }
         }

@@ -319,10 +319,14 @@ impl Sql {
         )
     }
 
-    /// Reads (hash, token, state) of `n` keys, to tell which completions of a batch applied.
+    /// Reads (hash, token, state, updated_at) of `n` keys, to tell which completions of a
+    /// batch applied.
     pub(super) fn tokens_of(&self, n: usize) -> String {
         let marks = vec!["?"; n].join(", ");
-        format!("SELECT key_hash, token, state FROM {} WHERE key_hash IN ({marks})", self.t)
+        format!(
+            "SELECT key_hash, token, state, updated_at FROM {} WHERE key_hash IN ({marks})",
+            self.t
+        )
     }
 
     /// Reads `n` keys back after an upsert; `locked` (inside a transaction): a locking read,

@@ -41,17 +41,29 @@ impl PostgresStore {
             .map_err(|e| backend("claim", e))
     }
 
-    /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
+    /// Claims on one connection outside a transaction: the upsert, then — only if it lost — a
+    /// read that explains why. Each statement commits on its own, so one the database aborted to
+    /// stay serializable (`SERIALIZABLE` connections: an upsert whose snapshot missed a
+    /// concurrent claim of the key) changed nothing, and the claim decides again.
     async fn claim_on(
         &self,
         conn: &mut PgConnection,
         req: &ClaimRequest,
     ) -> Result<Claim, StoreError> {
+        let again = |e: &StoreError| crate::serialization::store_error_is_serialization_failure(e);
         for _ in 0..8 {
-            if let Some(row) = self.upsert(conn, &self.sql.claim, req, Some(req.lease_for)).await? {
-                return lease_of(&req.key, &row).map(Claim::Acquired);
+            match self.upsert(conn, &self.sql.claim, req, Some(req.lease_for)).await {
+                Ok(Some(row)) => return lease_of(&req.key, &row).map(Claim::Acquired),
+                Ok(None) => {}
+                Err(e) if again(&e) => continue,
+                Err(e) => return Err(e),
             }
-            let Some((rec, now)) = self.fetch(conn, &req.key).await? else { continue };
+            let (rec, now) = match self.fetch(conn, &req.key).await {
+                Ok(Some(found)) => found,
+                Ok(None) => continue,
+                Err(e) if again(&e) => continue,
+                Err(e) => return Err(e),
+            };
             if let Some(claim) = lost(rec, req.fingerprint, now) {
                 return Ok(claim);
             }
@@ -292,7 +304,8 @@ impl DedupStore for PostgresStore {
             .map(|(c, pre)| {
                 pre.unwrap_or_else(|| {
                     let token = i64::try_from(c.lease.token()).unwrap_or(-1);
-                    if done.contains(&(c.lease.key().hash().0.to_vec(), token)) {
+                    // `remove`: a lease twice in the batch completed once, for the first.
+                    if done.remove(&(c.lease.key().hash().0.to_vec(), token)) {
                         Ok(())
                     } else {
                         Err(StoreError::LeaseLost { key: c.lease.key().to_string() })

@@ -1,8 +1,8 @@
 //! Batches: `claim_many` answers as single claims would, in order, at any size.
 
-use idem_core::{Claim, ClaimRequest, DedupKey, RecordState};
+use idem_core::{Claim, ClaimRequest, Completion, DedupKey, RecordState, StoreError};
 
-use super::{Store, acquire, fp, req, retain, unique_key};
+use super::{Store, acquire, fp, req, retain, spent_copy, unique_key};
 use crate::{Harness, TimeControl};
 
 /// `claim_many` answers in order; a repeated key acquires once, its copies see it in progress or
@@ -133,4 +133,52 @@ pub async fn claim_many_large_batch<S: Store, C: TimeControl>(h: Harness<S, C>) 
     }
     let again = h.store.claim_many(&reqs).await.expect("claim_many");
     assert!(again.iter().all(|c| matches!(c, Claim::InProgress { .. })));
+}
+
+/// `complete_many` answers each completion as `complete` would: a spent lease (completed
+/// before, or twice in the batch) is told `LeaseLost`, the others complete, and the first
+/// completion's result stays.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn complete_many_tells_a_spent_lease_it_is_lost<S: Store, C: TimeControl>(
+    h: Harness<S, C>,
+) {
+    let spent = unique_key("conf-complete-many");
+    let fresh = unique_key("conf-complete-many");
+    let twice = unique_key("conf-complete-many");
+    let l = acquire(&h, &req(&h, &spent, fp(1))).await;
+    let repeat = spent_copy(&l);
+    h.store.complete(l, Some(b"first"), retain(&h)).await.expect("complete");
+    let lf = acquire(&h, &req(&h, &fresh, fp(1))).await;
+    let lt = acquire(&h, &req(&h, &twice, fp(1))).await;
+    let twice_copy = spent_copy(&lt);
+    let done = |lease, result: &[u8]| Completion {
+        lease,
+        result: Some(result.to_vec()),
+        retain_for: retain(&h),
+    };
+    let answers = h
+        .store
+        .complete_many(vec![
+            done(repeat, b"again"),
+            done(lf, b"fresh"),
+            done(lt, b"twice-1"),
+            done(twice_copy, b"twice-2"),
+        ])
+        .await
+        .expect("complete_many");
+    let lost = |r: &Result<(), StoreError>| matches!(r, Err(StoreError::LeaseLost { .. }));
+    assert_eq!(answers.len(), 4);
+    assert!(lost(&answers[0]), "a spent lease completing again: {:?}", answers[0]);
+    assert!(answers[1].is_ok(), "a live lease: {:?}", answers[1]);
+    assert!(answers[2].is_ok(), "the first of a lease twice in the batch: {:?}", answers[2]);
+    assert!(lost(&answers[3]), "the second of a lease twice in the batch: {:?}", answers[3]);
+    for (key, result) in [(&spent, &b"first"[..]), (&fresh, b"fresh")] {
+        match h.store.claim(&req(&h, key, fp(1))).await.expect("claim") {
+            Claim::Completed(rec) => assert_eq!(rec.result.as_deref(), Some(result), "{key}"),
+            other => panic!("{key} must be completed, got {other:?}"),
+        }
+    }
 }

@@ -18,7 +18,7 @@ mod records;
 
 pub use batch::{
     claim_many_in_order_with_repeats, claim_many_large_batch,
-    claim_many_mixed_states_match_single_claims,
+    claim_many_mixed_states_match_single_claims, complete_many_tells_a_spent_lease_it_is_lost,
 };
 pub use lease::{
     claim_is_exclusive, completed_is_duplicate_with_result, concurrent_claims_have_one_winner,
@@ -39,6 +39,11 @@ pub trait Store: DedupStore + InspectStore + Clone + Send + Sync + 'static {}
 impl<T: DedupStore + InspectStore + Clone + Send + Sync + 'static> Store for T {}
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A second handle on `l` (same token), as a caller holding on to a spent lease has.
+pub(crate) fn spent_copy(l: &Lease) -> Lease {
+    Lease::new(l.key().clone(), l.fingerprint(), l.token(), l.attempt(), l.until(), l.previous())
+}
 
 /// A key unique to this process run, so cases sharing a store never collide.
 pub fn unique_key(scope: &str) -> DedupKey {

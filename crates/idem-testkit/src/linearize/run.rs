@@ -163,16 +163,7 @@ struct Held {
 
 impl Held {
     fn copy(&self) -> Self {
-        let l = &self.lease;
-        let lease = Lease::new(
-            l.key().clone(),
-            l.fingerprint(),
-            l.token(),
-            l.attempt(),
-            l.until(),
-            l.previous(),
-        );
-        Self { id: self.id, lease }
+        Self { id: self.id, lease: crate::cases::spent_copy(&self.lease) }
     }
 }
 

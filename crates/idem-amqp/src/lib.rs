@@ -77,6 +77,7 @@
 
 mod config;
 mod delivery;
+mod dlq;
 mod error;
 mod publish;
 mod source;
@@ -85,6 +86,7 @@ mod window;
 
 pub use config::AmqpConfig;
 pub use delivery::Delivery;
+pub use dlq::AmqpDeadLetters;
 pub use error::Error;
 pub use publish::{AmqpPublisher, Refused};
 pub use source::AmqpSource;

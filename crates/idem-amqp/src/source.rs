@@ -7,10 +7,10 @@ use futures_util::{FutureExt, StreamExt};
 use idem_core::consumer::{DeadLetter, Source, headers};
 use idem_core::engine::Verb;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions, BasicPublishOptions};
-use lapin::types::{AMQPValue, LongString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Confirmation};
 
-use crate::topology::DELAYS_HEADER;
+use crate::topology::{DELAYS_HEADER, is_routing_header};
 use crate::{Delivery, Error, Topology};
 
 /// A RabbitMQ queue opened for the consumer (see [`AmqpConfig`](crate::AmqpConfig)): a consuming
@@ -68,8 +68,8 @@ impl AmqpSource {
         after.map(|d| d.clamp(self.min_delay, self.max_delay))
     }
 
-    /// Republishes `m` (persistent, mandatory) with `extra` headers and waits for the broker's
-    /// confirm.
+    /// Republishes `m` (persistent, mandatory) with its headers less `CC`/`BCC` (the copy is
+    /// for `routing_key` only) plus `extra`, and waits for the broker's confirm.
     async fn copy(
         &self,
         m: &Delivery,
@@ -109,7 +109,12 @@ impl AmqpSource {
         if let Some(v) = p.priority() {
             props = props.with_priority(*v);
         }
-        let mut h = p.headers().clone().unwrap_or_default();
+        let mut h = FieldTable::default();
+        for (k, v) in p.headers().iter().flat_map(FieldTable::inner) {
+            if !is_routing_header(k.as_str()) {
+                h.insert(k.clone(), v.clone());
+            }
+        }
         for (k, v) in extra {
             h.insert(k.into(), v);
         }

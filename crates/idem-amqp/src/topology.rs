@@ -9,6 +9,14 @@ use crate::Error;
 /// Header counting a message's trips through the delay queue.
 pub const DELAYS_HEADER: &str = "idem-delays";
 
+/// Whether `name` is one of RabbitMQ's sender-selected distribution headers (`CC`, `BCC`): the
+/// broker routes a publish carrying them to those routing keys as well, and keeps `CC` on the
+/// message it delivers. A copy idem makes (a delayed retry, a dead letter, a replay) is for one
+/// queue, so they stay off it; sent as text (a replay) the broker refuses the publish outright.
+pub(crate) fn is_routing_header(name: &str) -> bool {
+    name == "CC" || name == "BCC"
+}
+
 /// Names of the work queue and its companions.
 ///
 /// - **delay queue** (`<queue>.idem.delay`): no consumers; each message carries a per-message

@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::{Broker, Seen, reporter, wait_for};
+use idem_amqp::lapin::BasicProperties;
+use idem_amqp::lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+use idem_amqp::lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use idem_amqp::{AmqpConfig, AmqpConsumer, Error, RabbitWindow};
 use idem_core::MemoryStore;
 use idem_core::consumer::{self, headers};
@@ -186,7 +189,13 @@ async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
                 .await
         }
     });
-    b.publish(Some("x"), b"slow", &[]).await;
+    // The producer's copy also goes to an audit queue (RabbitMQ's `CC` header, which the
+    // broker keeps on the delivered message): the delay copy must not send it there again.
+    let audit = format!("{}-audit", b.queue());
+    // Exclusive: gone with the test's connection, even when the test fails.
+    let only_ours = QueueDeclareOptions { exclusive: true, ..QueueDeclareOptions::default() };
+    b.ch.queue_declare(audit.as_str().into(), only_ours, FieldTable::default()).await.unwrap();
+    publish_cc(&b, "x", b"slow", &audit).await;
     let mut seen_b = Vec::new();
     wait_for(&mut rx_b, &mut seen_b, LIMIT, |s| !s.is_empty()).await;
     assert_eq!(seen_b[0].outcome, "in_progress_elsewhere");
@@ -222,8 +231,26 @@ async fn in_progress_elsewhere_goes_round_the_delay_queue_and_ends_duplicate() {
     task_b.await.unwrap().unwrap();
     assert_eq!(b.count(b.queue()).await, 0);
     assert_eq!(b.count(b.topology.delay_queue()).await, 0);
+    assert_eq!(b.count(&audit).await, 1, "the delay copy was sent to the CC'd queue again");
+    b.ch.queue_delete(audit.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
     let _ = conn_b.close(200, "".into()).await;
     b.cleanup().await;
+}
+
+/// Publishes `body` to the work queue with `CC: [cc]`, confirmed.
+async fn publish_cc(b: &Broker, id: &str, body: &[u8], cc: &str) {
+    let mut h = FieldTable::default();
+    let to = FieldArray::from(vec![AMQPValue::LongString(LongString::from(cc))]);
+    h.insert("CC".into(), AMQPValue::FieldArray(to));
+    let props = BasicProperties::default().with_message_id(id.into()).with_headers(h);
+    let confirm = b
+        .ch
+        .basic_publish("".into(), b.queue().into(), BasicPublishOptions::default(), body, props)
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

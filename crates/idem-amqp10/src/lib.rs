@@ -67,6 +67,7 @@ mod address;
 mod config;
 mod connect;
 mod delivery;
+mod dlq;
 mod error;
 mod link;
 pub mod servicebus;
@@ -75,6 +76,7 @@ mod tls;
 
 pub use config::{Amqp10Config, DeadLetters};
 pub use delivery::Delivery;
+pub use dlq::{Amqp10DeadLetters, SERVICE_BUS_DEAD_LETTER_QUEUE};
 pub use error::Error;
 pub use servicebus::{
     AccessToken, BoxError, ServiceBus, ServiceBusConfig, SessionFilter, TokenKind, TokenSource,

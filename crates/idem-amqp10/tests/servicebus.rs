@@ -422,7 +422,8 @@ async fn retention_must_cover_lock_duration_times_max_delivery_count() {
 }
 
 /// Against a real namespace when `IDEM_TEST_SERVICEBUS_CONNECTION` (with `EntityPath`, a queue
-/// the test may drain) is set: connects, authorises and receives for a few seconds.
+/// the test may drain) is set: connects, authorises and receives for a few seconds, then reads
+/// the queue's dead-letter sub-queue twice (the same letters both times).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_service_bus_when_configured() {
     let Ok(connection) = std::env::var("IDEM_TEST_SERVICEBUS_CONNECTION") else {
@@ -442,6 +443,13 @@ async fn real_service_bus_when_configured() {
         .unwrap();
     println!("real Service Bus: {r}");
     c.close().await.unwrap();
+    // Its dead-letter sub-queue, read as `idem dlq` reads it (taken, then given back).
+    let dlq = idem_amqp10::Amqp10DeadLetters::for_service_bus(&sb.entity().unwrap());
+    let letters = idem_core::dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
+    println!("real Service Bus dead letters (first 10): {}", letters.len());
+    let again = idem_core::dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
+    let ids = |ls: &[idem_core::dlq::Letter]| ls.iter().map(|l| l.id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&letters), ids(&again), "a read changed the dead-letter sub-queue");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@ mod bench_sql;
 mod chaos;
 mod connect;
 mod demo;
+mod dlq;
 mod ops;
 mod relay;
 mod scrub;
@@ -82,6 +83,13 @@ enum Command {
     /// RabbitMQ, NATS JetStream, Redis Streams or Kafka, at least once, each message under its
     /// stable id; or show the outbox's counts, or retry parked rows.
     Relay(relay::RelayArgs),
+    /// Dead letters: list them grouped by cause, show one with its store record, replay them
+    /// by the rules (a conflict never under its key) or purge them, on any broker.
+    #[command(long_about = dlq::ABOUT)]
+    Dlq {
+        #[command(subcommand)]
+        command: dlq::DlqCommand,
+    },
     /// Serve the claim API (HTTP/JSON) over a store for services in any language, and push
     /// each new message of configured queues to an application endpoint.
     #[command(long_about = serve::ABOUT)]
@@ -149,6 +157,7 @@ async fn main() -> std::process::ExitCode {
         }
         Command::Relay(args) => relay::run(args).await.map(|()| 0),
         Command::Serve(args) => serve::run(args).await.map(|()| 0),
+        Command::Dlq { command } => dlq::run(command).await.map(|()| 0),
     };
     match result {
         Ok(code) => std::process::ExitCode::from(code),

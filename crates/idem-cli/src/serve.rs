@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use crate::connect;
 
+mod console;
 mod push;
 
 /// `idem serve --help`.
@@ -26,7 +27,13 @@ loopback listener.
 
 Routes: /v1/claims, /v1/complete, /v1/release, /v1/fail, /v1/extend (and /batch forms), \
 /v1/records, /v1/stats, /v1/purge; /healthz, /readyz, /metrics, /openapi.json (the API's OpenAPI \
-3.1 document). Logs go to stderr (RUST_LOG, default info; --log-format json for one JSON object \
+3.1 document).
+
+--console (or [console] enabled = true) adds the operator console at /console: the store's counts \
+and in-doubt leases, the dead letters of each push consumer (and of [[console.dead_letters]]) \
+grouped by cause with replay / discard / purge, an outbox ([console] outbox = …) and live charts. \
+Operators log in with an API token and see only its scopes; [console] read_only = true allows no \
+action. Logs go to stderr (RUST_LOG, default info; --log-format json for one JSON object \
 per line). SIGTERM or Ctrl-C stops accepting, finishes open requests and in-flight pushes, and \
 exits 0.";
 
@@ -39,6 +46,9 @@ pub(crate) struct ServeArgs {
     /// `text` (default) or `json`: one JSON object per log line, for log shippers.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
     pub(crate) log_format: String,
+    /// Serve the operator console at /console (as `[console] enabled = true` does).
+    #[arg(long)]
+    console: bool,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -55,8 +65,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => ServeConfig::empty(),
     };
     config.apply_env(env);
+    config.console.enabled |= args.console;
     let tokens = config.tokens(env)?;
     config.check_push()?;
+    config.check_console()?;
     let tls = match &config.tls {
         Some(files) => {
             let read =
@@ -76,7 +88,9 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None
     };
     let url = config.store_url(env)?;
-    let serve = Serve { config: &config, tokens, tls, listener, metrics };
+    let console =
+        if config.console.enabled { Some(console::build(&config, env).await?) } else { None };
+    let serve = Serve { config: &config, tokens, tls, listener, metrics, console };
     match url.split_once("://").map(|(scheme, _)| scheme) {
         Some("postgres" | "postgresql") => {
             let pool =
@@ -139,6 +153,7 @@ struct Serve<'a> {
     tls: Option<idem_serve::tokio_rustls::TlsAcceptor>,
     listener: tokio::net::TcpListener,
     metrics: Option<idem_serve::MetricsRender>,
+    console: Option<idem_serve::console::Console>,
 }
 
 impl Serve<'_> {
@@ -166,11 +181,17 @@ impl Serve<'_> {
             tokens = self.tokens.len(),
             anonymous = self.tokens.is_anonymous(),
             push = self.config.push.len(),
+            console = self.console.is_some(),
             "idem serve listening"
         );
         // The line tests and supervisors wait for (stdout, flushed).
         println!("listening on {}://{addr}", if self.tls.is_some() { "https" } else { "http" });
-        let app = idem_serve::router(store, self.tokens, self.metrics);
+        let app = match self.console {
+            Some(console) => {
+                idem_serve::router_with_console(store, self.tokens, self.metrics, console)
+            }
+            None => idem_serve::router(store, self.tokens, self.metrics),
+        };
         let mut stop = stop_rx.clone();
         let server = tokio::spawn(idem_serve::serve(app, self.listener, self.tls, async move {
             let _ = stop.wait_for(|s| *s).await;

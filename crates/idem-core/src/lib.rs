@@ -12,6 +12,7 @@
 //! - [`RedeliveryWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
+//! - [`dlq`]: dead letters read back, replayed by the rules (a conflict never under its key).
 //! - [`redact`]: addresses and connection strings shown without their secrets.
 //! - [`telemetry`]: the metrics every consumer emits, and [`describe_metrics`] for exporters.
 //!
@@ -22,6 +23,7 @@ mod chain;
 pub mod claim;
 pub mod consumer;
 pub mod decide;
+pub mod dlq;
 pub mod engine;
 pub mod extract;
 pub mod fingerprint;

@@ -190,7 +190,7 @@ fn check_config(config: &ClientConfig) -> Result<(), Error> {
 /// addresses, the client id, every security, SASL and SSL setting (credentials included), and
 /// the socket and connection-lifetime settings (a load balancer that drops idle connections,
 /// as Azure's does after 240 s, drops the producer's too).
-fn connection_config(config: &ClientConfig) -> ClientConfig {
+pub(crate) fn connection_config(config: &ClientConfig) -> ClientConfig {
     const EXACT: [&str; 5] = [
         "bootstrap.servers",
         "client.id",

@@ -160,6 +160,7 @@
 
 mod config;
 mod delivery;
+mod dlq;
 mod error;
 #[cfg(feature = "event-hubs")]
 pub mod event_hubs;
@@ -174,6 +175,7 @@ mod tracker;
 
 pub use config::KafkaConfig;
 pub use delivery::{Delivery, MSG_ID_HEADER};
+pub use dlq::KafkaDeadLetters;
 pub use error::Error;
 #[cfg(feature = "event-hubs")]
 pub use event_hubs::EventHubsConfig;

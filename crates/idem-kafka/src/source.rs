@@ -193,14 +193,12 @@ impl KafkaSource {
         for (k, v) in d.headers() {
             hs = hs.insert(Header { key: k, value: Some(v) });
         }
-        let [reason, outcome, scope] = dl.headers();
-        for (k, v) in [
-            (reason.0, reason.1.as_str()),
-            (outcome.0, outcome.1.as_str()),
-            (scope.0, scope.1.as_str()),
-            (headers::SOURCE, d.topic()),
-            (headers::POSITION, position.as_str()),
-        ] {
+        let idem = dl.headers();
+        for (k, v) in idem
+            .iter()
+            .map(|(k, v)| (*k, v.as_str()))
+            .chain([(headers::SOURCE, d.topic()), (headers::POSITION, position.as_str())])
+        {
             hs = hs.insert(Header { key: k, value: Some(v.as_bytes()) });
         }
         let mut rec: FutureRecord<'_, [u8], [u8]> =

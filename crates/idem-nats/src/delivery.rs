@@ -9,6 +9,15 @@ use idem_core::extract::Envelope;
 /// The `Nats-Msg-Id` header: the producer's message id, and JetStream's own publish dedup id.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
+/// Whether `name` is one of the server's `Nats-*` headers: an instruction for the publish that
+/// carried it (`Nats-Expected-Stream`, `Nats-Expected-Last-Sequence`, `Nats-Rollup`,
+/// `Nats-TTL`, `Nats-Msg-Id`), which the stream stores with the message. Sent again on another
+/// publish it would be obeyed there: a copy refused (wrong stream or sequence), a subject
+/// purged, an expiry set. Copies made by idem leave them out.
+pub(crate) fn is_server_header(name: &str) -> bool {
+    name.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("Nats-"))
+}
+
 /// A message fetched from a pull consumer. Cheap to clone (shared): each handler gets its own
 /// copy; only the adapter can ack it.
 ///

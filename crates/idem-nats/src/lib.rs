@@ -68,7 +68,8 @@
 //! with the common layout of a stream on `orders.>`, `orders.dlq` would be captured by the
 //! consumed stream and fetched again as a new message (the source refuses it when it opens,
 //! [`Error::DeadLetterLoop`]); `dlq.orders`, on a stream of its own, is not. See
-//! [`JetStreamConfig`] for what the check covers.
+//! [`JetStreamConfig`] for what the check covers. [`JetStreamDeadLetters`] reads them back,
+//! replays and removes them (`idem dlq`, the console).
 //!
 //! # Producer duplicates and JetStream's own window
 //! JetStream drops a publish whose `Nats-Msg-Id` it saw within the stream's
@@ -105,6 +106,7 @@
 pub mod compat;
 mod config;
 mod delivery;
+mod dlq;
 mod error;
 mod publish;
 mod source;
@@ -115,6 +117,7 @@ pub use async_nats;
 pub use compat::redelivery_window;
 pub use config::JetStreamConfig;
 pub use delivery::{Delivery, MSG_ID_HEADER};
+pub use dlq::JetStreamDeadLetters;
 pub use error::Error;
 pub use publish::{JetStreamPublisher, Refused};
 pub use source::JetStreamSource;

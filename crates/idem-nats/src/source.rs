@@ -11,7 +11,7 @@ use idem_core::consumer::{DeadLetter, Source, headers};
 use idem_core::engine::Verb;
 use idem_core::extract::Envelope;
 
-use crate::delivery::MSG_ID_HEADER;
+use crate::delivery::{MSG_ID_HEADER, is_server_header};
 use crate::{Delivery, Error};
 
 /// A JetStream pull consumer, opened (see [`JetStreamConfig`](crate::JetStreamConfig)).
@@ -113,7 +113,8 @@ impl JetStreamSource {
         if let Some(orig) = d.headers() {
             for (k, vs) in orig.iter() {
                 let name: &str = k.as_ref();
-                if name.eq_ignore_ascii_case(MSG_ID_HEADER) {
+                // The message id goes on as idem-original-message-id, below.
+                if is_server_header(name) {
                     continue;
                 }
                 for v in vs {

@@ -14,7 +14,8 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PullConsumer;
 use common::{DUP_WINDOW, Env};
 use idem_core::consumer::headers;
-use idem_nats::{JetStreamConfig, JetStreamSource};
+use idem_core::dlq::{DlqError, OnConflict, Workbench};
+use idem_nats::{JetStreamConfig, JetStreamDeadLetters, JetStreamSource};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 
@@ -108,3 +109,72 @@ async fn harness(_name: &str) -> Option<Harness> {
 
 idem_testkit::source_conformance!(harness);
 idem_testkit::crash_conformance!(Harness, harness, postgres);
+
+/// The dead-letter workbench through the real consumer: read back, replay by the rules (a
+/// conflict refused, then accepted as new), replayed twice, purged.
+#[tokio::test]
+async fn workbench() {
+    let Some(h) = harness("workbench").await else { return };
+    let queue = JetStreamDeadLetters::new(
+        h.env.js.clone(),
+        h.env.dlq_stream.clone(),
+        h.env.dlq_subject.clone(),
+    );
+    idem_testkit::dlq::workbench(h, queue).await;
+}
+
+/// A replay whose message id the destination stream still holds in its duplicate window would
+/// be dropped by JetStream: it fails, and the dead letter stays.
+#[tokio::test]
+async fn a_replay_inside_the_duplicate_window_is_not_published() {
+    let Some(url) = common::nats_url() else { return };
+    let env = Env::with_duplicate_window(&url, Duration::from_secs(120)).await;
+    let source = format!("{}.m", env.subject);
+    env.publish("x-1", b"{}").await;
+    let mut h = async_nats::HeaderMap::new();
+    for (k, v) in [
+        (headers::ORIGINAL_MESSAGE_ID, "x-1"),
+        (headers::OUTCOME, "failed_permanent"),
+        (headers::REASON, "declined"),
+        (headers::KEY, "x-1"),
+        (headers::SCOPE, "s"),
+        (headers::SOURCE, source.as_str()),
+        ("Nats-Msg-Id", "idem-dlq:T:1"),
+    ] {
+        h.insert(k, v);
+    }
+    env.js
+        .publish_with_headers(env.dlq_subject.clone(), h, b"{}".to_vec().into())
+        .await
+        .expect("dead letter")
+        .await
+        .expect("dead letter ack");
+    let queue = JetStreamDeadLetters::new(env.js.clone(), &env.dlq_stream, &env.dlq_subject);
+    let bench = Workbench::new(&queue);
+    let letters = bench.list(10).await.expect("list");
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].message_id.as_deref(), Some("x-1"));
+    assert!(letters[0].header("Nats-Msg-Id").is_none(), "{letters:?}");
+
+    let err = bench.replay(&letters, OnConflict::Refuse).await.expect_err("a dropped replay");
+    match &err {
+        DlqError::NotPublished { letter, why } => {
+            assert_eq!(letter, &letters[0].id);
+            assert!(why.contains("duplicate window") && why.contains("x-1"), "{why}");
+        }
+        other => panic!("expected NotPublished, got {other:?}"),
+    }
+    assert_eq!(bench.list(10).await.expect("list").len(), 1, "the dead letter was removed");
+    let stored = env
+        .js
+        .get_stream(&env.name)
+        .await
+        .expect("stream")
+        .info()
+        .await
+        .expect("info")
+        .state
+        .messages;
+    assert_eq!(stored, 1, "the replay was stored after all");
+    env.cleanup().await;
+}

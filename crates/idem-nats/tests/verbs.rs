@@ -248,3 +248,57 @@ async fn run_processes_until_shutdown_and_finishes_its_batch() {
     assert_eq!((report.processed, report.acked, report.fetched), (50, 50, 50), "{report}");
     env.cleanup().await;
 }
+
+/// A producer's `Nats-*` headers are instructions to the server for that one publish
+/// (`Nats-Expected-Stream`, `Nats-Expected-Last-Sequence`, `Nats-Rollup`, `Nats-TTL`): the
+/// stream stores them, and copying them onto the dead-letter publish made the dead-letter
+/// stream refuse it (wrong stream, wrong sequence), so such a message could never leave.
+#[tokio::test]
+async fn server_instructions_stay_off_the_dead_letter_copy() {
+    let Some(url) = nats_url() else { return };
+    let env = Env::new(&url).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pull = env.consumer("guarded", Duration::from_secs(30), 3).await;
+    let nats =
+        JetStreamConsumer::builder(JetStreamConfig::new(env.js.clone(), pull, &env.dlq_subject))
+            .store(store(&dir).await)
+            .scope("guarded")
+            .build()
+            .await
+            .expect("adapter");
+
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Nats-Msg-Id", "guarded-1");
+    h.insert("Nats-Expected-Stream", env.name.as_str());
+    h.insert("Nats-Expected-Last-Sequence", "0");
+    h.insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    env.js
+        .publish_with_headers(format!("{}.m", env.subject), h, b"{}".to_vec().into())
+        .await
+        .expect("publish")
+        .await
+        .expect("the guarded publish is stored");
+
+    let handler = |_ctx, _d: idem_nats::Delivery| async {
+        Err::<(), _>(HandlerError::Permanent("malformed order".to_owned()))
+    };
+    let mut total = Report::default();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while total.dead_lettered < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "never dead-lettered: {total}");
+        total += nats.poll(handler).await.expect("poll");
+    }
+    let dl = env.dead_letters().await;
+    assert_eq!(dl.len(), 1, "one dead letter");
+    let copy = &dl[0];
+    assert_eq!(header(copy, headers::ORIGINAL_MESSAGE_ID), Some("guarded-1"));
+    assert_eq!(
+        header(copy, "traceparent"),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        "the message's own headers are kept"
+    );
+    for gone in ["Nats-Expected-Stream", "Nats-Expected-Last-Sequence"] {
+        assert!(header(copy, gone).is_none(), "{gone} copied onto the dead letter");
+    }
+    env.cleanup().await;
+}

@@ -153,7 +153,7 @@ pub use publish::{Refused, StreamPublisher};
 #[doc(hidden)]
 pub use store::ClockOffset;
 pub use store::{MAX_RESULT_BYTES, RedisConnection, RedisStore, RedisStoreBuilder, ServerSettings};
-pub use stream::{Delivery, GROUP_FIELD, StreamConfig, StreamSource};
+pub use stream::{Delivery, GROUP_FIELD, StreamConfig, StreamDeadLetters, StreamSource};
 #[cfg(feature = "rustls")]
 pub use tls::install_crypto_provider;
 

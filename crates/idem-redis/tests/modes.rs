@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use common::{Cleanup, group_state};
 use idem_core::consumer::headers;
-use idem_redis::{GROUP_FIELD, StreamConfig, StreamSource};
+use idem_core::dlq::DeadLetterQueue;
+use idem_redis::{GROUP_FIELD, StreamConfig, StreamDeadLetters, StreamSource};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 use redis::aio::ConnectionLike;
@@ -54,7 +55,6 @@ struct Harness {
     server: Server,
     stream: String,
     group: String,
-    published: AtomicUsize,
     /// Consumers made so far: each gets a name of its own (`<pid>-<n>`).
     consumers: AtomicUsize,
     /// Deletes the stream's keys when dropped (the parent's only).
@@ -70,7 +70,6 @@ impl SourceHarness for Harness {
             let mut xadd = redis::cmd("XADD");
             xadd.arg(&self.stream).arg("*").arg("message_id").arg(id).arg("payload").arg(body);
             let _: String = self.server.query(&xadd).await;
-            self.published.fetch_add(1, Ordering::SeqCst);
         })
     }
 
@@ -90,7 +89,8 @@ impl SourceHarness for Harness {
 
     fn settled(&self) -> BoxFuture<'_, bool> {
         Box::pin(async {
-            let n = self.published.load(Ordering::SeqCst);
+            // Every entry of the stream, those a dead-letter replay added included.
+            let n: usize = self.server.query(redis::cmd("XLEN").arg(&self.stream)).await;
             let state = match &self.server {
                 Server::One(_, c) => group_state(&mut c.clone(), &self.stream, &self.group).await,
                 Server::Cluster(_, c) => {
@@ -144,8 +144,8 @@ impl CrashHarness for Harness {
 impl Harness {
     async fn on(url: String, stream: String, group: String, cleanup: Option<Cleanup>) -> Self {
         let server = Server::connect(&url).await;
-        let (published, consumers) = (AtomicUsize::new(0), AtomicUsize::new(0));
-        Self { url, server, stream, group, published, consumers, _cleanup: cleanup }
+        let consumers = AtomicUsize::new(0);
+        Self { url, server, stream, group, consumers, _cleanup: cleanup }
     }
 
     /// A fresh stream on `url` (one server, or node URLs joined by commas); on a cluster its
@@ -174,7 +174,7 @@ async fn two_phase_on_the_redis_store() {
 
 /// Both suites on the Redis Cluster, and two-phase over the `RedisStore` on it.
 mod cluster {
-    use super::{Harness, common};
+    use super::{Harness, common, workbench_on};
 
     async fn harness(name: &str) -> Option<Harness> {
         Some(Harness::fresh(common::cluster_urls()?.join(","), name).await)
@@ -190,4 +190,26 @@ mod cluster {
         let (store, _offset, _cleanup) = common::cluster_store(&urls, "modes-2p", true).await;
         idem_testkit::source::two_phase_on(h, store).await;
     }
+
+    /// The workbench with the dead-letter stream and the consumed stream on the cluster.
+    #[tokio::test]
+    async fn workbench() {
+        let Some(h) = harness("workbench").await else { return };
+        workbench_on(h).await;
+    }
+}
+
+/// The dead-letter workbench on `h`'s default dead-letter stream, through the real consumer.
+async fn workbench_on(h: Harness) {
+    let queue: Box<dyn DeadLetterQueue> = match &h.server {
+        Server::One(_, c) => Box::new(StreamDeadLetters::for_source(c.clone(), &h.stream)),
+        Server::Cluster(_, c) => Box::new(StreamDeadLetters::for_source(c.clone(), &h.stream)),
+    };
+    idem_testkit::dlq::workbench(h, queue).await;
+}
+
+#[tokio::test]
+async fn workbench() {
+    let Some(h) = harness("workbench").await else { return };
+    workbench_on(h).await;
 }

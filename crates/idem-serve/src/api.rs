@@ -50,9 +50,16 @@ pub fn router<S: DedupStore + InspectStore>(
     tokens: Tokens,
     metrics: Option<MetricsRender>,
 ) -> Router {
-    let state = AppState { store: Arc::new(store), tokens: Arc::new(tokens), metrics };
-    http_routes(state.clone())
-        .route_service("/idem.v1.Claims/{*method}", crate::grpc::service(state))
+    assemble(AppState { store: Arc::new(store), tokens: Arc::new(tokens), metrics }, None)
+}
+
+/// The API's routes, with `extra` routes (the console's) beside them.
+pub(crate) fn assemble(state: AppState, extra: Option<Router>) -> Router {
+    let mut app = http_routes(state.clone());
+    if let Some(extra) = extra {
+        app = app.merge(extra);
+    }
+    app.route_service("/idem.v1.Claims/{*method}", crate::grpc::service(state))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
 }
 

@@ -207,6 +207,11 @@ impl Caller {
         &self.name
     }
 
+    /// The scopes it may use (the console lists exactly these).
+    pub(crate) fn scopes(&self) -> &Scopes {
+        &self.scopes
+    }
+
     /// Refuses a scope the token is not allowed.
     ///
     /// # Errors

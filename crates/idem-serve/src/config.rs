@@ -24,6 +24,19 @@
 //! dead_letter = "orders.dlq"
 //! scope = "orders"
 //! endpoint = "http://127.0.0.1:8080/orders"
+//!
+//! [console]                          # optional: the operator console at /console
+//! enabled = true                     # or `idem serve --console`
+//! read_only = false                  # true: no action at all (every action answers 403)
+//! session_minutes = 480              # how long a login lasts
+//! # push_dead_letters = true         # show each [[push]]'s dead letters (default)
+//! # outbox = "/var/lib/app/app.db"   # an outbox to show (SQLite file, postgres://, mysql://)
+//!
+//! [[console.dead_letters]]           # more dead letters to show, besides push consumers'
+//! name = "payments"
+//! broker = "nats://127.0.0.1:4222"   # or broker_env
+//! queue = "PAYMENTS"                 # the queue, stream, subject or topic consumed
+//! # dead_letter = "payments.dlq"     # where they are, when not idem's default for the queue
 //! ```
 //!
 //! `IDEM_SERVE_TOKENS` adds tokens without a file: entries `name:scope,scope:secret`, separated
@@ -61,6 +74,75 @@ pub struct ServeConfig {
     /// Push-mode consumers.
     #[serde(default)]
     pub push: Vec<PushConfig>,
+    /// The operator console.
+    #[serde(default)]
+    pub console: ConsoleConfig,
+}
+
+/// The operator console at `/console` (off unless `enabled`, or `idem serve --console`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ConsoleConfig {
+    /// Serve the console.
+    #[serde(default)]
+    pub enabled: bool,
+    /// No action at all: pages only, and every action answers `403`.
+    #[serde(default)]
+    pub read_only: bool,
+    /// How long a login lasts, in minutes (default 480; 1 to 10080).
+    #[serde(default = "default_session_minutes")]
+    pub session_minutes: u64,
+    /// Show the dead letters of each `[[push]]` consumer, under its name (default true).
+    #[serde(default = "yes")]
+    pub push_dead_letters: bool,
+    /// More dead letters to show.
+    #[serde(default)]
+    pub dead_letters: Vec<DeadLettersConfig>,
+    /// An outbox to show: a SQLite file, or a `postgres://` or `mysql://` URL.
+    #[serde(default)]
+    pub outbox: Option<String>,
+    /// The environment variable holding the outbox's URL.
+    #[serde(default)]
+    pub outbox_env: Option<String>,
+    /// The outbox's table (default `idem_outbox`; PostgreSQL: in `store.schema`).
+    #[serde(default = "default_outbox_table")]
+    pub outbox_table: String,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            read_only: false,
+            session_minutes: default_session_minutes(),
+            push_dead_letters: true,
+            dead_letters: Vec::new(),
+            outbox: None,
+            outbox_env: None,
+            outbox_table: default_outbox_table(),
+        }
+    }
+}
+
+/// Dead letters the console shows: those of consumers reading `queue` on `broker`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct DeadLettersConfig {
+    /// Names them on the pages and in URLs.
+    pub name: String,
+    /// The broker's URL, as for `[[push]]`.
+    #[serde(default)]
+    pub broker: Option<String>,
+    /// The environment variable holding the broker's URL.
+    #[serde(default)]
+    pub broker_env: Option<String>,
+    /// The queue, stream, subject or topic the consumers read.
+    pub queue: String,
+    /// Where the dead letters are, when not idem's default for `queue`.
+    #[serde(default)]
+    pub dead_letter: Option<String>,
 }
 
 /// PEM files of the listener's certificate chain and key.
@@ -216,6 +298,12 @@ fn default_table() -> String {
 }
 fn default_prefix() -> String {
     "default".to_owned()
+}
+fn default_outbox_table() -> String {
+    "idem_outbox".to_owned()
+}
+const fn default_session_minutes() -> u64 {
+    480
 }
 fn default_key() -> String {
     "message_id".to_owned()
@@ -377,6 +465,63 @@ impl ServeConfig {
         Ok(Tokens::new(tokens)?)
     }
 
+    /// The console's outbox URL (from `console.outbox` or `console.outbox_env`), if any.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] when the variable is unset.
+    pub fn console_outbox_url(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, ConfigError> {
+        match (&self.console.outbox, &self.console.outbox_env) {
+            (Some(u), _) => Ok(Some(u.clone())),
+            (None, Some(var)) => env(var).map(Some).ok_or_else(|| {
+                invalid("console.outbox_env", format!("the environment variable {var} is not set"))
+            }),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// Checks the console's settings.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad field.
+    pub fn check_console(&self) -> Result<(), ConfigError> {
+        let c = &self.console;
+        if c.session_minutes == 0 || c.session_minutes > 10_080 {
+            return Err(invalid("console.session_minutes", "must be 1 to 10080 (a week)"));
+        }
+        if c.outbox.is_some() && c.outbox_env.is_some() {
+            return Err(invalid("console.outbox", "give at most one of outbox and outbox_env"));
+        }
+        let mut names: BTreeSet<&str> = BTreeSet::new();
+        if c.push_dead_letters {
+            names.extend(self.push.iter().map(|p| p.name.as_str()));
+        }
+        for (i, d) in c.dead_letters.iter().enumerate() {
+            let at = |f: &str| format!("console.dead_letters[{i}].{f}");
+            if d.name.is_empty() || d.name.len() > 100 || d.name.chars().any(char::is_control) {
+                return Err(invalid(at("name"), "must be 1 to 100 printable characters"));
+            }
+            if !names.insert(d.name.as_str()) {
+                return Err(invalid(
+                    at("name"),
+                    format!(
+                        "{:?} is used twice (push consumers' dead letters go by their name)",
+                        d.name
+                    ),
+                ));
+            }
+            if d.broker.is_some() == d.broker_env.is_some() {
+                return Err(invalid(at("broker"), "give exactly one of broker and broker_env"));
+            }
+            if d.queue.is_empty() {
+                return Err(invalid(at("queue"), "must not be empty"));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the push consumers' settings.
     ///
     /// # Errors
@@ -444,6 +589,9 @@ mod tests {
             .join("\n");
         let c = ServeConfig::from_toml(&text).expect("parses");
         c.check_push().expect("valid push");
+        c.check_console().expect("valid console");
+        assert!(c.console.enabled);
+        assert_eq!(c.console.dead_letters[0].queue, "PAYMENTS");
         let e = env(&[
             ("IDEM_STORE", "postgres://x"),
             ("IDEM_TOKEN_ORDERS", "0123456789abcdef-orders"),
@@ -475,6 +623,31 @@ mod tests {
         assert!(c.tokens(env(&[])).is_err());
         c.listen = "[::1]:7700".into();
         assert!(c.tokens(env(&[])).is_ok());
+    }
+
+    #[test]
+    fn console_names_are_unique_and_brokers_given_once() {
+        let push = "[[push]]\nname='orders'\nbroker='redis://x'\nsource='s'\ndead_letter='d'\n\
+                    scope='s'\nendpoint='http://x'\n";
+        let twice = format!(
+            "{push}[console]\nenabled=true\n[[console.dead_letters]]\nname='orders'\n\
+             broker='redis://x'\nqueue='q'\n"
+        );
+        let err =
+            ServeConfig::from_toml(&twice).expect("parses").check_console().expect_err("twice");
+        assert!(err.to_string().contains("console.dead_letters[0].name"), "{err}");
+        let off = twice.replace("enabled=true", "enabled=true\npush_dead_letters=false");
+        ServeConfig::from_toml(&off).expect("parses").check_console().expect("no clash");
+        let no_broker = "[[console.dead_letters]]\nname='a'\nqueue='q'\n";
+        let err =
+            ServeConfig::from_toml(no_broker).expect("parses").check_console().expect_err("broker");
+        assert!(err.to_string().contains("broker"), "{err}");
+        let c = ServeConfig::from_toml("[console]\noutbox_env='OUTBOX'").expect("parses");
+        assert!(c.console_outbox_url(env(&[])).is_err());
+        assert_eq!(
+            c.console_outbox_url(env(&[("OUTBOX", "/tmp/o.db")])).expect("url").as_deref(),
+            Some("/tmp/o.db")
+        );
     }
 
     #[test]

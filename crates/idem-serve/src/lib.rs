@@ -16,6 +16,8 @@
 //! - [`wire`]: the JSON bodies; [`openapi::ApiDoc`]: the OpenAPI 3.1 document derived from them
 //!   (served at `/openapi.json`).
 //! - [`config`]: `idem serve`'s TOML configuration.
+//! - [`console`]: the operator console (store, dead letters, outbox, live charts) at
+//!   `/console`, mounted by [`router_with_console`].
 //!
 //! ```no_run
 //! use idem_serve::{Scopes, Token, Tokens};
@@ -31,6 +33,7 @@
 mod api;
 mod auth;
 pub mod config;
+pub mod console;
 mod dynstore;
 mod error;
 pub mod grpc;
@@ -43,6 +46,7 @@ pub mod wire;
 
 pub use api::{METRICS, MetricsRender, router};
 pub use auth::{Caller, MIN_SECRET_LEN, Scopes, Token, TokenError, Tokens};
+pub use console::router_with_console;
 pub use error::ApiError;
 pub use push::{DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};
 pub use remote::{DEFAULT_TIMEOUT, RemoteError, RemoteStore, RemoteStoreBuilder};

@@ -26,6 +26,8 @@ pub mod bare;
 pub mod cases;
 #[cfg(feature = "source")]
 pub mod crash;
+#[cfg(feature = "source")]
+pub mod dlq;
 pub mod faults;
 pub mod inbox;
 pub mod linearize;
@@ -179,6 +181,7 @@ macro_rules! dedup_store_conformance {
             claim_many_in_order_with_repeats,
             claim_many_mixed_states_match_single_claims,
             claim_many_large_batch,
+            complete_many_tells_a_spent_lease_it_is_lost,
             failed_is_reclaimable_in_doubt_is_not,
             force_release_fences_the_holder,
             force_fail_fences_the_holder,

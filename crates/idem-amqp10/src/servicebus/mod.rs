@@ -231,6 +231,11 @@ impl ServiceBusConfig {
         Self { base, settings }
     }
 
+    /// The connection settings and the entity path, for [`Amqp10DeadLetters`](crate::Amqp10DeadLetters).
+    pub(crate) fn base(&self) -> &Amqp10Config {
+        &self.base
+    }
+
     /// The entity's `LockDuration` (default 60 s).
     pub fn lock_duration(mut self, lock: Duration) -> Self {
         self.settings.lock_duration = lock;

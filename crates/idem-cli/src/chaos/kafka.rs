@@ -7,17 +7,18 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow};
-use idem::kafka::KafkaPublisher;
+use idem::dlq::DeadLetterQueue as _;
 use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem::kafka::rdkafka::client::DefaultClientContext;
 use idem::kafka::rdkafka::config::ClientConfig;
 use idem::kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
-use idem::kafka::rdkafka::{Message as _, Offset, TopicPartitionList};
+use idem::kafka::rdkafka::{Offset, TopicPartitionList};
+use idem::kafka::{KafkaDeadLetters, KafkaPublisher};
 use idem::outbox::{OutboxMessage, Publisher};
 
-use super::broker::{BrokerUrl, KAFKA_GROUP};
+use super::broker::BrokerUrl;
 
-/// The consumer group every worker joins.
+/// Partitions of the run's topic (its dead-letter topic has one).
 const PARTITIONS: i32 = 3;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -53,7 +54,7 @@ async fn off_thread<T: Send + 'static>(
 pub(crate) struct KafkaAdmin {
     brokers: String,
     topic: String,
-    dead_letter: String,
+    dead_letter_queue: KafkaDeadLetters,
     publisher: KafkaPublisher,
 }
 
@@ -88,7 +89,8 @@ impl KafkaAdmin {
         // burst lands on one or two, which leaves the third untested.
         pc.set("sticky.partitioning.linger.ms", "0");
         let publisher = KafkaPublisher::with_config(&pc)?;
-        Ok(Self { brokers: brokers.to_owned(), topic, dead_letter, publisher })
+        let dead_letter_queue = KafkaDeadLetters::new(brokers, dead_letter)?;
+        Ok(Self { brokers: brokers.to_owned(), topic, dead_letter_queue, publisher })
     }
 
     pub(crate) async fn publish(
@@ -142,42 +144,16 @@ impl KafkaAdmin {
         .await
     }
 
-    /// The ids in the dead-letter topic, read from its start to its end.
+    /// The ids in the dead-letter topic, read from its start to its end as `idem dlq` reads
+    /// it (past a broker's short high watermark too).
     pub(crate) async fn dead_letters(&self) -> anyhow::Result<HashSet<String>> {
-        let (brokers, topic) = (self.brokers.clone(), self.dead_letter.clone());
-        off_thread("read the dead letters", move || {
-            let c: BaseConsumer = ClientConfig::new()
-                .set("bootstrap.servers", &brokers)
-                .set("group.id", format!("{KAFKA_GROUP}-reader"))
-                .set("enable.auto.commit", "false")
-                .create()?;
-            let (_, high) = c.fetch_watermarks(&topic, 0, TIMEOUT)?;
-            let mut ids = HashSet::new();
-            if high == 0 {
-                return Ok(ids);
-            }
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition_offset(&topic, 0, Offset::Beginning)?;
-            c.assign(&tpl)?;
-            let deadline = std::time::Instant::now() + TIMEOUT;
-            let mut next = 0;
-            while next < high && std::time::Instant::now() < deadline {
-                if let Some(m) = c.poll(Duration::from_millis(200)) {
-                    let m = m?;
-                    next = m.offset() + 1;
-                    if let Some(p) = m.payload() {
-                        ids.insert(super::broker::payload_id(p)?);
-                    }
-                }
-            }
-            anyhow::ensure!(next >= high, "the dead-letter topic was not read to its end");
-            Ok(ids)
-        })
-        .await
+        let letters = self.dead_letter_queue.read(usize::MAX).await?;
+        letters.iter().map(|l| super::broker::payload_id(&l.payload)).collect()
     }
 
     pub(crate) async fn delete(&self) -> anyhow::Result<()> {
-        let (b, t, d) = (self.brokers.clone(), self.topic.clone(), self.dead_letter.clone());
+        let (b, t) = (self.brokers.clone(), self.topic.clone());
+        let d = self.dead_letter_queue.topic().to_owned();
         off_thread("delete the topics", move || {
             let admin: AdminClient<DefaultClientContext> =
                 ClientConfig::new().set("bootstrap.servers", &b).create()?;

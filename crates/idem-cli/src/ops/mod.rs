@@ -1,7 +1,7 @@
 //! Operator verbs on any store (SQLite, PostgreSQL, MySQL/MariaDB, Redis): inspect, stats,
 //! purge, release, fail.
 
-mod show;
+pub(crate) mod show;
 mod store;
 
 use std::collections::BTreeMap;
@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use idem::{Counts, DedupKey, ListFilter, Record, RecordState};
 use serde_json::json;
 
-pub(crate) use store::StoreArgs;
+pub(crate) use store::{StoreArgs, StoreOptions};
 
 /// What `inspect` shows.
 #[derive(Debug, Clone, clap::Args)]

@@ -34,6 +34,37 @@ pub(crate) struct StoreArgs {
     prefix: String,
 }
 
+/// `--store` where a verb can do without one (`idem dlq show`: the record is extra).
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct StoreOptions {
+    /// The store the consumers use, to show the dead letter's record: a SQLite file, or a
+    /// postgres://, postgresql://, mysql://, mariadb:// or redis:// URL (or IDEM_STORE).
+    #[arg(long, value_name = "FILE|URL", env = "IDEM_STORE", hide_env_values = true)]
+    store: Option<String>,
+    /// PostgreSQL schema of the table.
+    #[arg(long, default_value = "idem")]
+    schema: String,
+    /// Table name (SQLite, PostgreSQL, MySQL/MariaDB).
+    #[arg(long, default_value = "idem_records")]
+    table: String,
+    /// Redis namespace: records live under `idem:{<prefix>}:`.
+    #[arg(long, visible_alias = "namespace", default_value = "default")]
+    prefix: String,
+}
+
+impl StoreOptions {
+    /// The store, when one was given.
+    pub(crate) fn args(&self) -> Option<StoreArgs> {
+        let store = self.store.clone()?;
+        Some(StoreArgs {
+            store,
+            schema: self.schema.clone(),
+            table: self.table.clone(),
+            prefix: self.prefix.clone(),
+        })
+    }
+}
+
 /// One of the four stores, behind the operations the operator verbs need.
 pub(crate) enum OpsStore {
     Sqlite(SqliteStore),

@@ -7,6 +7,8 @@ pub const REASON: &str = "idem-reason";
 pub const OUTCOME: &str = "idem-outcome";
 /// The consumer scope that dead-lettered it.
 pub const SCOPE: &str = "idem-scope";
+/// The message's dedup key within that scope, when it had a usable one.
+pub const KEY: &str = "idem-key";
 /// Where it was consumed from: queue, subject, topic or stream.
 pub const SOURCE: &str = "idem-source";
 /// Where in that source: stream sequence, `partition:offset`, entry id.

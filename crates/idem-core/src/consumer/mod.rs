@@ -449,13 +449,13 @@ impl<S: Source, B: Backend> Consumer<S, B> {
             let action = match o.verb() {
                 Verb::Ack | Verb::Release => Verb::Ack,
                 Verb::DeadLetter { reason } => {
-                    dead.push((i, self.dead_letter_of(o, reason)));
+                    dead.push((i, self.dead_letter_of(m, o, reason)));
                     Verb::Release
                 }
                 Verb::Retry { after } => match self.source.give_up(m) {
                     Some(why) => {
                         let reason = format!("{why}; last outcome {}: {}", o.kind(), describe(o));
-                        dead.push((i, self.dead_letter_of(o, reason)));
+                        dead.push((i, self.dead_letter_of(m, o, reason)));
                         Verb::Release
                     }
                     None => Verb::Retry { after },
@@ -553,8 +553,17 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         report.first_store_error = Some(first);
     }
 
-    fn dead_letter_of<T, E>(&self, o: &Outcome<T, E>, reason: String) -> DeadLetter {
-        DeadLetter::new(o.kind(), reason, self.engine.scope())
+    fn dead_letter_of<T, E>(
+        &self,
+        m: &S::Delivery,
+        o: &Outcome<T, E>,
+        reason: String,
+    ) -> DeadLetter {
+        let dl = DeadLetter::new(o.kind(), reason, self.engine.scope());
+        match self.engine.key_of(m) {
+            Ok(key) => dl.with_key(key.id()),
+            Err(_) => dl,
+        }
     }
 
     /// `fut`, or [`Error::BrokerTimeout`] once the broker timeout has passed.

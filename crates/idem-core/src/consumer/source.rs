@@ -171,11 +171,14 @@ pub struct DeadLetter {
     pub reason: String,
     /// The consumer's scope.
     pub scope: String,
+    /// The message's dedup key (its id within the scope), when it had a usable one.
+    pub key: Option<String>,
 }
 
 impl DeadLetter {
-    /// The three [`headers`](super::headers) every broker puts on the copy — reason (one line,
-    /// at most 1 KiB), outcome, scope — beside its own location headers.
+    /// The [`headers`](super::headers) every broker puts on the copy — reason (one line, at
+    /// most 1 KiB), outcome, scope and, when the message had one, its key — beside its own
+    /// location headers.
     ///
     /// ```
     /// use idem_core::consumer::{DeadLetter, headers};
@@ -185,18 +188,33 @@ impl DeadLetter {
     /// let h = dl.headers();
     /// assert_eq!(h[0], (headers::REASON, "key o-7 reused with other content".to_owned()));
     /// assert_eq!(h[1], (headers::OUTCOME, "conflict".to_owned()));
+    /// assert_eq!(h.len(), 3);
+    /// assert_eq!(dl.with_key("o-7").headers()[3], (headers::KEY, "o-7".to_owned()));
     /// ```
-    pub fn headers(&self) -> [(&'static str, String); 3] {
-        [
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = vec![
             (super::headers::REASON, super::headers::header_safe(&self.reason)),
             (super::headers::OUTCOME, self.outcome.as_str().to_owned()),
             (super::headers::SCOPE, super::headers::header_safe(&self.scope)),
-        ]
+        ];
+        // A key is at most 512 bytes, but may hold any character: a key a header cannot
+        // carry exactly is left out rather than changed.
+        if let Some(key) = self.key.as_deref().filter(|k| super::headers::header_safe(k) == *k) {
+            h.push((super::headers::KEY, key.to_owned()));
+        }
+        h
     }
 
     /// A dead letter for `outcome` with `reason`, in `scope`.
     pub fn new(outcome: OutcomeKind, reason: impl Into<String>, scope: impl Into<String>) -> Self {
-        Self { outcome, reason: reason.into(), scope: scope.into() }
+        Self { outcome, reason: reason.into(), scope: scope.into(), key: None }
+    }
+
+    /// The same, naming the message's dedup key.
+    #[must_use]
+    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
     }
 }
 

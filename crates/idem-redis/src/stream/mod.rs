@@ -19,11 +19,15 @@
 //! - **Delivery limit**: [`give_up`](idem_core::consumer::Source::give_up) answers once an entry's
 //!   delivery count reached [`max_deliveries`](StreamConfig::max_deliveries), so the consumer
 //!   dead-letters the retry that would have been one delivery too many.
+//! - **Dead letters read back**: [`StreamDeadLetters`] lists, replays and removes them
+//!   (`XRANGE`, `XADD` to the consumed stream, `XDEL`).
 
 mod config;
 mod delivery;
+mod dlq;
 mod source;
 
 pub use config::StreamConfig;
 pub use delivery::Delivery;
+pub use dlq::StreamDeadLetters;
 pub use source::{GROUP_FIELD, StreamSource};

@@ -1,0 +1,639 @@
+//! The dead-letter pages: each queue's letters grouped by cause, a group's letters, one letter
+//! with the store's record for its key; replay, accept as new, discard and purge by the rules of
+//! [`Workbench`].
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse as _, Redirect, Response};
+use idem_core::dlq::{DeadLetterQueue, Letter, OnConflict, ReplayReport, Workbench, group};
+use idem_core::{Fingerprint, consumer::headers};
+use serde::Deserialize;
+
+use super::html::{self, ConsoleError, Nav, enc, esc, utc};
+use super::session::{Action, Viewer};
+use super::{ConsoleState, MAX_SELECTED};
+use crate::auth::Caller;
+
+/// Sample letters linked from a group's row.
+const SAMPLES: usize = 3;
+/// Payload bytes shown on a letter's page.
+const MAX_PAYLOAD_SHOWN: usize = 64 << 10;
+/// The longest letter id an action takes.
+const MAX_ID: usize = 1024;
+
+type Queue = Arc<dyn DeadLetterQueue>;
+
+fn may_see(caller: &Caller, l: &Letter) -> bool {
+    match l.scope() {
+        Some(scope) => caller.may_use(scope).is_ok(),
+        None => caller.may_use_all("dead letters without a scope").is_ok(),
+    }
+}
+
+fn check_scope(caller: &Caller, l: &Letter) -> Result<(), ConsoleError> {
+    match l.scope() {
+        Some(scope) => caller.may_use(scope)?,
+        None => caller.may_use_all("dead letters without a scope")?,
+    }
+    Ok(())
+}
+
+/// The letters of `q` the viewer may see, and how many others were hidden.
+async fn visible(
+    s: &ConsoleState,
+    q: &Queue,
+    caller: &Caller,
+) -> Result<(Vec<Letter>, usize), ConsoleError> {
+    let all = Workbench::new(q.clone()).list(s.console.read_limit).await?;
+    let total = all.len();
+    let shown: Vec<Letter> = all.into_iter().filter(|l| may_see(caller, l)).collect();
+    let hidden = total - shown.len();
+    Ok((shown, hidden))
+}
+
+fn queue_url(name: &str) -> String {
+    format!("/console/dead-letters/{}", enc(name))
+}
+
+fn group_url(name: &str, group: &str) -> String {
+    format!("{}/groups/{}", queue_url(name), enc(group))
+}
+
+fn letter_url(name: &str, id: &str) -> String {
+    format!("{}/letter?id={}", queue_url(name), enc(id))
+}
+
+fn outcome_badge(outcome: &str) -> String {
+    let class = if outcome == "conflict" { "state conflict" } else { "state failed" };
+    format!("<span class=\"{class}\">{}</span>", esc(outcome))
+}
+
+/// The buttons acting on a whole group.
+fn group_actions(
+    s: &ConsoleState,
+    viewer: &Viewer,
+    name: &str,
+    gid: &str,
+    conflict: bool,
+) -> String {
+    if s.console.read_only {
+        return String::new();
+    }
+    let url = group_url(name, gid);
+    let act = |action: &str, label: &str, class: &str| {
+        html::button(viewer, &url, &[("target", "group"), ("action", action)], label, class)
+    };
+    if conflict {
+        // A conflict is never replayed under its key: only these two.
+        format!(
+            "{}{}",
+            act("discard", "Discard all", "danger"),
+            act("accept", "Accept all as new", "secondary")
+        )
+    } else {
+        format!("{}{}", act("replay", "Replay all", "primary"), act("purge", "Purge all", "danger"))
+    }
+}
+
+async fn queue_section(s: &ConsoleState, viewer: &Viewer, name: &str, q: &Queue) -> String {
+    let mut out = format!(
+        "<section class=\"queue\"><h2><a href=\"{}\">{}</a></h2><p class=\"hint\">{}</p>",
+        esc(&queue_url(name)),
+        esc(name),
+        esc(&q.describe())
+    );
+    let (letters, hidden) = match visible(s, q, &viewer.caller).await {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = write!(
+                out,
+                "<p class=\"error\">Could not read it: {}</p></section>",
+                esc(e.message())
+            );
+            return out;
+        }
+    };
+    let limit = s.console.read_limit;
+    let read = letters.len() + hidden;
+    let _ = write!(
+        out,
+        "<p><span class=\"count\" data-queue=\"{}\">{}</span> dead letters{}{}</p>",
+        esc(name),
+        letters.len(),
+        if read >= limit { format!(" (the oldest {limit} read)") } else { String::new() },
+        if hidden > 0 {
+            format!("; {hidden} of scopes this token may not use are hidden")
+        } else {
+            String::new()
+        },
+    );
+    if letters.is_empty() {
+        out.push_str("<p class=\"empty\">No dead letters.</p></section>");
+        return out;
+    }
+    out.push_str(
+        "<table class=\"groups\"><thead><tr><th>Scope</th><th>Outcome</th><th>Reason</th>\
+         <th>Count</th><th>Samples</th><th>Actions</th></tr></thead><tbody>",
+    );
+    for g in group(&letters) {
+        let gid = g.key.id();
+        let samples: String = g
+            .ids
+            .iter()
+            .take(SAMPLES)
+            .map(|id| {
+                format!(
+                    "<a class=\"mono\" href=\"{}\">{}</a> ",
+                    esc(&letter_url(name, id)),
+                    esc(id)
+                )
+            })
+            .collect();
+        let conflict = g.key.outcome == "conflict";
+        let _ = write!(
+            out,
+            "<tr data-group=\"{gid}\" data-outcome=\"{}\"><td>{}</td><td>{}</td><td>{}</td>\
+             <td class=\"n\">{}</td><td>{samples}</td><td class=\"actions\">\
+             <a href=\"{}\">Show letters</a> {}</td></tr>",
+            esc(&g.key.outcome),
+            esc(&g.key.scope),
+            outcome_badge(&g.key.outcome),
+            esc(&g.key.reason),
+            g.ids.len(),
+            esc(&group_url(name, &gid)),
+            group_actions(s, viewer, name, &gid, conflict),
+        );
+    }
+    out.push_str("</tbody></table>");
+    if letters.iter().any(Letter::is_conflict) {
+        out.push_str(
+            "<p class=\"hint\">A <strong>conflict</strong> (its key was already used by another \
+             payload) is never replayed under its key, where it would only conflict again: \
+             discard it, or accept it as a new message (a new message id derived from the old \
+             one and the payload).</p>",
+        );
+    }
+    out.push_str("</section>");
+    out
+}
+
+/// `GET /console/dead-letters`: every configured queue, grouped.
+pub(crate) async fn index(State(s): State<ConsoleState>, viewer: Viewer) -> Response {
+    let mut body = String::new();
+    if s.console.queues.is_empty() {
+        body.push_str(
+            "<p class=\"empty\">No dead-letter queue is configured. Push consumers' dead letters \
+             are shown by default; others are listed under <code>[[console.dead_letters]]</code> \
+             in the configuration.</p>",
+        );
+    }
+    for (name, q) in &s.console.queues {
+        body.push_str(&queue_section(&s, &viewer, name, q).await);
+    }
+    html::page(&s, &viewer, Nav::DeadLetters, "Dead letters", &body, &[])
+}
+
+fn find_queue<'a>(s: &'a ConsoleState, name: &str) -> Result<&'a Queue, ConsoleError> {
+    s.queue(name).ok_or_else(|| ConsoleError::not_found(format!("no dead-letter queue {name:?}")))
+}
+
+/// `GET /console/dead-letters/{queue}`: one queue, grouped.
+pub(crate) async fn queue(
+    State(s): State<ConsoleState>,
+    viewer: Viewer,
+    Path(name): Path<String>,
+) -> Result<Response, ConsoleError> {
+    let q = find_queue(&s, &name)?;
+    let body = queue_section(&s, &viewer, &name, q).await;
+    Ok(html::page(&s, &viewer, Nav::DeadLetters, &format!("Dead letters: {name}"), &body, &[]))
+}
+
+/// `GET /console/dead-letters/{queue}/groups/{group}`: a group's letters, to select from.
+pub(crate) async fn group_page(
+    State(s): State<ConsoleState>,
+    viewer: Viewer,
+    Path((name, gid)): Path<(String, String)>,
+) -> Result<Response, ConsoleError> {
+    let q = find_queue(&s, &name)?;
+    let (letters, _) = visible(&s, q, &viewer.caller).await?;
+    let letters: Vec<Letter> = letters.into_iter().filter(|l| l.in_group(&gid)).collect();
+    let mut body = format!("<p><a href=\"{}\">← {}</a></p>", esc(&queue_url(&name)), esc(&name));
+    let Some(first) = letters.first() else {
+        body.push_str("<p class=\"empty\">This group has no dead letters (any more).</p>");
+        return Ok(html::page(&s, &viewer, Nav::DeadLetters, "Dead-letter group", &body, &[]));
+    };
+    let key = first.group();
+    let conflict = first.is_conflict();
+    let _ = write!(
+        body,
+        "<dl class=\"facts\"><dt>Scope</dt><dd>{}</dd><dt>Outcome</dt><dd>{}</dd>\
+         <dt>Reason</dt><dd>{}</dd><dt>Letters</dt><dd>{}</dd></dl>",
+        esc(&key.scope),
+        outcome_badge(&key.outcome),
+        esc(&key.reason),
+        letters.len()
+    );
+    let read_only = s.console.read_only;
+    if !read_only {
+        let _ = write!(
+            body,
+            "<form method=\"post\" action=\"{}\" id=\"selection\">\
+             <input type=\"hidden\" name=\"csrf\" value=\"{}\">\
+             <input type=\"hidden\" name=\"target\" value=\"selected\">",
+            esc(&group_url(&name, &gid)),
+            esc(&viewer.csrf)
+        );
+    }
+    body.push_str("<table class=\"letters\"><thead><tr>");
+    if !read_only {
+        body.push_str("<th><span class=\"sr\">Select</span></th>");
+    }
+    body.push_str(
+        "<th>Letter</th><th>Message id</th><th>Key</th><th>Reason</th><th>Source</th>\
+         <th>Delivered</th></tr></thead><tbody>",
+    );
+    for l in &letters {
+        body.push_str("<tr>");
+        if !read_only {
+            let _ = write!(
+                body,
+                "<td><input type=\"checkbox\" name=\"id\" value=\"{}\" aria-label=\"Select {}\"></td>",
+                esc(&l.id),
+                esc(&l.id)
+            );
+        }
+        let _ = write!(
+            body,
+            "<td><a class=\"mono\" href=\"{}\">{}</a></td><td class=\"mono\">{}</td>\
+             <td class=\"mono\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            esc(&letter_url(&name, &l.id)),
+            esc(&l.id),
+            esc(l.message_id.as_deref().unwrap_or("")),
+            esc(l.key().unwrap_or("")),
+            esc(l.reason().unwrap_or("")),
+            esc(l.source().unwrap_or("")),
+            esc(l.header(headers::DELIVERED).unwrap_or("")),
+        );
+    }
+    body.push_str("</tbody></table>");
+    if !read_only {
+        body.push_str("<p class=\"actions\">Selected letters: ");
+        if conflict {
+            body.push_str(
+                "<button type=\"submit\" name=\"action\" value=\"discard\" class=\"danger\">Discard</button>\
+                 <button type=\"submit\" name=\"action\" value=\"accept\" class=\"secondary\">Accept as new</button>",
+            );
+        } else {
+            body.push_str(
+                "<button type=\"submit\" name=\"action\" value=\"replay\" class=\"primary\">Replay</button>\
+                 <button type=\"submit\" name=\"action\" value=\"purge\" class=\"danger\">Purge</button>",
+            );
+        }
+        let _ = write!(
+            body,
+            "</p></form><p class=\"actions\">Whole group: {}</p>",
+            group_actions(&s, &viewer, &name, &gid, conflict)
+        );
+    }
+    let title = format!("Dead letters: {name} · {}", key.outcome);
+    Ok(html::page(&s, &viewer, Nav::DeadLetters, &title, &body, &[]))
+}
+
+/// The query of a letter's page.
+#[derive(Debug, Deserialize)]
+pub(crate) struct LetterQuery {
+    id: String,
+}
+
+fn fingerprint_line(l: &Letter, stored: Option<Fingerprint>) -> String {
+    let bytes = Fingerprint::of_bytes(&l.payload);
+    let json = Fingerprint::of_json_bytes(&l.payload).ok();
+    match stored {
+        None => "the record keeps no fingerprint".into(),
+        Some(f) if f == bytes || Some(f) == json => {
+            "matches this payload (the same message was processed under this key)".into()
+        }
+        Some(_) => "differs from this payload's (bytes and canonical JSON): another payload \
+                    used this key"
+            .into(),
+    }
+}
+
+async fn record_section(s: &ConsoleState, viewer: &Viewer, l: &Letter) -> String {
+    let (Some(scope), Some(key)) = (l.scope(), l.key()) else {
+        return format!(
+            "<p class=\"empty\">No {} / {} header: the store's record cannot be found.</p>",
+            headers::SCOPE,
+            headers::KEY
+        );
+    };
+    if viewer.caller.may_use(scope).is_err() {
+        return "<p class=\"empty\">This token may not use the letter's scope.</p>".into();
+    }
+    let key = match idem_core::DedupKey::new(scope, key) {
+        Ok(k) => k,
+        Err(e) => {
+            return format!("<p class=\"error\">The key is not valid: {}</p>", esc(&e.to_string()));
+        }
+    };
+    match s.app.store.get(&key).await {
+        Ok(None) => {
+            "<p class=\"empty\">No record for this key (never claimed, or purged).</p>".into()
+        }
+        Ok(Some(r)) => format!(
+            "<dl class=\"facts\" id=\"record\"><dt>Key</dt><dd class=\"mono\">{} / {}</dd>\
+             <dt>State</dt><dd><span class=\"state {st}\">{st}</span></dd><dt>Attempt</dt><dd>{}</dd>\
+             <dt>Fingerprint</dt><dd><span class=\"mono small\">{}</span> — {}</dd>\
+             <dt>Result or reason</dt><dd class=\"mono small\">{}</dd>\
+             <dt>Created</dt><dd>{}</dd><dt>Updated</dt><dd>{}</dd><dt>Expires</dt><dd>{}</dd></dl>",
+            esc(&r.scope),
+            esc(&r.id),
+            r.attempt,
+            r.fingerprint.map(|f| hex::encode(f.as_bytes())).unwrap_or_else(|| "—".into()),
+            fingerprint_line(l, r.fingerprint),
+            esc(&r.result.as_deref().map(|b| html::payload_text(b, 2000)).unwrap_or_default()),
+            utc(r.created_at),
+            utc(r.updated_at),
+            utc(r.expires_at),
+            st = r.state.as_str(),
+        ),
+        Err(e) => format!(
+            "<p class=\"error\">The store failed: {}</p>",
+            esc(&idem_core::ErrorChain(&e).to_string())
+        ),
+    }
+}
+
+/// `GET /console/dead-letters/{queue}/letter?id=`: one letter, its headers, its payload and the
+/// store's record for its key.
+pub(crate) async fn letter(
+    State(s): State<ConsoleState>,
+    viewer: Viewer,
+    Path(name): Path<String>,
+    Query(q): Query<LetterQuery>,
+) -> Result<Response, ConsoleError> {
+    let queue = find_queue(&s, &name)?;
+    let all = Workbench::new(queue.clone()).list(s.console.read_limit).await?;
+    let l = all.into_iter().find(|l| l.id == q.id).ok_or_else(|| {
+        ConsoleError::not_found(format!(
+            "no dead letter {:?} in {name} (replayed or purged?)",
+            q.id
+        ))
+    })?;
+    check_scope(&viewer.caller, &l)?;
+    let gid = l.group().id();
+    let mut body = format!(
+        "<p><a href=\"{}\">← {}</a> · <a href=\"{}\">its group</a></p>\
+         <dl class=\"facts\"><dt>Letter</dt><dd class=\"mono\">{}</dd><dt>Message id</dt>\
+         <dd class=\"mono\">{}</dd><dt>Content type</dt><dd>{}</dd><dt>Outcome</dt><dd>{}</dd>\
+         <dt>Reason</dt><dd>{}</dd></dl>",
+        esc(&queue_url(&name)),
+        esc(&name),
+        esc(&group_url(&name, &gid)),
+        esc(&l.id),
+        esc(l.message_id.as_deref().unwrap_or("—")),
+        esc(l.content_type.as_deref().unwrap_or("—")),
+        outcome_badge(l.outcome().unwrap_or("unknown")),
+        esc(l.reason().unwrap_or("—")),
+    );
+    body.push_str("<h2>Headers</h2><table class=\"headers\"><tbody>");
+    for (k, v) in &l.headers {
+        let class = if idem_core::dlq::is_dead_letter_header(k) { " class=\"idem\"" } else { "" };
+        let _ = write!(
+            body,
+            "<tr{class}><th scope=\"row\">{}</th><td class=\"mono\">{}</td></tr>",
+            esc(k),
+            esc(v)
+        );
+    }
+    let _ = write!(
+        body,
+        "</tbody></table><h2>Payload <span class=\"count\">{} bytes</span></h2>\
+         <pre class=\"payload\">{}</pre><h2>The store's record</h2>{}",
+        l.payload.len(),
+        esc(&html::payload_text(&l.payload, MAX_PAYLOAD_SHOWN)),
+        record_section(&s, &viewer, &l).await,
+    );
+    if !s.console.read_only {
+        let url = group_url(&name, &gid);
+        let one = |action: &str, label: &str, class: &str| {
+            html::button(
+                &viewer,
+                &url,
+                &[("target", "selected"), ("id", &l.id), ("action", action)],
+                label,
+                class,
+            )
+        };
+        let buttons = if l.is_conflict() {
+            format!(
+                "{}{}",
+                one("discard", "Discard", "danger"),
+                one("accept", "Accept as new", "secondary")
+            )
+        } else {
+            format!("{}{}", one("replay", "Replay", "primary"), one("purge", "Purge", "danger"))
+        };
+        let _ = write!(body, "<p class=\"actions\">This letter: {buttons}</p>");
+    }
+    Ok(html::page(&s, &viewer, Nav::DeadLetters, "Dead letter", &body, &[]))
+}
+
+/// What an action does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Verb {
+    /// Send again under the key (conflicts are refused by the rules).
+    Replay,
+    /// Conflicts only: send again under a derived message id.
+    Accept,
+    /// Remove without sending (conflicts).
+    Discard,
+    /// Remove without sending.
+    Purge,
+}
+
+impl Verb {
+    fn parse(s: &str) -> Result<Self, ConsoleError> {
+        Ok(match s {
+            "replay" => Self::Replay,
+            "accept" => Self::Accept,
+            "discard" => Self::Discard,
+            "purge" => Self::Purge,
+            other => {
+                return Err(ConsoleError::bad_request(format!(
+                    "action: {:?} is not replay, accept, discard or purge",
+                    other.escape_debug().to_string()
+                )));
+            }
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Replay => "replay",
+            Self::Accept => "accept as new",
+            Self::Discard => "discard",
+            Self::Purge => "purge",
+        }
+    }
+}
+
+fn id_list(ids: &[String]) -> String {
+    let shown: Vec<String> =
+        ids.iter().take(20).map(|i| format!("<code>{}</code>", esc(i))).collect();
+    let more = if ids.len() > 20 { format!(" and {} more", ids.len() - 20) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
+/// The report of an action, as the flash message.
+fn report_html(queue: &str, verb: Verb, r: &ReplayReport, missing: &[String]) -> String {
+    let mut out = format!(
+        "<h2>Done: {} on {}</h2><p class=\"summary\">{}; {} removed from the dead letters.</p><ul class=\"report\">",
+        verb.name(),
+        esc(queue),
+        esc(&r.to_string()),
+        r.removed
+    );
+    if !r.replayed.is_empty() {
+        let _ = write!(
+            out,
+            "<li data-kind=\"replayed\">Replayed under their key ({}): {}</li>",
+            r.replayed.len(),
+            id_list(&r.replayed)
+        );
+    }
+    if !r.accepted_as_new.is_empty() {
+        let items: Vec<String> = r
+            .accepted_as_new
+            .iter()
+            .take(20)
+            .map(|(l, m)| format!("<code>{}</code> → message id <code>{}</code>", esc(l), esc(m)))
+            .collect();
+        let _ = write!(
+            out,
+            "<li data-kind=\"accepted\">Accepted as new messages ({}): {}</li>",
+            r.accepted_as_new.len(),
+            items.join(", ")
+        );
+    }
+    if !r.discarded.is_empty() {
+        let _ = write!(
+            out,
+            "<li data-kind=\"removed\">Removed without being sent ({}): {}</li>",
+            r.discarded.len(),
+            id_list(&r.discarded)
+        );
+    }
+    for (id, why) in r.refused.iter().take(20) {
+        let _ = write!(
+            out,
+            "<li data-kind=\"refused\">Left dead-lettered: <code>{}</code>: {}</li>",
+            esc(id),
+            esc(why)
+        );
+    }
+    if !missing.is_empty() {
+        let _ = write!(
+            out,
+            "<li data-kind=\"missing\">Not in this group (or already gone): {}</li>",
+            id_list(missing)
+        );
+    }
+    out.push_str("</ul>");
+    out
+}
+
+/// `POST /console/dead-letters/{queue}/groups/{group}`: act on the group, or on letters of it
+/// (`target=selected`, `id` repeated).
+pub(crate) async fn act(
+    State(s): State<ConsoleState>,
+    Path((name, gid)): Path<(String, String)>,
+    a: Action,
+) -> Result<Response, ConsoleError> {
+    let q = find_queue(&s, &name)?.clone();
+    let verb = Verb::parse(a.form.required("action", 16)?)?;
+    let selected: Option<BTreeSet<&str>> = match a.form.get("target").unwrap_or("group") {
+        "group" => None,
+        "selected" => {
+            let ids: BTreeSet<&str> = a.form.all("id").filter(|i| !i.is_empty()).collect();
+            if ids.is_empty() {
+                return Err(ConsoleError::bad_request("select at least one letter"));
+            }
+            if ids.len() > MAX_SELECTED {
+                return Err(ConsoleError::bad_request(format!(
+                    "{} letters selected, more than the limit of {MAX_SELECTED}: act on the whole group",
+                    ids.len()
+                )));
+            }
+            if let Some(long) = ids.iter().find(|i| i.len() > MAX_ID) {
+                return Err(ConsoleError::bad_request(format!(
+                    "id: {} bytes, more than the limit of {MAX_ID}",
+                    long.len()
+                )));
+            }
+            Some(ids)
+        }
+        other => {
+            return Err(ConsoleError::bad_request(format!(
+                "target: {:?} is not group or selected",
+                other.escape_debug().to_string()
+            )));
+        }
+    };
+    let bench = Workbench::new(q);
+    let in_group: Vec<Letter> =
+        bench.list(s.console.read_limit).await?.into_iter().filter(|l| l.in_group(&gid)).collect();
+    // One group is one scope: its key includes it.
+    if let Some(first) = in_group.first() {
+        check_scope(&a.viewer.caller, first)?;
+    }
+    let (chosen, missing): (Vec<Letter>, Vec<String>) = match &selected {
+        None => (in_group, Vec::new()),
+        Some(ids) => {
+            let found: Vec<Letter> =
+                in_group.into_iter().filter(|l| ids.contains(l.id.as_str())).collect();
+            let missing = ids
+                .iter()
+                .filter(|i| !found.iter().any(|l| l.id == **i))
+                .map(|i| (*i).to_owned())
+                .collect();
+            (found, missing)
+        }
+    };
+    let conflict = chosen.first().is_some_and(Letter::is_conflict);
+    if matches!(verb, Verb::Accept | Verb::Discard) && !chosen.is_empty() && !conflict {
+        return Err(ConsoleError::bad_request(format!(
+            "{} is for conflicts; this group's letters failed: replay or purge them",
+            verb.name()
+        )));
+    }
+    let report = match verb {
+        _ if chosen.is_empty() => ReplayReport::default(),
+        // A conflict selected for a replay is refused by the rules and stays.
+        Verb::Replay => bench.replay(&chosen, OnConflict::Refuse).await?,
+        Verb::Accept => bench.replay(&chosen, OnConflict::AcceptAsNew).await?,
+        Verb::Discard | Verb::Purge => {
+            let removed = bench.purge(&chosen).await?;
+            let mut r = ReplayReport::default();
+            r.discarded = chosen.iter().map(|l| l.id.clone()).collect();
+            r.removed = removed;
+            r
+        }
+    };
+    tracing::info!(target: "idem::console", token = a.viewer.caller.name(), queue = %name,
+        group = %gid, action = verb.name(), replayed = report.replayed.len(),
+        accepted = report.accepted_as_new.len(), removed = report.removed,
+        refused = report.refused.len(), "console: dead letters");
+    let mut flash = report_html(&name, verb, &report, &missing);
+    if chosen.is_empty() && missing.is_empty() {
+        flash = format!(
+            "<p>Nothing to do: the group on {} has no dead letters any more.</p>",
+            esc(&name)
+        );
+    }
+    a.viewer.flash(&s, flash);
+    Ok(Redirect::to(&queue_url(&name)).into_response())
+}

@@ -1,5 +1,9 @@
 //! A store that cannot work is loud: the builder refuses one whose check fails, and a batch that
 //! fails entirely on the store puts the first error in the report and logs a warning.
+//!
+//! A binary of its own: it captures the warning with a thread-local subscriber, and `tracing`
+//! caches callsite interest process-wide (tests of other files on threads without one could
+//! make it miss the event).
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::io::Write;

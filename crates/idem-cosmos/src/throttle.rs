@@ -36,7 +36,7 @@ use crate::Error;
 /// # drop(builder);
 /// ```
 ///
-/// Both layers' waits are tokio timers. `tests/emulator_throttling.rs` pins these numbers
+/// Both layers' waits are tokio timers. `tests/it/emulator_throttling.rs` pins these numbers
 /// down against the SDK's fault injection.
 ///
 /// ```

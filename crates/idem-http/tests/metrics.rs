@@ -1,6 +1,7 @@
 //! `idem_http_requests_total{outcome}` counts every guarded request's outcome. Its own test
 //! binary: the recorder is process-global (the layer's work runs on spawned tasks).
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use common::{Req, serve};

@@ -3,9 +3,13 @@
 //! refuse them (a plain 500; the advice logged once) rather than let one user's retry replay
 //! another's response. The principal itself never reaches the store or the logs: only its
 //! keyed hash does.
+//!
+//! A binary of its own: it installs a process-global `tracing` subscriber that collects every
+//! event of the binary.
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::sync::{Arc, Mutex, OnceLock};

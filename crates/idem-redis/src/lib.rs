@@ -114,13 +114,13 @@
 //!   yet replicated is gone. A lost claim lets a redelivery run the handler while the first
 //!   run may still be going; a lost completion makes the key read as in progress (or absent),
 //!   so a redelivery runs the handler again once the lease ends. The window is the replication
-//!   lag; `tests/failover.rs` widens it on purpose (replicas stopped, their links full) and
+//!   lag; `tests/it/failover.rs` widens it on purpose (replicas stopped, their links full) and
 //!   loses 100 of 100 acknowledged claims.
 //! - **[`wait_for_replicas(n, timeout)`](RedisStoreBuilder::wait_for_replicas).** Every write
 //!   returns only once `n` replicas acknowledged it (Redis `WAIT`; concurrent writes share one
 //!   `WAIT`); otherwise the operation fails with a retryable error and the message is not
 //!   acknowledged. A failover that promotes an acknowledging replica keeps every acknowledged
-//!   claim and completion: in `tests/failover.rs`, 636 completions acknowledged across a master
+//!   claim and completion: in `tests/it/failover.rs`, 636 completions acknowledged across a master
 //!   kill, 0 lost, the store acknowledging again 3.3 s after the kill.
 //! - **Not promised even then.** `WAIT` is not consensus: if the promoted replica is not one
 //!   that acknowledged (more replicas than `n`, or a manual failover), or a replica that

@@ -2,9 +2,12 @@
 //! default_transaction_isolation` would make it): the inbox and the store keep effects exact
 //! while the database aborts transactions to keep them serializable, and the inbox runs an
 //! aborted batch again by itself.
+//!
+//! A binary of its own: it counts retries with a process-global metrics recorder.
 #![cfg(feature = "postgres")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test setup: a failure is the test failing
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

@@ -475,10 +475,7 @@ async fn drain<H: CrashHarness>(
 /// module `module_path` (as `module_path!()` gives it: the test binary's name first).
 #[must_use]
 pub fn entry(module_path: &str) -> String {
-    match module_path.split_once("::") {
-        Some((_, module)) => format!("{module}::crash_child"),
-        None => "crash_child".to_owned(),
-    }
+    crate::process::child_entry(module_path, "crash_child")
 }
 
 /// The scenario (see the module docs) on a fresh destination of `h`, the store's records in

@@ -10,6 +10,18 @@ use std::time::Duration;
 
 use tokio::io::AsyncBufReadExt;
 
+/// The name libtest gives the test `name` defined in the module `module_path` (as
+/// `module_path!()` gives it: the test binary's crate name first), for [`spawn_child`] and
+/// [`run_child`]: `child_entry(module_path!(), "my_child")` is `"modes::my_child"` in a module
+/// `modes` of a test binary, `"my_child"` at its root.
+#[must_use]
+pub fn child_entry(module_path: &str, name: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_owned(),
+    }
+}
+
 /// Runs the test `entry` of this test binary as a child process with `env` set, until it prints
 /// a line starting with `until` (then kills it with SIGKILL) or until it exits; returns the
 /// lines it printed (libtest's `test … ... ` prefix removed).

@@ -1,7 +1,7 @@
 //! The Prometheus endpoint after known traffic: every count and histogram an operator's
 //! alerts read (docs/OPERATIONS.md) has the value the traffic implies.
 //!
-//! One test function only: the recorder is global, and each test file is its own process.
+//! One test function only, in a binary of its own: the recorder is process-global.
 #![cfg(feature = "prometheus")]
 
 use std::net::SocketAddr;

@@ -1,0 +1,9 @@
+//! idem-amqp10's integration tests, one binary: a module per subject (one link instead of
+//! one per file; `cargo test -p CRATE --test it MODULE::` runs one subject).
+
+mod common;
+mod dead_letter_loop;
+mod modes;
+mod servicebus;
+mod tls;
+mod verbs;

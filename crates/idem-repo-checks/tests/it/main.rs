@@ -1,0 +1,5 @@
+//! idem-repo-checks's integration tests, one binary: a module per subject (one link instead of
+//! one per file; `cargo test -p CRATE --test it MODULE::` runs one subject).
+
+mod preserve_order;
+mod telemetry_docs;

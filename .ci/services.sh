@@ -99,6 +99,68 @@ install_missing() {
   fi
 }
 
+# Whether the installed tansu is the version and features this script builds.
+tansu_current() {
+  [[ -x $(tansu_bin) && $(cat "$TANSU_MARK" 2>/dev/null) == "$TANSU_VERSION $TANSU_FEATURES" ]]
+}
+tansu_bin() { command -v tansu || echo "$HOME/.cargo/bin/tansu"; }
+
+# Builds tansu from crates.io. opt-level 1: the broker only has to keep up with tests, and the
+# build costs about half the CPU of the default opt-level 3.
+tansu_install() {
+  local t0=$SECONDS
+  log "installing tansu $TANSU_VERSION ($TANSU_FEATURES) from crates.io (log: $STATE/tansu-install.log)"
+  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_DEBUG=false \
+    cargo install tansu --version "$TANSU_VERSION" --locked --force --features "$TANSU_FEATURES" \
+    --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \
+    || { tail -30 "$STATE/tansu-install.log"; return 1; }
+  mkdir -p "$(dirname "$TANSU_MARK")"; echo "$TANSU_VERSION $TANSU_FEATURES" >"$TANSU_MARK"
+  log "tansu installed in $((SECONDS - t0))s"
+}
+
+# The shared broker: tansu on loopback only (its default listener is 0.0.0.0), in memory.
+kafka_up() {
+  nohup setsid "$(tansu_bin)" broker --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+    --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" --storage-engine memory://tansu/ \
+    >"$STATE/tansu.log" 2>&1 </dev/null &
+  wait_port "$KAFKA_PORT" 30 kafka
+}
+
+# Installs tansu and starts the Kafka listeners in a background process. Until it is done, a file
+# per address in $STATE/starting/ says so: idem_testkit::service::require waits for an address
+# that has one (and fails at once, with the log, when its .failed twin appears), so the Kafka
+# tests wait for the build instead of failing, and nothing else waits for it.
+kafka_background() {
+  local addrs=("127.0.0.1:$KAFKA_PORT" "localhost:$KAFKA_TLS_PORT") a
+  mkdir -p "$STATE/starting"
+  for a in "${addrs[@]}"; do
+    rm -f "$STATE/starting/$a.failed"
+    echo "tansu $TANSU_VERSION is being built by .ci/services.sh (log: $STATE/tansu-install.log)" >"$STATE/starting/$a"
+  done
+  log "kafka: building tansu in the background (log: $STATE/tansu-install.log; tests wait for :$KAFKA_PORT)"
+  nohup setsid "$0" kafka-background >"$STATE/kafka-background.log" 2>&1 </dev/null &
+}
+kafka_background_run() {
+  local a ok=1
+  tansu_install && kafka_up && tls_pki && kafka_tls_up || ok=0
+  for a in "127.0.0.1:$KAFKA_PORT" "localhost:$KAFKA_TLS_PORT"; do
+    ((ok)) || { echo "tansu could not be installed or started: see $STATE/tansu-install.log and $STATE/kafka-background.log"; tail -20 "$STATE/tansu-install.log"; } >"$STATE/starting/$a.failed"
+    rm -f "$STATE/starting/$a"
+  done
+  ((ok))
+}
+
+# Blocks until the Kafka listeners answer (or their background start failed).
+kafka_wait() {
+  local t0=$SECONDS
+  while [[ -e $STATE/starting/127.0.0.1:$KAFKA_PORT ]]; do
+    (( (SECONDS - t0) % 60 == 0 )) && log "waiting for tansu's build ($((SECONDS - t0))s; log: $STATE/tansu-install.log)"
+    sleep 1
+  done
+  [[ -e $STATE/starting/127.0.0.1:$KAFKA_PORT.failed ]] && { cat "$STATE/starting/127.0.0.1:$KAFKA_PORT.failed"; return 1; }
+  wait_port "$KAFKA_PORT" 30 kafka
+}
+
 up() {
   install_missing
   # PostgreSQL: trust on loopback, database `test`.
@@ -147,22 +209,13 @@ up() {
     start-stop-daemon --start --oknodo --background --make-pidfile --pidfile "$STATE/nats.pid" \
       --exec "$(command -v nats-server)" -- -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE/nats" -l "$STATE/nats.log"
     wait_port "$NATS_PORT" 15 nats; }
-  # Kafka protocol: tansu on loopback only, in-memory storage (its default listener is 0.0.0.0).
-  port_open "$KAFKA_PORT" || { local tansu; tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
-    if [[ ! -x $tansu || $(cat "$TANSU_MARK" 2>/dev/null) != "$TANSU_VERSION $TANSU_FEATURES" ]]; then
-      log "installing tansu $TANSU_VERSION ($TANSU_FEATURES) from crates.io (cold build, 16-21 min measured; once per machine)"
-      local t0=$SECONDS
-      cargo install tansu --version "$TANSU_VERSION" --locked --force --features "$TANSU_FEATURES" \
-        --target-dir "${TANSU_TARGET_DIR:-$HOME/.cache/tansu-target}" >"$STATE/tansu-install.log" 2>&1 \
-        || { tail -30 "$STATE/tansu-install.log"; exit 1; }
-      tansu=$HOME/.cargo/bin/tansu
-      mkdir -p "$(dirname "$TANSU_MARK")"; echo "$TANSU_VERSION $TANSU_FEATURES" >"$TANSU_MARK"
-      log "tansu installed in $((SECONDS - t0))s"
-    fi
-    nohup setsid "$tansu" broker --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
-      --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" --storage-engine memory://tansu/ \
-      >"$STATE/tansu.log" 2>&1 </dev/null &
-    wait_port "$KAFKA_PORT" 30 kafka; }
+  # Kafka protocol: tansu. A missing one is built in the background (minutes of compiling) while
+  # the rest comes up and CI builds the workspace; the Kafka tests wait for its port (see
+  # kafka_background).
+  if ! port_open "$KAFKA_PORT"; then
+    if tansu_current; then kafka_up
+    else kafka_background; fi
+  fi
   # --- cosmosdb-server (idem-cosmos wire tests) -------------------------------------------------
   # @vercel/cosmosdb-server: the Cosmos DB REST API in Node, in memory, HTTPS with its own
   # self-signed certificate, on loopback. It checks no auth and its batches are NOT atomic: tests
@@ -377,10 +430,12 @@ case "${1:-}" in
   status) status ;;
   restart) restart "${2:-}" ;;
   galera) galera_up ;;
+  kafka-background) kafka_background_run ;;
+  wait-kafka) kafka_wait ;;
   kill | stop)
     [[ ${2:-} == galera-[123] ]] || { echo "usage: $0 $1 galera-1|galera-2|galera-3" >&2; exit 64; }
     t0=$SECONDS
     if [[ $1 == kill ]]; then galera_stop "${2#galera-}" KILL; else galera_stop "${2#galera-}" TERM; fi
     log "$2 gone after $1 in $((SECONDS - t0))s" ;;
-  *) echo "usage: $0 up|status|restart <service>|galera|kill <galera-N>|stop <galera-N>" >&2; exit 64 ;;
+  *) echo "usage: $0 up|status|restart <service>|galera|wait-kafka|kill <galera-N>|stop <galera-N>" >&2; exit 64 ;;
 esac

@@ -4,6 +4,11 @@
 //! When the server does not answer, [`require`] prints `skipped: <service> unreachable at
 //! <addr>` and returns `None` — unless `CI=true`, where it panics: a suite that passes without
 //! its server is a defect.
+//!
+//! A server that `.ci/services.sh` is still bringing up in the background (tansu, built from
+//! source on a new machine) has a file named after its address in `$CI_STATE_DIR/starting/`
+//! (default `/tmp/idem-ci/starting/`): [`require`] waits for such an address to answer, saying
+//! so once a minute, and fails at once with the build's log when the start failed.
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
@@ -14,7 +19,7 @@ use std::time::Duration;
 /// When the server is unreachable and the environment has `CI=true`.
 pub fn require(service: &str, env_var: &str, default: &str) -> Option<String> {
     let url = std::env::var(env_var).unwrap_or_else(|_| default.to_owned());
-    if reachable(&url) {
+    if reachable(&url) || wait_while_starting(service, &host_port(&url)) {
         return Some(url);
     }
     let addr = host_port(&url);
@@ -38,7 +43,7 @@ pub fn require_all(service: &str, env_var: &str, default: &str, min: usize) -> O
         list.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_owned).collect();
     assert!(urls.len() >= min, "{env_var}={list:?}: expected at least {min} comma-separated URLs");
     for url in &urls {
-        if !reachable(url) {
+        if !reachable(url) && !wait_while_starting(service, &host_port(url)) {
             let addr = host_port(url);
             assert!(
                 !in_ci(),
@@ -49,6 +54,53 @@ pub fn require_all(service: &str, env_var: &str, default: &str, min: usize) -> O
         }
     }
     Some(urls)
+}
+
+/// How long a test waits for a server `.ci/services.sh` is still starting: a cold tansu build
+/// on two busy cores, with room to spare.
+const STARTING_LIMIT: Duration = Duration::from_secs(60 * 60);
+
+/// If `.ci/services.sh` is starting the server at `addr` in the background, waits until it
+/// answers (`true`) or its start is over without it (`false`).
+///
+/// # Panics
+/// When the background start failed (its `.failed` file holds the reason and the log's tail),
+/// or the server still does not answer after [`STARTING_LIMIT`].
+fn wait_while_starting(service: &str, addr: &str) -> bool {
+    let dir = std::path::PathBuf::from(
+        std::env::var("CI_STATE_DIR").unwrap_or_else(|_| "/tmp/idem-ci".to_owned()),
+    )
+    .join("starting");
+    let (marker, failed) = (dir.join(addr), dir.join(format!("{addr}.failed")));
+    let started = std::time::Instant::now();
+    let mut said = None;
+    loop {
+        if let Ok(why) = std::fs::read_to_string(&failed) {
+            panic!("{service} at {addr} could not be started by .ci/services.sh:\n{why}");
+        }
+        let Ok(what) = std::fs::read_to_string(&marker) else {
+            return reachable(addr);
+        };
+        if reachable(addr) {
+            return true;
+        }
+        let waited = started.elapsed();
+        assert!(
+            waited < STARTING_LIMIT,
+            "{service} at {addr} still not up after {waited:?}: {}",
+            what.trim()
+        );
+        let minute = waited.as_secs() / 60;
+        if said != Some(minute) {
+            eprintln!(
+                "waiting for {service} at {addr} ({}s so far): {}",
+                waited.as_secs(),
+                what.trim()
+            );
+            said = Some(minute);
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
 }
 
 /// Whether `url`'s host and port accept a TCP connection within 2 s.

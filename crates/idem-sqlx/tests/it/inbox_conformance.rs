@@ -3,6 +3,7 @@
 //! own — all dropped afterwards.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::common;
 
 use std::future::Future;

@@ -18,6 +18,7 @@
 //!   while the operator saw a record no caller held. Operator operations are left out.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::common;
 
 use std::sync::Arc;

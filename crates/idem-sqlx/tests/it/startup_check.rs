@@ -3,6 +3,7 @@
 //! On the real servers (PostgreSQL, MariaDB) and SQLite files.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::common;
 
 use std::time::Duration;

@@ -10,6 +10,27 @@ use std::time::Duration;
 
 use tokio::io::AsyncBufReadExt;
 
+/// With `IDEM_TEST_LOG=PATH` set, sends this process's `tracing` events to `PATH.<pid>` (filter
+/// `IDEM_TEST_LOG_FILTER`, default `idem=debug`), so a failing fault test leaves each of its
+/// processes' story behind; without it, does nothing. Once per process (later calls, and a
+/// process that already has a subscriber, keep what is there).
+pub fn log_from_env() {
+    use tracing_subscriber::EnvFilter;
+    let Ok(path) = std::env::var("IDEM_TEST_LOG") else { return };
+    let path = format!("{path}.{}", std::process::id());
+    let Ok(file) = std::fs::File::create(&path) else {
+        eprintln!("IDEM_TEST_LOG: cannot create {path}");
+        return;
+    };
+    let filter = std::env::var("IDEM_TEST_LOG_FILTER").unwrap_or_else(|_| "idem=debug".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::new(filter))
+        .with_writer(std::sync::Mutex::new(file))
+        .with_ansi(false)
+        .with_thread_names(true)
+        .try_init();
+}
+
 /// The name libtest gives the test `name` defined in the module `module_path` (as
 /// `module_path!()` gives it: the test binary's crate name first), for [`spawn_child`] and
 /// [`run_child`]: `child_entry(module_path!(), "my_child")` is `"modes::my_child"` in a module
@@ -26,9 +47,12 @@ pub fn child_entry(module_path: &str, name: &str) -> String {
 /// a line starting with `until` (then kills it with SIGKILL) or until it exits; returns the
 /// lines it printed (libtest's `test … ... ` prefix removed).
 ///
+/// `limit` bounds the silence, not the whole run: a child that goes on printing is slow, not
+/// stuck, on a busy machine.
+///
 /// # Panics
 /// When the child cannot be started, ends normally (a crash test's child must crash or be
-/// killed), or neither ends nor prints `until` within `limit`.
+/// killed), or goes `limit` without printing a line or ending.
 ///
 /// # Cancel safety
 /// Cancel safe: dropped, the child is killed with its handle (`kill_on_drop`).
@@ -41,22 +65,30 @@ pub async fn run_child(
     let mut child = spawn_child(entry, &[env]);
     let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut seen = Vec::new();
-    tokio::time::timeout(limit, async {
-        while let Some(l) = lines.next_line().await.expect("child stdout") {
-            // libtest prints `test … ... ` on the same line first.
-            let l = l.rsplit("... ").next().unwrap_or(&l).to_owned();
-            let stop = until.is_some_and(|u| l.starts_with(u));
-            seen.push(l);
-            if stop {
-                child.kill().await.expect("kill child");
-                break;
-            }
+    let silent = |seen: &[String]| {
+        format!(
+            "the child neither crashed nor printed {until:?}: silent for {limit:?} after {seen:?}"
+        )
+    };
+    loop {
+        let line = tokio::time::timeout(limit, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("{}", silent(&seen)));
+        let Some(l) = line.expect("child stdout") else { break };
+        // libtest prints `test … ... ` on the same line first.
+        let l = l.rsplit("... ").next().unwrap_or(&l).to_owned();
+        let stop = until.is_some_and(|u| l.starts_with(u));
+        seen.push(l);
+        if stop {
+            child.kill().await.expect("kill child");
+            break;
         }
-        let status = child.wait().await.expect("child status");
-        assert!(!status.success(), "the child ended normally: {seen:?}");
-    })
-    .await
-    .unwrap_or_else(|_| panic!("the child neither crashed nor printed {until:?} within {limit:?}"));
+    }
+    let status = tokio::time::timeout(limit, child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{}", silent(&seen)))
+        .expect("child status");
+    assert!(!status.success(), "the child ended normally: {seen:?}");
     seen
 }
 

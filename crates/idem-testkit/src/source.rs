@@ -55,6 +55,13 @@ pub trait SourceHarness: Send + Sync + Sized {
     /// The dead-letter copies so far, in order.
     fn dead_letters(&self) -> BoxFuture<'_, Vec<DeadCopy>>;
 
+    /// What the broker holds for the destination, on one line, for a failing test's message
+    /// (a queue's ready and unacknowledged counts, a group's offsets against the partitions'
+    /// ends). Empty by default.
+    fn describe(&self) -> BoxFuture<'_, String> {
+        Box::pin(async { String::new() })
+    }
+
     /// Deletes what the harness created.
     fn cleanup(self) -> BoxFuture<'static, ()>;
 }

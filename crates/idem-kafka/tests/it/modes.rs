@@ -79,6 +79,27 @@ impl SourceHarness for Harness {
         })
     }
 
+    /// Per partition: the group's committed offset, the end this harness published to, and
+    /// the broker's high watermark.
+    fn describe(&self) -> BoxFuture<'_, String> {
+        Box::pin(async {
+            let ends = self.ends.lock().expect("ends").clone();
+            let high = high_watermarks(&self.brokers, &self.topic, PARTITIONS).await;
+            let got = common::committed(&self.brokers, &self.group, &self.topic, PARTITIONS).await;
+            (0..PARTITIONS)
+                .map(|p| {
+                    format!(
+                        "partition {p}: committed {:?}, published to {:?}, high watermark {:?}",
+                        got.get(&p),
+                        ends.get(&p),
+                        high.get(&p)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
     fn dead_letters(&self) -> BoxFuture<'_, Vec<DeadCopy>> {
         Box::pin(async {
             common::read_all(&self.brokers, &self.dlq, 1)

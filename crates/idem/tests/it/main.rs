@@ -4,4 +4,3 @@
 mod clock_skew;
 mod outbox_chain;
 mod partitions;
-mod restarts;

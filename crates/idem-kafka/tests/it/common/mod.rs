@@ -44,6 +44,11 @@ pub fn config(brokers: &str, group: &str) -> ClientConfig {
         .set("heartbeat.interval.ms", "500")
         .set("max.poll.interval.ms", "10000")
         .set("topic.metadata.refresh.interval.ms", "1000");
+    // librdkafka's own debug contexts (`cgrp,fetch`, …) for a failing test's story: they reach
+    // `tracing` under the target `librdkafka` (see idem_testkit::process::log_from_env).
+    if let Ok(contexts) = std::env::var("IDEM_TEST_RDKAFKA_DEBUG") {
+        c.set("debug", contexts);
+    }
     c
 }
 

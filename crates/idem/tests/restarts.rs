@@ -10,6 +10,9 @@
 //! which needs root and disturbs anything else using them: those tests run under `CI=true` or
 //! with `IDEM_TEST_RESTART_SERVERS=1`, and say `skipped` otherwise. Redis and NATS run as
 //! private servers of the test, on a free port, and are restarted by it.
+//!
+//! A binary of its own: `cargo test` runs one test binary at a time, so no other crate's or
+//! subject's test is using a shared server while these restart it.
 #![cfg(all(
     feature = "amqp",
     feature = "nats",

@@ -238,8 +238,9 @@ impl SourceConfig for KafkaConfig {
         if cc.get("auto.offset.reset").is_none() {
             cc.set("auto.offset.reset", "earliest");
         }
+        let state = Arc::new(Mutex::new(State::default()));
         let consumer: StreamConsumer<Ctx> = cc
-            .create_with_context(Ctx::default())
+            .create_with_context(Ctx::new(Arc::clone(&state)))
             .map_err(|e| Error::kafka("create consumer", e))?;
         let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics).map_err(|e| Error::kafka("subscribe", e))?;
@@ -260,7 +261,7 @@ impl SourceConfig for KafkaConfig {
             produce_timeout: self.produce_timeout,
             close_timeout: self.close_timeout,
             retention: opening.retention,
-            state: Mutex::new(State::default()),
+            state,
             positions: self.positions,
             scope: opening.scope.to_owned(),
         };

@@ -1,4 +1,4 @@
-//! Following rebalances: the revocations librdkafka reports inside a poll, and commits that
+//! Following rebalances: revocations applied as librdkafka reports them, and commits that
 //! never move a group's offset back past another member's.
 
 use std::collections::HashMap;
@@ -10,16 +10,31 @@ use rdkafka::consumer::{
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 
-use crate::source::{ADMIN_TIMEOUT, KafkaSource, Tp};
+use crate::source::{ADMIN_TIMEOUT, KafkaSource, State, Tp};
 
-/// Records revocations as librdkafka reports them (inside a poll, so never while a batch is
-/// being processed).
-#[derive(Default)]
+/// Follows rebalances as librdkafka reports them, inside a poll. A pipelined consumer polls
+/// for its next batch while it settles the last one on another task, so a revocation is
+/// applied to the source's state here, under its lock, at once: a settlement then sees its
+/// message's partition either still owned (and a pause it makes is undone by the
+/// reassignment below) or already revoked (and makes none). Recorded for the next fetch and
+/// applied there instead, a settlement in between paused a partition that had just been
+/// reassigned and resumed, then the revocation made the source forget the pause: the
+/// partition was never read again (seen under load, `crash_two_phase_mode_postgres`).
 pub(crate) struct Ctx {
-    revoked: Mutex<Vec<Tp>>,
+    state: Arc<Mutex<State>>,
     /// Partitions assigned since the source last looked, with how often a seek to their stored
     /// position was tried.
     pub(crate) assigned: Mutex<Vec<(Tp, u32)>>,
+}
+
+impl Ctx {
+    pub(crate) fn new(state: Arc<Mutex<State>>) -> Self {
+        Self { state, assigned: Mutex::default() }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl ClientContext for Ctx {}
@@ -27,10 +42,9 @@ impl ClientContext for Ctx {}
 impl ConsumerContext for Ctx {
     fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(tpl) = rebalance {
-            let mut r = self.revoked.lock().unwrap_or_else(PoisonError::into_inner);
-            for e in tpl.elements() {
-                r.push((e.topic().to_owned(), e.partition()));
-            }
+            let revoked: Vec<Tp> =
+                tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
+            self.state().revoke(&revoked);
             tracing::info!(target: "idem", partitions = tpl.count(), "partitions revoked");
         }
         if let Rebalance::Assign(tpl) = rebalance {
@@ -40,16 +54,16 @@ impl ConsumerContext for Ctx {
     }
 
     /// Resumes every partition just assigned. librdkafka keeps a partition paused across its
-    /// revocation and reassignment to the same member, while the source forgets its pauses at
+    /// revocation and reassignment to the same member, while the source forgot its pauses at
     /// the revocation (the retry that paused it is no longer this member's to schedule): left
-    /// paused, the partition would never be read again.
+    /// paused, the partition would never be read again. Under the state lock, so no settlement
+    /// pauses it between the revocation and here.
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(tpl) = rebalance {
-            let mut a = self.assigned.lock().unwrap_or_else(PoisonError::into_inner);
-            a.extend(tpl.elements().iter().map(|e| ((e.topic().to_owned(), e.partition()), 0)));
-        }
-        if let Rebalance::Assign(tpl) = rebalance
-            && tpl.count() > 0
+        let Rebalance::Assign(tpl) = rebalance else { return };
+        let mut a = self.assigned.lock().unwrap_or_else(PoisonError::into_inner);
+        a.extend(tpl.elements().iter().map(|e| ((e.topic().to_owned(), e.partition()), 0)));
+        let _st = self.state();
+        if tpl.count() > 0
             && let Err(e) = consumer.resume(tpl)
         {
             tracing::warn!(target: "idem", error = %e, "could not resume the assigned partitions");
@@ -57,37 +71,32 @@ impl ConsumerContext for Ctx {
     }
 }
 
-impl KafkaSource {
-    /// Applies the revocations librdkafka reported: forget the partitions' progress so nothing
-    /// more is committed for them (the new owner resumes at the committed offset, which is never
-    /// past a message this consumer has not settled). Messages of theirs already polled — in
-    /// `batch` or waiting for a retry — are still processed: the store makes a second
-    /// processing a duplicate, while dropping them would lose them if the client resumed past
-    /// them (seen against tansu when a partition came back to the same member).
-    pub(crate) fn revocations(&self, consumer: &StreamConsumer<Ctx>) {
-        let revoked: Vec<Tp> = std::mem::take(
-            &mut *consumer.context().revoked.lock().unwrap_or_else(PoisonError::into_inner),
-        );
-        if revoked.is_empty() {
-            return;
-        }
-        let mut st = self.state();
-        st.epoch += 1;
-        for tp in &revoked {
-            st.tracker.forget(tp);
-            st.paused.remove(tp);
-            st.verified.remove(tp);
-            st.next_from.remove(tp);
-            st.bridges.remove(tp);
-            let e = st.epoch;
-            st.revoked_at.insert(tp.clone(), e);
+impl State {
+    /// Applies a revocation: forget the partitions' progress so nothing more is committed for
+    /// them (the new owner resumes at the committed offset, which is never past a message this
+    /// consumer has not settled). Messages of theirs already polled — in a batch or waiting for
+    /// a retry — are still processed: the store makes a second processing a duplicate, while
+    /// dropping them would lose them if the client resumed past them (seen against tansu when
+    /// a partition came back to the same member).
+    pub(crate) fn revoke(&mut self, revoked: &[Tp]) {
+        self.epoch += 1;
+        for tp in revoked {
+            self.tracker.forget(tp);
+            self.paused.remove(tp);
+            self.verified.remove(tp);
+            self.next_from.remove(tp);
+            self.bridges.remove(tp);
+            let e = self.epoch;
+            self.revoked_at.insert(tp.clone(), e);
         }
     }
+}
 
+impl KafkaSource {
     /// Commits every partition's durable prefix (synchronously, on a blocking thread). `false`
     /// when the commit failed; the offsets stay pending for the next one.
     ///
-    /// Revocations librdkafka reported since the last poll are applied first. A commit never
+    /// A commit never
     /// moves a group's offset backwards as far as this member can see: the first commit of a
     /// partition after its assignment, and every commit at close, reads the group's committed
     /// offsets first (one round trip) and leaves out a partition whose group offset is past
@@ -96,7 +105,6 @@ impl KafkaSource {
     /// not (tansu 0.6.0 after a restart) does: without the check the stale member's commit
     /// hands the partition's messages back.
     pub(crate) async fn commit(&self, consumer: &Arc<StreamConsumer<Ctx>>, closing: bool) -> bool {
-        self.revocations(consumer);
         let (due, check) = {
             let st = self.state();
             let due = st.tracker.committable();

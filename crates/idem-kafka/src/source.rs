@@ -90,7 +90,8 @@ pub struct KafkaSource {
     pub(crate) produce_timeout: Duration,
     pub(crate) close_timeout: Duration,
     pub(crate) retention: Duration,
-    pub(crate) state: Mutex<State>,
+    /// Shared with the consumer's rebalance callbacks ([`Ctx`]).
+    pub(crate) state: Arc<Mutex<State>>,
     /// Where an offset inbox keeps positions, to seek to after an assignment.
     pub(crate) positions: Option<Arc<dyn idem_core::inbox::PositionReader>>,
     /// The consumer's scope (the positions' owner).
@@ -181,6 +182,8 @@ impl KafkaSource {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&tp.0, tp.1);
         let r = if pause { consumer.pause(&tpl) } else { consumer.resume(&tpl) };
+        tracing::debug!(target: "idem", topic = %tp.0, partition = tp.1,
+            "partition {}", if pause { "paused for a retry" } else { "resumed" });
         if let Err(e) = r {
             tracing::warn!(target: "idem", topic = %tp.0, partition = tp.1, error = %e,
                 "could not {} the partition", if pause { "pause" } else { "resume" });
@@ -238,7 +241,6 @@ impl Source for KafkaSource {
     /// future at its await loses no message and leaves no offset open without its message.
     async fn fetch(&self, max: usize, wait: Duration) -> Result<Vec<Delivery>, Error> {
         let consumer = self.consumer()?;
-        self.revocations(&consumer);
         self.seek_assigned(&consumer).await;
         let now = Instant::now();
         let (mut staged, next_retry) = {
@@ -267,7 +269,6 @@ impl Source for KafkaSource {
             let m = match polled {
                 Err(_) => break,
                 Ok(Err(e)) => {
-                    self.revocations(&consumer);
                     if staged == 0 {
                         return Err(Error::kafka("poll", e));
                     }
@@ -276,8 +277,7 @@ impl Source for KafkaSource {
                 }
                 Ok(Ok(m)) => Delivery::from_borrowed(&m),
             };
-            // A rebalance runs inside the poll: stop tracking revoked partitions before `m`.
-            self.revocations(&consumer);
+            // A rebalance inside the poll was applied by its callback, before `m` is tracked.
             let mut m = m;
             // Partitions assigned inside this poll are sought before any more is read.
             let assigned = Self::assigned_since(&consumer);
@@ -318,8 +318,9 @@ impl Source for KafkaSource {
     /// A failed commit is counted (the offsets go with the next one).
     async fn settle(&self, items: Vec<(Delivery, Verb)>) -> Result<u64, Error> {
         let consumer = self.consumer()?;
-        let mut to_resume = Vec::new();
         {
+            // Pauses and resumes happen under the lock the rebalance callbacks take, so the
+            // source's record of its pauses never lags behind librdkafka's.
             let mut st = self.state();
             for (mut d, verb) in items {
                 let tp = d.tp();
@@ -358,13 +359,10 @@ impl Source for KafkaSource {
                 let waiting =
                     retries.iter().any(|(_, d)| d.topic() == tp.0 && d.partition() == tp.1);
                 if !waiting {
-                    to_resume.push(tp.clone());
+                    Self::pause(&consumer, tp, false);
                 }
                 waiting
             });
-        }
-        for tp in to_resume {
-            Self::pause(&consumer, &tp, false);
         }
         Ok(u64::from(!self.commit(&consumer, false).await))
     }

@@ -15,6 +15,12 @@ pub struct ClaimRequest {
     pub lease_for: Duration,
     /// How long the record is kept (from the claim; `complete` sets it again).
     pub retain_for: Duration,
+    /// Whether a lease that ran out is taken over (`true`, the default). When `false`, such a
+    /// key is answered [`Claim::InProgress`] with a zero `retry_after` and left as it is: the
+    /// engine learns which keys of a batch a dead consumer held without holding them all, and
+    /// then takes each over alone, right before its handler runs (see
+    /// [`without_takeover`](Self::without_takeover)).
+    pub takeover: bool,
 }
 
 impl ClaimRequest {
@@ -25,7 +31,30 @@ impl ClaimRequest {
         lease_for: Duration,
         retain_for: Duration,
     ) -> Self {
-        Self { key, fingerprint, lease_for, retain_for }
+        Self { key, fingerprint, lease_for, retain_for, takeover: true }
+    }
+
+    /// The same request, but one that does not take over an in-progress lease that ran out:
+    /// the store answers [`Claim::InProgress`] with `retry_after` zero and the holder's attempt,
+    /// and changes nothing. Released and failed records are claimed as usual.
+    ///
+    /// A batch that may hold several keys of a consumer that died must not take them all over
+    /// at once: if one of them kills the process again, the others die with it, unrun, and
+    /// each counts an attempt towards the crash-loop limit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::{ClaimRequest, DedupKey};
+    ///
+    /// let key = DedupKey::new("billing", "o-1")?;
+    /// let req = ClaimRequest::new(key, None, Duration::from_secs(30), Duration::from_secs(3600));
+    /// assert!(req.takeover && !req.without_takeover().takeover);
+    /// # Ok::<(), idem_core::KeyError>(())
+    /// ```
+    #[must_use]
+    pub fn without_takeover(mut self) -> Self {
+        self.takeover = false;
+        self
     }
 }
 

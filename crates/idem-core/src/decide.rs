@@ -26,6 +26,8 @@ pub struct ClaimDecision {
 /// - a fingerprint different from the stored one → [`Claim::Conflict`] (when both are known);
 /// - completed or in doubt → [`Claim::Completed`];
 /// - in progress under a live lease → [`Claim::InProgress`] with the lease's remaining time;
+/// - in progress under a lease that ran out, for a request without takeover →
+///   [`Claim::InProgress`] with a zero remaining time;
 /// - otherwise (released, failed, an expired lease) → a takeover at `attempt + 1`.
 ///
 /// ```
@@ -76,7 +78,7 @@ pub fn decide_claim(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp)
         RecordState::Completed | RecordState::InDoubt => {
             ClaimDecision { claim: Claim::Completed(rec.clone()), write: None }
         }
-        RecordState::InProgress if rec.is_leased_at(now) => ClaimDecision {
+        RecordState::InProgress if rec.is_leased_at(now) || !req.takeover => ClaimDecision {
             claim: Claim::InProgress {
                 retry_after: rec.lease_until.unwrap_or(now).since(now),
                 attempt: rec.attempt,

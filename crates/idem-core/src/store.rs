@@ -118,7 +118,10 @@ impl StoreError {
 ///   comparing consumer clocks.
 /// - **Takeover.** A claim on an in-progress record whose lease ran out, or on a released or
 ///   failed record, acquires it with `attempt + 1`; [`Lease::previous`] says what it took over.
-///   A claim on an expired record (retention passed) starts afresh at attempt 1.
+///   A claim on an expired record (retention passed) starts afresh at attempt 1. A request
+///   without takeover ([`ClaimRequest::without_takeover`]) leaves an in-progress record whose
+///   lease ran out as it is and answers [`Claim::InProgress`] with a zero `retry_after` and the
+///   holder's attempt; released and failed records it claims as usual.
 /// - **Conflict first.** When both the stored and the requested fingerprint are present and
 ///   differ, the claim answers [`Claim::Conflict`] whatever the record's state (unless expired).
 /// - **Scoped.** Keys are `(scope, id)`; scopes never see each other's records.

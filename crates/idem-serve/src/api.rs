@@ -196,7 +196,8 @@ fn request(caller: &Caller, b: ClaimBody) -> Result<ClaimRequest, ApiError> {
     };
     let lease = wire::millis("lease_ms", b.lease_ms, DEFAULT_LEASE_MS, MAX_LEASE_MS)?;
     let retain = wire::millis("retain_ms", b.retain_ms, DEFAULT_RETAIN_MS, MAX_RETAIN_MS)?;
-    Ok(ClaimRequest::new(key, fingerprint, lease, retain))
+    let req = ClaimRequest::new(key, fingerprint, lease, retain);
+    Ok(if b.takeover == Some(false) { req.without_takeover() } else { req })
 }
 
 /// Claims a key before its effect runs.

@@ -259,6 +259,7 @@ fn claim_body(r: &ClaimRequest) -> ClaimBody {
         payload: None,
         lease_ms: Some(ms(r.lease_for)),
         retain_ms: Some(ms(r.retain_for)),
+        takeover: (!r.takeover).then_some(false),
     }
 }
 

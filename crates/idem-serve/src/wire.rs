@@ -54,6 +54,11 @@ pub struct ClaimBody {
     /// How long the record is kept from the claim (default 7 days, at most 400 days).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retain_ms: Option<u64>,
+    /// `false`: do not take over a lease that ran out; answer `in_progress` with
+    /// `retry_after_ms` 0 instead, and change nothing (default `true`). A caller that claims
+    /// several keys a crashed consumer held takes them over one at a time this way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub takeover: Option<bool>,
 }
 
 /// The answer to a claim: exactly one of four outcomes, in `outcome`.

@@ -69,10 +69,14 @@ impl<B> Engine<B> {
     fn first_round<M: Envelope>(&self, msgs: &[M]) -> (Vec<Prepared<(), ()>>, Vec<ClaimRequest>) {
         let prepared: Vec<Prepared<(), ()>> = msgs.iter().map(|m| self.prepare(m)).collect();
         let mut seen = HashSet::new();
+        // Without takeover, as the round claims them (see `TwoPhase`): a key whose lease ran
+        // out is taken over alone, when its turn comes, never ahead.
         let reqs = prepared
             .iter()
             .filter_map(|p| match p {
-                Prepared::Claim(req) => seen.insert(req.key.hash()).then(|| req.clone()),
+                Prepared::Claim(req) => {
+                    seen.insert(req.key.hash()).then(|| req.clone().without_takeover())
+                }
                 Prepared::Unkeyed | Prepared::Done(_) => None,
             })
             .collect();
@@ -114,10 +118,10 @@ impl<S: DedupStore> Engine<S> {
         Some(ahead)
     }
 
-    /// Gives back the leases of claims taken ahead and not used, except takeovers of expired
-    /// leases: released, the next claim would find the key free and never learn that an
-    /// earlier holder may have made the effect (the in-doubt check); left, they expire and the
-    /// next claim takes them over in turn.
+    /// Gives back the leases of claims taken ahead and not used. Claims ahead never take over an
+    /// expired lease (they are made without takeover); should one have, it is left to expire
+    /// rather than released: released, the next claim would find the key free and never learn
+    /// that an earlier holder may have made the effect (the in-doubt check).
     pub(crate) async fn drop_ahead(&self, ahead: Ahead) {
         let leases = ahead.claims.into_iter().filter_map(|(_, c)| match c {
             Ok(Claim::Acquired(lease)) if !lease.took_over_expired() => Some(lease),

@@ -317,7 +317,7 @@ impl<S: DedupStore, H, M> TwoPhase<'_, S, H, M> {
             }
         };
         if old {
-            // Extended, not released and claimed again: a takeover stays a takeover.
+            // Extended, not released and claimed again: the answer stays the one taken ahead.
             let extend = taken.iter_mut().map(|slot| async move {
                 if let Some(Ok(Claim::Acquired(lease))) = slot
                     && let Err(e) = engine.store.extend(lease, engine.lease()).await
@@ -342,8 +342,8 @@ impl<S: DedupStore, H, M> TwoPhase<'_, S, H, M> {
     }
 }
 
-/// A claim taken ahead that was neither used nor taken again (not expected: every open slot is
-/// claimed again).
+/// A claim that got no answer (not expected: every open slot of a claim taken ahead is claimed
+/// again, and a single claim answers once).
 #[derive(Debug, thiserror::Error)]
 #[error("no answer for a key claimed ahead")]
 struct Unanswered;
@@ -380,7 +380,10 @@ where
                 if keyed.is_empty() {
                     return Vec::new();
                 }
-                let reqs: Vec<ClaimRequest> = keyed.iter().map(|(_, r)| r.clone()).collect();
+                // Claimed without takeover: a key whose lease ran out (its holder died or hung)
+                // answers in progress with no time left and stays as it is.
+                let reqs: Vec<ClaimRequest> =
+                    keyed.iter().map(|(_, r)| r.clone().without_takeover()).collect();
                 let claims = self.claims(&reqs).await;
                 let (suspects, rest): (Vec<_>, Vec<_>) =
                     keyed.into_iter().zip(claims).partition(|(_, c)| suspect(c));
@@ -394,11 +397,14 @@ where
                 let decided = futures_util::future::join_all(rest.into_iter().map(decide)).await;
                 let mut done = engine.complete_all(decided).await;
                 // Takeovers of expired leases run alone, one after another, once the rest of
-                // the round is recorded: if one of them kills the process again, no other key
-                // is held by it, so only that key's attempt count grows towards the
-                // crash-loop limit.
-                for one in solo_order(suspects) {
-                    let decided = vec![decide(one).await];
+                // the round is recorded, each claimed (taken over) only when its turn comes: if
+                // one of them kills the process again, no other key is held by it, so only
+                // that key's attempt count grows towards the crash-loop limit.
+                for ((i, req), _) in solo_order(suspects) {
+                    let claim = engine.claim_all(std::slice::from_ref(&req)).await.pop();
+                    let claim = claim
+                        .unwrap_or_else(|| Err(StoreError::backend("claim", true, Unanswered)));
+                    let decided = vec![decide(((i, req), claim)).await];
                     done.extend(engine.complete_all(decided).await);
                 }
                 done
@@ -410,10 +416,10 @@ where
     }
 }
 
-/// Whether a claim took over an expired lease: its earlier holder died or hung while the
-/// handler ran, maybe because of this very message.
+/// Whether a claim without takeover found a lease that ran out: its holder died or hung while
+/// the handler ran, maybe because of this very message.
 fn suspect(claim: &Result<Claim, StoreError>) -> bool {
-    matches!(claim, Ok(Claim::Acquired(lease)) if lease.took_over_expired())
+    matches!(claim, Ok(Claim::InProgress { retry_after, .. }) if retry_after.is_zero())
 }
 
 /// The order takeovers run in: fewest attempts first (a message that keeps killing the process
@@ -423,7 +429,7 @@ fn suspect(claim: &Result<Claim, StoreError>) -> bool {
 /// of dying with it until both reach the limit.
 fn solo_order(mut suspects: Vec<Suspect>) -> Vec<Suspect> {
     let attempt = |c: &Result<Claim, StoreError>| match c {
-        Ok(Claim::Acquired(lease)) => lease.attempt(),
+        Ok(Claim::InProgress { attempt, .. }) => *attempt,
         _ => 0,
     };
     suspects.sort_by(|((i, _), a), ((j, _), b)| {
@@ -457,7 +463,8 @@ impl<S> Engine<S> {
     }
 }
 
-/// A keyed message of a round (its index and request) with the claim that took it over.
+/// A keyed message of a round (its index and request) with the answer that found its lease
+/// expired.
 type Suspect = ((usize, ClaimRequest), Result<Claim, StoreError>);
 
 /// Records a decided delivery's attempt and outcome on its span.

@@ -219,8 +219,12 @@ async fn unpipelined_lanes_fetch_only_after_settling() {
     assert_eq!(most.load(Ordering::SeqCst), 2, "one batch of 2 in flight at a time");
 }
 
+/// Claims taken ahead never take over a lease that ran out: a key a crashed consumer held is
+/// taken over alone, when its batch runs (so a crash then holds no other key), and a stop
+/// gives back only what was claimed ahead, leaving that key as the crash left it (released,
+/// the next claim would find it free and never learn that the effect may have been made).
 #[tokio::test]
-async fn a_takeover_claimed_ahead_is_never_given_back_at_a_stop() {
+async fn a_lease_that_ran_out_is_not_taken_over_ahead() {
     let clock = ManualClock::new();
     let store = MemoryStore::with_clock(clock.clone());
     // o-1's earlier holder crashed mid-effect: its lease runs out unreleased.
@@ -231,9 +235,10 @@ async fn a_takeover_claimed_ahead_is_never_given_back_at_a_stop() {
     clock.advance(LONG_LEASE + Duration::from_secs(1));
 
     let q = MemoryQueue::new();
-    q.push("o-0", "{}");
-    q.push("o-1", "{}");
-    let c = consumer(&q, &store, 1, true).await;
+    for id in ["o-0", "o-x", "o-1", "o-2"] {
+        q.push(id, "{}");
+    }
+    let c = consumer(&q, &store, 2, true).await;
     let (started, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let handler = {
@@ -241,20 +246,23 @@ async fn a_takeover_claimed_ahead_is_never_given_back_at_a_stop() {
         move |_, m: MemoryDelivery| {
             let (started, gate) = (started.clone(), gate.clone());
             async move {
-                started.notify_one();
-                gate.notified().await;
+                if id_of(&m) == "o-0" {
+                    started.notify_one();
+                    gate.notified().await;
+                }
                 Ok::<_, HandlerError<String>>(id_of(&m))
             }
         }
     };
     let control = async {
         started.notified().await;
-        // o-1 is claimed ahead: a takeover of the crashed holder's lease (attempt 2).
-        wait_until("o-1 is taken over ahead", || async {
-            let key = DedupKey::new("orders", "o-1").unwrap();
-            store.get(&key).await.unwrap().is_some_and(|r| r.attempt == 2)
+        // The next batch, [o-1, o-2], is claimed ahead: o-2 is acquired, o-1 left alone.
+        wait_until("o-2 is claimed ahead", || async {
+            state(&store, "o-2").await == Some(RecordState::InProgress)
         })
         .await;
+        let o1 = store.get(&DedupKey::new("orders", "o-1").unwrap()).await.unwrap().unwrap();
+        assert_eq!((o1.attempt, o1.state), (1, RecordState::InProgress), "o-1 taken over ahead");
         stop.send(()).unwrap();
         gate.notify_one();
     };
@@ -264,8 +272,9 @@ async fn a_takeover_claimed_ahead_is_never_given_back_at_a_stop() {
         }),
         control
     );
-    assert_eq!(report.unwrap().released, 1);
-    // Released, the next claim would find o-1 free and never learn the effect may be made:
-    // left in progress, it is taken over again, as a takeover.
-    assert_eq!(state(&store, "o-1").await, Some(RecordState::InProgress));
+    assert_eq!(report.unwrap().released, 2);
+    // The claim taken ahead is given back; o-1 stays as the crash left it.
+    assert_eq!(state(&store, "o-2").await, Some(RecordState::Released));
+    let o1 = store.get(&DedupKey::new("orders", "o-1").unwrap()).await.unwrap().unwrap();
+    assert_eq!((o1.attempt, o1.state), (1, RecordState::InProgress));
 }

@@ -129,6 +129,7 @@ impl RedisStore {
             .arg(duration_micros(req.lease_for))
             .arg(duration_micros(req.retain_for))
             .arg(self.offset_us())
+            .arg(u8::from(req.takeover))
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| backend("claim", e))?;
@@ -145,7 +146,8 @@ impl RedisStore {
                 .arg(r.key.id())
                 .arg(r.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
                 .arg(duration_micros(r.lease_for))
-                .arg(duration_micros(r.retain_for));
+                .arg(duration_micros(r.retain_for))
+                .arg(u8::from(r.takeover));
         }
         let v: Value =
             inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;

@@ -74,7 +74,7 @@ local function live(r, now) return r.st == 0 and r.lu > now end
 /// `{0, token, attempt, until, prev or -1, fp}` acquired; `{1, record}` completed or in doubt;
 /// `{2, retry_after_us, attempt}` in progress; `{3, record}` conflict.
 const CLAIM_FN: &str = r#"
-local function claim(k, scope, id, fp, lease, retain, now)
+local function claim(k, scope, id, fp, lease, retain, now, take)
   local r = load(k)
   local untl = now + lease
   local keep = now + math.max(retain, lease)
@@ -89,6 +89,7 @@ local function claim(k, scope, id, fp, lease, retain, now)
   if r.fp ~= '' and fp ~= '' and r.fp ~= fp then return {3, r.raw} end
   if r.st == 1 or r.st == 4 then return {1, r.raw} end
   if live(r, now) then return {2, r.lu - now, r.att} end
+  if r.st == 0 and take == 0 then return {2, 0, r.att} end
   r.prev = r.st
   r.st = 0
   r.att = r.att + 1
@@ -104,17 +105,19 @@ local function claim(k, scope, id, fp, lease, retain, now)
 end
 "#;
 
-/// KEYS: the record. ARGV: scope, id, fingerprint ('' for none), lease µs, retain µs, offset.
+/// KEYS: the record. ARGV: scope, id, fingerprint ('' for none), lease µs, retain µs, offset,
+/// takeover (1: take over a lease that ran out; 0: answer it in progress).
 pub(crate) fn claim() -> String {
     format!(
         "{PRELUDE}{CLAIM_FN}
 local now = now_us(ARGV[6])
-return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), now)"
+return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), now,
+  tonumber(ARGV[7]))"
     )
 }
 
-/// KEYS: the records, in request order. ARGV: offset, then 5 per key (scope, id, fingerprint,
-/// lease µs, retain µs). One script: the batch is one round trip and one atomic step, and a key
+/// KEYS: the records, in request order. ARGV: offset, then 6 per key (scope, id, fingerprint,
+/// lease µs, retain µs, takeover). One script: the batch is one round trip and one atomic step, and a key
 /// repeated in the batch sees its earlier occurrence's claim.
 pub(crate) fn claim_many() -> String {
     format!(
@@ -122,9 +125,9 @@ pub(crate) fn claim_many() -> String {
 local now = now_us(ARGV[1])
 local out = {{}}
 for i = 1, #KEYS do
-  local a = 1 + (i - 1) * 5
+  local a = 1 + (i - 1) * 6
   out[i] = claim(KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4]),
-    tonumber(ARGV[a + 5]), now)
+    tonumber(ARGV[a + 5]), now, tonumber(ARGV[a + 6]))
 end
 return out"
     )

@@ -84,6 +84,8 @@ fn claim_body(c: pb::ClaimRequest) -> ClaimBodyResult {
         payload: None,
         lease_ms: c.lease_ms,
         retain_ms: c.retain_ms,
+        // Not in the gRPC message: a gRPC claim always takes over a lease that ran out.
+        takeover: None,
     })
 }
 

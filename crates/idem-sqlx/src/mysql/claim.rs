@@ -40,7 +40,9 @@ impl MySqlStore {
     /// answer, or `None` when the record changed under it and it must be tried again.
     async fn claim_round(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Option<Claim>>, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
-        let rows = self.upsert_round(&mut conn, reqs, RecordState::InProgress).await?;
+        // The caller's requests share one takeover flag (claim_many splits a batch that mixes).
+        let takeover = reqs.first().is_none_or(|r| r.takeover);
+        let rows = self.upsert_round(&mut conn, reqs, RecordState::InProgress, takeover).await?;
         Ok(rows
             .into_iter()
             .zip(reqs)
@@ -56,7 +58,7 @@ impl MySqlStore {
                         rec.previous,
                     )));
                 }
-                lost(rec, req.fingerprint, now)
+                lost(rec, req.fingerprint, now, req.takeover)
             })
             .collect())
     }
@@ -65,12 +67,13 @@ impl MySqlStore {
     /// mark), rows in key-hash order so concurrent batches lock them in one order, then the
     /// rows read back (a locking read: inside a transaction it sees the latest commit). For
     /// each request: whether it won, its record and the database's now; `None` when its row is
-    /// gone (purged meanwhile).
+    /// gone (purged meanwhile). `takeover`: whether a lease that ran out is taken over.
     pub(crate) async fn upsert_round(
         &self,
         conn: &mut MySqlConnection,
         reqs: &[&ClaimRequest],
         state: RecordState,
+        takeover: bool,
     ) -> Result<Vec<Option<(bool, Record, Timestamp)>>, StoreError> {
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| reqs[i].key.hash().0);
@@ -85,7 +88,7 @@ impl MySqlStore {
             }
         }
         let leased = state == RecordState::InProgress;
-        let mut q = sqlx::query(AssertSqlSafe(self.sql.claim_many(unique.len(), state)));
+        let mut q = sqlx::query(AssertSqlSafe(self.sql.claim_many(unique.len(), state, takeover)));
         for &i in &unique {
             let r = reqs[i];
             let (_, owner) = first[&r.key.hash().0];
@@ -158,8 +161,13 @@ impl MySqlStore {
     }
 }
 
-fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option<Claim> {
-    match classify_loser(rec, fingerprint, now)? {
+fn lost(
+    rec: Record,
+    fingerprint: Option<Fingerprint>,
+    now: Timestamp,
+    takeover: bool,
+) -> Option<Claim> {
+    match classify_loser(rec, fingerprint, now, takeover)? {
         Loser::Done(rec) => Some(Claim::Completed(rec)),
         Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
         Loser::Leased(rec) => Some(Claim::InProgress {
@@ -232,17 +240,25 @@ impl DedupStore for MySqlStore {
     }
 
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
-        let mut out = Vec::with_capacity(reqs.len());
-        for chunk in reqs.chunks(MAX_ROWS) {
-            let refs: Vec<&ClaimRequest> = chunk.iter().collect();
-            for (answer, req) in self.claim_round(&refs).await?.into_iter().zip(chunk) {
-                match answer {
-                    Some(claim) => out.push(claim),
-                    None => out.push(self.claim(req).await?),
+        // One statement takes one takeover flag: a batch that mixes them (not one the engine
+        // sends) goes as two groups.
+        let groups = match crate::row::mixed_takeover(reqs) {
+            Some((with, without)) => vec![with, without],
+            None => vec![(0..reqs.len()).collect()],
+        };
+        let mut out: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
+        for group in groups {
+            for chunk in group.chunks(MAX_ROWS) {
+                let refs: Vec<&ClaimRequest> = chunk.iter().map(|&n| &reqs[n]).collect();
+                for (answer, &n) in self.claim_round(&refs).await?.into_iter().zip(chunk) {
+                    out[n] = Some(match answer {
+                        Some(claim) => claim,
+                        None => self.claim(&reqs[n]).await?,
+                    });
                 }
             }
         }
-        Ok(out)
+        Ok(out.into_iter().flatten().collect())
     }
 
     async fn complete(

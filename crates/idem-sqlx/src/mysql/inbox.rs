@@ -139,7 +139,7 @@ impl TxInbox for MySqlInbox {
                 .map(|(k, fp)| ClaimRequest::new(k.clone(), *fp, Duration::ZERO, self.retain_for))
                 .collect();
             let refs: Vec<&ClaimRequest> = reqs.iter().collect();
-            let rows = self.store.upsert_round(conn, &refs, RecordState::Completed).await?;
+            let rows = self.store.upsert_round(conn, &refs, RecordState::Completed, true).await?;
             for (row, (key, fp)) in rows.into_iter().zip(chunk) {
                 let claim = match row {
                     Some((true, _, _)) => Some(Claim::Acquired(mark_lease(key, *fp))),

@@ -128,10 +128,11 @@ fn dead(now: &str) -> String {
     format!("(expires_at <= {now} AND NOT (state = 0 AND lease_until > {now}))")
 }
 
-/// Released, failed, or leased past its end, with no conflicting fingerprint (new one `fp`).
-fn takeover(now: &str, fp: &str) -> String {
+/// Released, failed, or leased past its end (only when `may`: the claim's takeover flag, as
+/// SQL), with no conflicting fingerprint (new one `fp`).
+fn takeover(now: &str, fp: &str, may: &str) -> String {
     format!(
-        "((state IN (2, 3) OR (state = 0 AND lease_until <= {now})) \
+        "((state IN (2, 3) OR (state = 0 AND lease_until <= {now} AND {may})) \
          AND (fingerprint IS NULL OR {fp} IS NULL OR fingerprint = {fp}))"
     )
 }
@@ -219,7 +220,7 @@ impl Sql {
                 "UPDATE {t} SET {} WHERE key_hash = :hash AND ({} OR {})",
                 taken_state("1", "NULL"),
                 dead(NOW),
-                takeover(NOW, ":fp")
+                takeover(NOW, ":fp", "TRUE")
             )),
             select: s(format!("SELECT {COLUMNS}, owner, {NOW} FROM {t} WHERE key_hash = :hash")),
             select_locked: s(format!(
@@ -275,7 +276,13 @@ impl Sql {
     /// caller in row order: hash, scope, id, fp, skew…, lease (NULL for a mark), skew, keep,
     /// owner per row. Keys must be distinct and are best sorted, so concurrent batches lock
     /// rows in one order.
-    pub(super) fn claim_many(&self, n: usize, state: idem_core::RecordState) -> String {
+    /// `take_over`: whether a lease that ran out is taken over (every row of the statement).
+    pub(super) fn claim_many(
+        &self,
+        n: usize,
+        state: idem_core::RecordState,
+        take_over: bool,
+    ) -> String {
         let now = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
         let state = state.code();
         let row = format!(
@@ -284,7 +291,8 @@ impl Sql {
         let rows = vec![row; n].join(", ");
         let vnow = "VALUES(updated_at)";
         let d = dead(vnow);
-        let claimable = format!("({d} OR {})", takeover(vnow, "VALUES(fingerprint)"));
+        let may = if take_over { "TRUE" } else { "FALSE" };
+        let claimable = format!("({d} OR {})", takeover(vnow, "VALUES(fingerprint)", may));
         // Left-to-right assignments again: `owner` is decided first, on the old row, and
         // every later assignment follows it.
         let mine = "owner = VALUES(owner)";

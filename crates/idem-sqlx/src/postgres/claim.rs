@@ -28,17 +28,17 @@ impl PostgresStore {
         req: &ClaimRequest,
         lease_for: Option<Duration>,
     ) -> Result<Option<PgRow>, StoreError> {
-        sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
+        let q = sqlx::query(AssertSqlSafe(Arc::clone(stmt)))
             .bind(&req.key.hash().0[..])
             .bind(req.key.scope())
             .bind(req.key.id())
             .bind(req.fingerprint.as_ref().map(|f| &f.0[..]))
             .bind(self.skew())
             .bind(lease_for.map(duration_micros))
-            .bind(duration_micros(req.retain_for.max(lease_for.unwrap_or_default())))
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| backend("claim", e))
+            .bind(duration_micros(req.retain_for.max(lease_for.unwrap_or_default())));
+        // A claim (with a lease) says whether it takes over; a mark always may.
+        let q = if lease_for.is_some() { q.bind(req.takeover) } else { q };
+        q.fetch_optional(&mut *conn).await.map_err(|e| backend("claim", e))
     }
 
     /// Claims on one connection outside a transaction: the upsert, then — only if it lost — a
@@ -64,7 +64,7 @@ impl PostgresStore {
                 Err(e) if again(&e) => continue,
                 Err(e) => return Err(e),
             };
-            if let Some(claim) = lost(rec, req.fingerprint, now) {
+            if let Some(claim) = lost(rec, req.fingerprint, now, req.takeover) {
                 return Ok(claim);
             }
         }
@@ -73,6 +73,38 @@ impl PostgresStore {
             true,
             "record kept changing under the claim (8 tries); try again",
         ))
+    }
+
+    /// `claim_many` for requests that share one takeover flag: one upsert for the batch, one
+    /// read of the losers.
+    async fn claim_uniform(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
+        let (first, found) = self.upsert_many(&mut conn, reqs, reqs[0].takeover).await?;
+        drop(conn);
+        let mut out = Vec::with_capacity(reqs.len());
+        for (n, req) in reqs.iter().enumerate() {
+            let hash = req.key.hash().0;
+            let answer = match found.get(&hash) {
+                Some((true, rec, _)) if first.get(&hash) == Some(&n) => {
+                    Some(Claim::Acquired(lease_from_parts(
+                        &req.key,
+                        i64::from(rec.attempt),
+                        i64_of(rec.token, "token")?,
+                        rec.previous.map(|p| i64::from(p.code())),
+                        rec.fingerprint.map(|f| f.0.to_vec()),
+                        rec.lease_until.map_or(0, Timestamp::as_micros),
+                    )?))
+                }
+                Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now, req.takeover),
+                None => None,
+            };
+            match answer {
+                Some(claim) => out.push(claim),
+                // Claimable again by the time its record was read, or purged: decide it alone.
+                None => out.push(self.claim(req).await?),
+            }
+        }
+        Ok(out)
     }
 
     /// Reads `key`'s record and the database's clock.
@@ -96,12 +128,14 @@ impl PostgresStore {
     /// key was taken — one read of the losers. A key that repeats goes in once (its first
     /// occurrence), since one upsert cannot touch a row twice; rows go in key-hash order, so
     /// concurrent batches lock shared keys in one order (no deadlock). Answers: each distinct
-    /// hash's first index, and each hash's row (won?, record, database now).
+    /// hash's first index, and each hash's row (won?, record, database now). `takeover` is
+    /// every request's flag (the caller splits a batch that mixes them).
     #[allow(clippy::type_complexity)]
     async fn upsert_many(
         &self,
         conn: &mut PgConnection,
         reqs: &[ClaimRequest],
+        takeover: bool,
     ) -> Result<(HashMap<[u8; 32], usize>, HashMap<[u8; 32], (bool, Record, Timestamp)>), StoreError>
     {
         let mut first: HashMap<[u8; 32], usize> = HashMap::with_capacity(reqs.len());
@@ -131,6 +165,7 @@ impl PostgresStore {
             .bind(self.skew())
             .bind(&lease)
             .bind(&keep)
+            .bind(takeover)
             .fetch_all(&mut *conn)
             .await
             .map_err(|e| backend("claim_many", e))?;
@@ -187,8 +222,13 @@ impl PostgresStore {
 }
 
 /// The answer of a claim that did not write; `None` when the record is claimable again.
-fn lost(rec: Record, fingerprint: Option<Fingerprint>, now: Timestamp) -> Option<Claim> {
-    match classify_loser(rec, fingerprint, now)? {
+fn lost(
+    rec: Record,
+    fingerprint: Option<Fingerprint>,
+    now: Timestamp,
+    takeover: bool,
+) -> Option<Claim> {
+    match classify_loser(rec, fingerprint, now, takeover)? {
         Loser::Done(rec) => Some(Claim::Completed(rec)),
         Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
         Loser::Leased(rec) => Some(Claim::InProgress {
@@ -219,33 +259,19 @@ impl DedupStore for PostgresStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
-        let (first, found) = self.upsert_many(&mut conn, reqs).await?;
-        drop(conn);
-        let mut out = Vec::with_capacity(reqs.len());
-        for (n, req) in reqs.iter().enumerate() {
-            let hash = req.key.hash().0;
-            let answer = match found.get(&hash) {
-                Some((true, rec, _)) if first.get(&hash) == Some(&n) => {
-                    Some(Claim::Acquired(lease_from_parts(
-                        &req.key,
-                        i64::from(rec.attempt),
-                        i64_of(rec.token, "token")?,
-                        rec.previous.map(|p| i64::from(p.code())),
-                        rec.fingerprint.map(|f| f.0.to_vec()),
-                        rec.lease_until.map_or(0, Timestamp::as_micros),
-                    )?))
-                }
-                Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now),
-                None => None,
-            };
-            match answer {
-                Some(claim) => out.push(claim),
-                // Claimable again by the time its record was read, or purged: decide it alone.
-                None => out.push(self.claim(req).await?),
+        // One statement takes one takeover flag: a batch that mixes them (not one the engine
+        // sends) is claimed as two.
+        let Some((with, without)) = crate::row::mixed_takeover(reqs) else {
+            return self.claim_uniform(reqs).await;
+        };
+        let mut answers: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
+        for part in [with, without] {
+            let part_reqs: Vec<ClaimRequest> = part.iter().map(|&n| reqs[n].clone()).collect();
+            for (n, c) in part.into_iter().zip(self.claim_uniform(&part_reqs).await?) {
+                answers[n] = Some(c);
             }
         }
-        Ok(out)
+        Ok(answers.into_iter().flatten().collect())
     }
 
     async fn complete(

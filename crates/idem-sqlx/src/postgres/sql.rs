@@ -14,9 +14,14 @@ fn now(p: u8) -> String {
 /// Retention passed and no live lease. `EXCLUDED.updated_at` is "now" in the upserts.
 const DEAD: &str = "(r.expires_at <= EXCLUDED.updated_at \
      AND NOT (r.state = 0 AND r.lease_until > EXCLUDED.updated_at))";
-/// Released, failed, or in progress with a lease that ran out; no conflicting fingerprint.
-const TAKEOVER: &str = "((r.state IN (2, 3) OR (r.state = 0 AND r.lease_until <= EXCLUDED.updated_at)) \
-     AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL OR r.fingerprint = EXCLUDED.fingerprint))";
+/// Released, failed, or in progress with a lease that ran out (only when `may` — the claim's
+/// takeover flag — is true); no conflicting fingerprint.
+fn takeover(may: &str) -> String {
+    format!(
+        "((r.state IN (2, 3) OR (r.state = 0 AND r.lease_until <= EXCLUDED.updated_at AND {may})) \
+         AND (r.fingerprint IS NULL OR EXCLUDED.fingerprint IS NULL OR r.fingerprint = EXCLUDED.fingerprint))"
+    )
+}
 
 pub(super) struct Sql {
     pub ddl: Vec<String>,
@@ -44,8 +49,10 @@ impl Sql {
     pub(super) fn new(schema: &str, table: &str) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
         let v = format!("\"{schema}\".\"{table}_versions\"");
-        let on_conflict = format!(
-            "ON CONFLICT (key_hash) DO UPDATE SET \
+        // `may`: whether an expired lease may be taken over (a claim binds it as $8).
+        let on_conflict = |may: &str| {
+            format!(
+                "ON CONFLICT (key_hash) DO UPDATE SET \
                attempt = CASE WHEN {DEAD} THEN 1 ELSE r.attempt + 1 END, \
                prev_state = CASE WHEN {DEAD} THEN NULL ELSE r.state END, \
                created_at = CASE WHEN {DEAD} THEN EXCLUDED.created_at ELSE r.created_at END, \
@@ -54,10 +61,14 @@ impl Sql {
                token = GREATEST(r.token + 1, EXCLUDED.token), \
                state = EXCLUDED.state, result = NULL, updated_at = EXCLUDED.updated_at, \
                lease_until = EXCLUDED.lease_until \
-             WHERE {DEAD} OR {TAKEOVER}"
-        );
-        // $1 hash, $2 scope, $3 id, $4 fingerprint, $5 skew, $6 lease µs (NULL: no lease), $7 keep µs.
-        let upsert = |state: u8| {
+             WHERE {DEAD} OR {takeover}",
+                takeover = takeover(may)
+            )
+        };
+        // $1 hash, $2 scope, $3 id, $4 fingerprint, $5 skew, $6 lease µs (NULL: no lease), $7 keep
+        // µs; a claim's $8: whether it takes over an expired lease.
+        let upsert = |state: u8, may: &str| {
+            let on_conflict = on_conflict(may);
             format!(
                 "INSERT INTO {t} AS r ({COLUMNS}) \
                  SELECT $1::bytea, $2::text, $3::text, {state}, $4::bytea, NULL, 1, n.now, NULL, n.now, n.now, \
@@ -104,9 +115,9 @@ impl Sql {
                        next_offset BIGINT, PRIMARY KEY (scope, log, part))"
                 ),
             ],
-            claim: s(upsert(0)),
+            claim: s(upsert(0, "$8::boolean")),
             // An inbox marker is a claim completed at once (bound with a NULL lease).
-            mark: s(upsert(1)),
+            mark: s(upsert(1, "true")),
             // Keys are unique within the arrays (the caller folds repeats). Only the winners
             // come back; the losers are read by `claim_many_losers` when there are any.
             claim_many: s(format!(
@@ -118,7 +129,8 @@ impl Sql {
                         AS q(h, s, i, fp, lease, keep), n \
                    {on_conflict} RETURNING {COLUMNS}) \
                  SELECT true, {prefixed}, (SELECT now FROM n) FROM ins",
-                now = now(5)
+                now = now(5),
+                on_conflict = on_conflict("$8::boolean")
             )),
             // The inbox's batch mark: the same upsert, completed at once (NULL leases), answering
             // only the winners' hashes (a winner needs nothing else; losers are read apart).
@@ -128,7 +140,8 @@ impl Sql {
                  FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[]) \
                       AS q(h, s, i, fp, keep), (SELECT {now} AS now) n \
                  {on_conflict} RETURNING r.key_hash",
-                now = now(5)
+                now = now(5),
+                on_conflict = on_conflict("true")
             )),
             // Run unprepared, so it is planned with its array every time: as a cached generic
             // plan made while the table was tiny it scanned the whole table once grown.

@@ -222,6 +222,7 @@ impl SqliteStore {
             .bind(until.as_micros())
             .bind(keep.as_micros())
             .bind(i64_of(next_token(None, now), "token")?)
+            .bind(req.takeover)
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| backend("claim", e))?;
@@ -247,7 +248,7 @@ impl SqliteStore {
                 return Ok(Claim::Acquired(lease));
             }
             let Some(rec) = self.fetch(conn, &req.key).await? else { continue };
-            match classify_loser(rec, req.fingerprint, now) {
+            match classify_loser(rec, req.fingerprint, now, req.takeover) {
                 Some(Loser::Done(rec)) => return Ok(Claim::Completed(rec)),
                 Some(Loser::Conflict(rec)) => return Ok(Claim::Conflict(rec)),
                 Some(Loser::Leased(rec)) => {

@@ -9,9 +9,14 @@ use crate::row::COLUMNS;
 // ?5 is "now" by the store's clock in every statement that has it.
 /// Retention passed and no live lease: the record is gone in all but storage.
 const DEAD: &str = "(expires_at <= ?5 AND NOT (state = 0 AND lease_until > ?5))";
-/// Released, failed, or in progress with a lease that ran out, and no conflicting fingerprint.
-const TAKEOVER: &str = "((state IN (2, 3) OR (state = 0 AND lease_until <= ?5)) \
-     AND (fingerprint IS NULL OR ?4 IS NULL OR fingerprint = ?4))";
+/// Released, failed, or in progress with a lease that ran out (only when `may` — the claim's
+/// takeover flag — is true), and no conflicting fingerprint.
+fn takeover(may: &str) -> String {
+    format!(
+        "((state IN (2, 3) OR (state = 0 AND lease_until <= ?5 AND {may})) \
+         AND (fingerprint IS NULL OR ?4 IS NULL OR fingerprint = ?4))"
+    )
+}
 
 pub(super) struct Sql {
     pub t: String,
@@ -38,7 +43,8 @@ impl Sql {
         // Upsert for a claim: a new row, or a takeover of a dead or re-claimable one. When the
         // WHERE is false nothing changes and nothing is returned: the caller lost.
         // In SQLite's upsert, unqualified columns are the existing row's values before the update.
-        let upsert = |state: u8, lease: &str| {
+        let upsert = |state: u8, lease: &str, may: &str| {
+            let takeover = takeover(may);
             format!(
                 "INSERT INTO {t} ({COLUMNS}) VALUES (?1, ?2, ?3, {state}, ?4, NULL, 1, ?8, NULL, ?5, ?5, {lease}, ?7) \
                  ON CONFLICT (key_hash) DO UPDATE SET \
@@ -50,7 +56,7 @@ impl Sql {
                    token = max(token + 1, excluded.token), \
                    state = excluded.state, result = NULL, updated_at = excluded.updated_at, \
                    lease_until = excluded.lease_until \
-                 WHERE {DEAD} OR {TAKEOVER} \
+                 WHERE {DEAD} OR {takeover} \
                  RETURNING attempt, token, prev_state, fingerprint"
             )
         };
@@ -91,9 +97,9 @@ impl Sql {
                      ) WITHOUT ROWID"
                 ),
             ],
-            claim: s(upsert(0, "?6")),
+            claim: s(upsert(0, "?6", "?9")),
             // An inbox marker is a claim that is completed at once: no lease.
-            mark: s(upsert(1, "NULL")),
+            mark: s(upsert(1, "NULL", "1")),
             select: s(format!("SELECT {COLUMNS} FROM {t} WHERE key_hash = ?1")),
             finish: s(format!(
                 "UPDATE {t} SET state = ?3, result = ?4, updated_at = ?5, lease_until = NULL, expires_at = ?6 \

@@ -126,6 +126,54 @@ pub async fn expired_lease_is_taken_over<S: Store, C: TimeControl>(h: Harness<S,
     assert_eq!(rec.attempt, 2);
 }
 
+/// A request without takeover leaves a lease that ran out to its holder: `claim` and
+/// `claim_many` answer it in progress with no time left and the holder's attempt, and change
+/// nothing (the holder may still complete). A fresh key and a released one are claimed as usual.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn a_claim_without_takeover_leaves_an_expired_lease<S: Store, C: TimeControl>(
+    h: Harness<S, C>,
+) {
+    let (held, fresh, released) =
+        (unique_key("conf-nt"), unique_key("conf-nt"), unique_key("conf-nt"));
+    let first = acquire(&h, &req(&h, &held, fp(1))).await;
+    let gone = acquire(&h, &req(&h, &released, fp(1))).await;
+    h.store.release(gone).await.expect("release");
+    h.time.advance(h.unit * 3).await;
+    let expired = |c: &Claim| matches!(c, Claim::InProgress { retry_after, attempt: 1 } if retry_after.is_zero());
+    let single = h.store.claim(&req(&h, &held, fp(1)).without_takeover()).await.expect("claim");
+    assert!(expired(&single), "claim without takeover of an expired lease: {single:?}");
+    let batch = h
+        .store
+        .claim_many(&[
+            req(&h, &fresh, fp(1)).without_takeover(),
+            req(&h, &held, fp(1)).without_takeover(),
+            req(&h, &released, fp(1)).without_takeover(),
+        ])
+        .await
+        .expect("claim_many");
+    assert!(matches!(&batch[0], Claim::Acquired(l) if l.attempt() == 1), "fresh: {:?}", batch[0]);
+    assert!(expired(&batch[1]), "claim_many without takeover: {:?}", batch[1]);
+    assert!(
+        matches!(&batch[2], Claim::Acquired(l) if l.attempt() == 2 && !l.took_over_expired()),
+        "released: {:?}",
+        batch[2]
+    );
+    // Nothing changed: the first holder still completes, and the key is done.
+    h.store.complete(first, Some(b"first"), retain(&h)).await.expect("the holder completes");
+    assert!(matches!(
+        h.store.claim(&req(&h, &held, fp(1))).await.expect("claim"),
+        Claim::Completed(rec) if rec.attempt == 1
+    ));
+    for c in batch {
+        if let Claim::Acquired(l) = c {
+            h.store.complete(l, None, retain(&h)).await.expect("complete");
+        }
+    }
+}
+
 /// Before the lease runs out, nobody takes it over.
 ///
 /// # Cancel safety

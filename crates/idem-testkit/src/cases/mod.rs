@@ -21,7 +21,8 @@ pub use batch::{
     claim_many_mixed_states_match_single_claims, complete_many_tells_a_spent_lease_it_is_lost,
 };
 pub use lease::{
-    claim_is_exclusive, completed_is_duplicate_with_result, concurrent_claims_have_one_winner,
+    a_claim_without_takeover_leaves_an_expired_lease, claim_is_exclusive,
+    completed_is_duplicate_with_result, concurrent_claims_have_one_winner,
     expired_lease_is_taken_over, extend_keeps_the_lease, fencing_tokens_strictly_increase,
     fingerprint_mismatch_is_conflict, live_lease_is_not_taken_over,
     missing_fingerprint_never_conflicts, release_allows_reclaim, scopes_isolate,

@@ -108,6 +108,13 @@ async fn a_poison_message_is_dead_lettered_at_the_limit_and_its_batch_is_not() {
         assert!(attempts.iter().all(|a| *a <= 3), "{k}: {attempts:?}");
     }
     // The record says why, and a resubmission after the fix runs again.
+    // Nor does any count attempts it did not run: a key the first crash held is taken over
+    // once, alone, when its turn comes, never held while the poison runs (attempt 2 at most).
+    for m in msgs.iter().filter(|m| m.message_id.as_deref() != Some(POISON)) {
+        let key = DedupKey::new("orders", m.message_id.as_deref().unwrap()).unwrap();
+        let rec = store.get(&key).await.unwrap().unwrap();
+        assert!(rec.attempt <= 2, "{:?} reached attempt {}", m.message_id, rec.attempt);
+    }
     let key = DedupKey::new("orders", POISON).unwrap();
     let rec = store.get(&key).await.unwrap().unwrap();
     assert_eq!(rec.state, RecordState::Failed);

@@ -767,8 +767,9 @@ pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
 /// Defines the crash suite in the calling test file: `crash_inbox_mode` and
 /// `crash_two_phase_mode` on fresh harnesses from `$make` (an async closure taking the case's
 /// name and returning `Option<harness>`, as for
-/// [`source_conformance!`](crate::source_conformance)), and the `crash_child` entry their child
-/// processes run (ignored when run alone). With `postgres` last, also
+/// [`source_conformance!`](crate::source_conformance)), `crash_loop_is_dead_lettered` (see
+/// [`poison`]), and the `crash_child` entry their child processes run (ignored when run alone).
+/// With `postgres` last, also
 /// `crash_inbox_mode_postgres` and `crash_two_phase_mode_postgres`: the store's records in
 /// PostgreSQL. The harness type must implement [`CrashHarness`]. It may be used once per
 /// module (a second harness of the same broker goes in a module of its own).
@@ -808,8 +809,6 @@ macro_rules! __crash_cases {
         )+
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        #[ignore = "run alone by .ci/run: beside the other crash scenarios on RabbitMQ it once \
-                    did not drain within 300 s (not diagnosed yet)"]
         async fn crash_loop_is_dead_lettered() {
             let Some(h) = ($make)("crash_loop_is_dead_lettered").await else { return };
             let entry = $crate::crash::entry(module_path!());

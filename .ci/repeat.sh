@@ -3,9 +3,10 @@
 #
 #   .ci/repeat.sh [-n N] [--busy] [--out DIR] SPEC...
 #
-# SPEC is one quoted argument: "PACKAGE TARGET [LIBTEST ARGS...]", run as
-# `cargo test -p PACKAGE --all-features --test TARGET -- ARGS` (TARGET `lib` runs the unit
-# tests) in CI's environment (.ci/env.sh: CI=true, the services' addresses). Examples:
+# SPEC is one quoted argument: "PACKAGE TARGET [LIBTEST ARGS...]": the test binary TARGET of
+# PACKAGE (`lib`: its unit tests) as the README's `cargo test --workspace --all-features`
+# builds it, run with ARGS from the package's directory in CI's environment (.ci/env.sh:
+# CI=true, the services' addresses). Examples:
 #   .ci/repeat.sh -n 10 "idem-kafka it"                          # the crate's whole binary
 #   .ci/repeat.sh -n 5 --busy "idem-cli it --ignored chaos::push_mode_kafka"
 #
@@ -36,19 +37,28 @@ source .ci/env.sh
 out=${out:-$(mktemp -d /tmp/idem-repeat.XXXXXX)}
 mkdir -p "$out"
 
-cmd_of() { # SPEC -> the cargo command, one word per line
-  local pkg target rest
+# The test binaries exactly as the README's command builds them (`--workspace --all-features`:
+# one feature set for every crate; `cargo test -p CRATE` would unify features over that crate's
+# graph only and build other binaries), each mapped from "PACKAGE TARGET" to its executable and
+# its package's directory (libtest runs a test binary there).
+bins=$out/binaries.tsv
+cargo test --workspace --all-features --no-run --message-format=json-render-diagnostics 2>"$out/build.log" \
+  | jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
+           | "-\t\(if .target.kind[0] == "lib" then "lib" else .target.name end)\t\(.executable)\t\(.manifest_path | sub("/Cargo.toml$"; ""))"' \
+  >"$bins" || { cat "$out/build.log" >&2; exit 1; }
+# Each package's directory, by name.
+names=$(cargo metadata --no-deps --format-version 1 | jq -r '.packages[] | "\(.name)\t\(.manifest_path | sub("/Cargo.toml$"; ""))"')
+run_of() { # SPEC -> "dir<TAB>exe<TAB>args"
+  local pkg target rest dir exe
   read -r pkg target rest <<<"$1"
   [[ -n $pkg && -n $target ]] || { echo "repeat: bad SPEC '$1' (want: PACKAGE TARGET [ARGS])" >&2; exit 2; }
-  if [[ $target == lib ]]; then echo "cargo test -q -p $pkg --all-features --lib -- $rest"
-  else echo "cargo test -q -p $pkg --all-features --test $target -- $rest"; fi
+  dir=$(awk -F'\t' -v p="$pkg" '$1 == p {print $2}' <<<"$names")
+  [[ -n $dir ]] || { echo "repeat: no package '$pkg' in the workspace" >&2; exit 2; }
+  exe=$(awk -F'\t' -v t="$target" -v d="$dir" '$2 == t && $4 == d {print $3}' "$bins" | head -1)
+  [[ -n $exe ]] || { echo "repeat: no test target '$target' in $pkg" >&2; exit 2; }
+  printf '%s\t%s\t%s\n' "$dir" "$exe" "$rest"
 }
-
-# Build first, so no run's time includes compiling.
-for spec in "$@"; do
-  c=$(cmd_of "$spec"); c=${c%% -- *}
-  $c --no-run >/dev/null 2>"$out/build.log" || { cat "$out/build.log" >&2; exit 1; }
-done
+for spec in "$@"; do run_of "$spec" >/dev/null; done
 
 burner=""
 stop_burner() { [[ -n $burner ]] && kill "$burner" 2>/dev/null; burner=""; }
@@ -73,8 +83,9 @@ for spec in "$@"; do
   for ((i = 1; i <= runs; i++)); do
     log=$out/$slug.run$i.log
     t0=$(date +%s.%N)
-    # shellcheck disable=SC2046
-    if $(cmd_of "$spec") >"$log" 2>&1; then status=ok; rm -f "$log"
+    IFS=$'\t' read -r dir exe args < <(run_of "$spec")
+    # shellcheck disable=SC2086
+    if (cd "$dir" && "$exe" $args) >"$log" 2>&1; then status=ok; rm -f "$log"
     else status=FAILED; fails=$((fails + 1)); failed_any=1; fi
     t=$(echo "$(date +%s.%N) - $t0" | bc); times+=("$t")
     printf '[repeat] %s: run %d/%d %s in %.1f s%s\n' "$spec" "$i" "$runs" "$status" "$t" \

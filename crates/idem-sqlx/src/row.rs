@@ -243,16 +243,17 @@ where
     Ok(counts)
 }
 
-/// Property tests: column values in and out of their domains, of the right SQL type or not
-/// (512 cases each; see `docs/RELIABILITY.md`).
 /// The indices of the requests that take over an expired lease and of those that do not, when
 /// a batch has both (one statement takes one flag, so such a batch is claimed as two).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn mixed_takeover(reqs: &[idem_core::ClaimRequest]) -> Option<(Vec<usize>, Vec<usize>)> {
     let (with, without): (Vec<usize>, Vec<usize>) =
         (0..reqs.len()).partition(|&n| reqs[n].takeover);
     (!with.is_empty() && !without.is_empty()).then_some((with, without))
 }
 
+/// Property tests: column values in and out of their domains, of the right SQL type or not
+/// (512 cases each; see `docs/RELIABILITY.md`).
 #[cfg(test)]
 mod props {
     use proptest::collection::vec;

@@ -104,11 +104,11 @@ impl SqliteStore {
     /// # Cancel safety
     /// As [`SqliteStore::open`].
     pub async fn open_with(opts: SqliteConnectOptions) -> Result<Self, StoreError> {
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(opts)
-            .await
-            .map_err(|e| backend("open", e))?;
+        let pool = when_unlocked(|| {
+            SqlitePoolOptions::new().max_connections(1).connect_with(opts.clone())
+        })
+        .await
+        .map_err(|e| backend("open", e))?;
         let store = Self::new(pool);
         store.migrate().await?;
         Ok(store)
@@ -147,13 +147,7 @@ impl SqliteStore {
     /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
     /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        for stmt in &self.sql.ddl {
-            sqlx::query(AssertSqlSafe(stmt.as_str()))
-                .execute(&self.pool)
-                .await
-                .map_err(|e| backend("migrate", e))?;
-        }
-        Ok(())
+        execute_ddl(&self.pool, &self.sql.ddl).await.map_err(|e| backend("migrate", e))
     }
 
     /// Startup check, run by a consumer's `build` ([`DedupStore::check`]): fails when the
@@ -534,4 +528,52 @@ impl VersionGuard for SqliteStore {
         let mut conn = self.pool.acquire().await.map_err(|e| backend("advance", e))?;
         self.advance_in(&mut conn, entity, version).await
     }
+}
+
+/// How long opening a database or creating its tables keeps trying while SQLite answers
+/// "database is locked" without waiting.
+const LOCKED_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Runs `attempt` again while it fails with `SQLITE_BUSY`, for up to [`LOCKED_PATIENCE`].
+///
+/// The busy timeout makes SQLite wait for a lock, except where waiting could deadlock: when
+/// several processes open one new file at once, one turning it into a WAL database or creating
+/// a table while another holds a read lock it wants to upgrade, SQLite answers `SQLITE_BUSY` at
+/// once (its busy handler is not called). Such an attempt succeeds once the other is done.
+async fn when_unlocked<T, F, Fut>(mut attempt: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(5);
+    loop {
+        match attempt().await {
+            Err(e) if locked(&e) && started.elapsed() < LOCKED_PATIENCE => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// `SQLITE_BUSY` or one of its extended codes ("database is locked").
+fn locked(e: &sqlx::Error) -> bool {
+    const SQLITE_BUSY: i32 = 5;
+    match e {
+        sqlx::Error::Database(d) => {
+            d.code().and_then(|c| c.parse::<i32>().ok()).is_some_and(|c| c & 0xff == SQLITE_BUSY)
+        }
+        _ => false,
+    }
+}
+
+/// Runs the `CREATE … IF NOT EXISTS` statements of a migration, each again while SQLite
+/// answers "database is locked" (see [`when_unlocked`]).
+pub(crate) async fn execute_ddl(pool: &SqlitePool, ddl: &[String]) -> Result<(), sqlx::Error> {
+    for stmt in ddl {
+        when_unlocked(|| sqlx::query(AssertSqlSafe(stmt.as_str())).execute(pool)).await?;
+    }
+    Ok(())
 }

@@ -177,13 +177,9 @@ impl SqliteOutbox {
     /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
     /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        for stmt in &self.sql.ddl {
-            sqlx::query(AssertSqlSafe(stmt.as_str()))
-                .execute(&self.pool)
-                .await
-                .map_err(|e| backend("outbox migrate", e))?;
-        }
-        Ok(())
+        super::execute_ddl(&self.pool, &self.sql.ddl)
+            .await
+            .map_err(|e| backend("outbox migrate", e))
     }
 
     /// The DDL [`migrate`](Self::migrate) runs, for users who own their migrations.

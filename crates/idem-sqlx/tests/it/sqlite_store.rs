@@ -74,3 +74,28 @@ async fn keys_are_compared_by_hash_not_collation() {
     }
     tx.commit().await.unwrap();
 }
+
+/// Processes that open one new database file at the same moment (an application and its relay
+/// starting together, two relays) all get a store: while one turns the file into a WAL database
+/// and creates the tables, SQLite answers the others "database is locked" at once, without
+/// waiting in its busy handler, and the open tries again. Eight opens at once, in ten new files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_opens_of_one_new_file_at_once_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..10 {
+        let file = dir.path().join(format!("shared-{round}.sqlite"));
+        // As `idem relay` finds it: the file exists and is empty.
+        std::fs::File::create(&file).unwrap();
+        let opens = (0..8).map(|_| {
+            let file = file.clone();
+            tokio::spawn(async move {
+                let store = SqliteStore::open(&file).await?;
+                store.outbox().migrate().await?;
+                Ok::<_, idem_core::StoreError>(())
+            })
+        });
+        for (n, open) in futures_util::future::join_all(opens).await.into_iter().enumerate() {
+            open.unwrap().unwrap_or_else(|e| panic!("round {round}, open {n}: {e}"));
+        }
+    }
+}

@@ -49,11 +49,12 @@ const BROKER_HEADERS: [&str; 4] =
 ///
 /// Headers are read as text: strings as they are, numbers and booleans in decimal, byte arrays
 /// in hex, tables and arrays as `{k: v}` and `[a, b]`; RabbitMQ's `x-death` is summarised
-/// (`2× expired in queue orders.idem.delay`). A replay sends the message id, the content type,
-/// the headers as strings and the payload; RabbitMQ's own headers (`x-death`,
-/// `x-first-death-*`, `x-last-death-*`, `x-delivery-count`) and the producer's routing
-/// headers (`CC`, `BCC`: the replay goes to its destination only) are not sent again, nor
-/// are the other AMQP properties (correlation id, type, timestamp, content encoding…).
+/// (`2× expired in queue orders.idem.delay`). A replay sends the message id, the content type
+/// and encoding, the correlation id, the original timestamp, the headers as strings and the
+/// payload; RabbitMQ's own headers (`x-death`, `x-first-death-*`, `x-last-death-*`,
+/// `x-delivery-count`) and the producer's routing headers (`CC`, `BCC`: the replay goes to its
+/// destination only) are not sent again, nor are the rarer AMQP properties (type, user id, app
+/// id, priority, expiration, reply-to).
 ///
 /// On a quorum queue every read counts a delivery of each message it takes (its
 /// `x-delivery-count` grows, and with a `delivery-limit` the broker drops or dead-letters a
@@ -333,11 +334,25 @@ fn properties(m: &Republish) -> Result<BasicProperties, DlqError> {
         }
         props = props.with_message_id(id.as_str().into());
     }
-    if let Some(ct) = &m.content_type {
-        if ct.len() > SHORT_STRING {
-            return Err(too_long("content type", ct.len()));
+    for (what, value) in [
+        ("content type", &m.content_type),
+        ("content encoding", &m.content_encoding),
+        ("correlation id", &m.correlation_id),
+    ] {
+        let Some(v) = value else { continue };
+        if v.len() > SHORT_STRING {
+            return Err(too_long(what, v.len()));
         }
-        props = props.with_content_type(ct.as_str().into());
+        let v = v.as_str().into();
+        props = match what {
+            "content type" => props.with_content_type(v),
+            "content encoding" => props.with_content_encoding(v),
+            _ => props.with_correlation_id(v),
+        };
+    }
+    // AMQP's timestamp is whole seconds since 1970.
+    if let Some(secs) = m.timestamp.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()) {
+        props = props.with_timestamp(secs.as_secs());
     }
     let mut table = FieldTable::default();
     for (name, value) in m.headers.iter().filter(|(k, _)| !is_broker_header(k)) {
@@ -508,6 +523,15 @@ fn letter(id: String, d: &Delivery) -> Letter {
     }
     if let Some(ct) = p.content_type() {
         l = l.with_content_type(ct.as_str());
+    }
+    if let Some(ce) = p.content_encoding() {
+        l = l.with_content_encoding(ce.as_str());
+    }
+    if let Some(c) = p.correlation_id() {
+        l = l.with_correlation_id(c.as_str());
+    }
+    if let Some(secs) = p.timestamp() {
+        l = l.with_timestamp(std::time::UNIX_EPOCH + std::time::Duration::from_secs(*secs));
     }
     for (k, v) in p.headers().iter().flat_map(FieldTable::inner) {
         let value = match (k.as_str(), v) {

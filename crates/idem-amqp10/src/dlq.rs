@@ -292,6 +292,17 @@ impl Amqp10DeadLetters {
         if let Some(ct) = props.and_then(|p| p.content_type.as_ref()) {
             l = l.with_content_type(ct.0.as_str());
         }
+        if let Some(ce) = props.and_then(|p| p.content_encoding.as_ref()) {
+            l = l.with_content_encoding(ce.0.as_str());
+        }
+        if let Some(c) = props.and_then(|p| p.correlation_id.as_ref()) {
+            l = l.with_correlation_id(id_text(c));
+        }
+        if let Some(ms) = props.and_then(|p| p.creation_time.as_ref()).map(|t| t.milliseconds())
+            && let Ok(ms) = u64::try_from(ms)
+        {
+            l = l.with_timestamp(std::time::UNIX_EPOCH + Duration::from_millis(ms));
+        }
         for (k, v) in m.application_properties.iter().flat_map(|a| a.0.iter()) {
             l = l.with_header(k.as_str(), text(v));
         }
@@ -527,8 +538,9 @@ fn sent_failed(m: &Republish, e: &dyn std::fmt::Display) -> DlqError {
     DlqError::broker(format!("republishing {} to `{}`", m.letter, m.destination), e.to_string())
 }
 
-/// The AMQP message a replay sends: durable, its id and content type, its headers as string
-/// application properties (not the broker's own), its payload as one `data` section.
+/// The AMQP message a replay sends: durable, its id, content type and encoding, correlation id
+/// and creation time, its headers as string application properties (not the broker's own), its
+/// payload as one `data` section.
 fn message(m: &Republish, service_bus: bool) -> Message<Body<Value>> {
     let mut app = ApplicationProperties::default();
     for (k, v) in &m.headers {
@@ -544,6 +556,13 @@ fn message(m: &Republish, service_bus: bool) -> Message<Body<Value>> {
         properties: Some(Properties {
             message_id: m.message_id.clone().map(MessageId::String),
             content_type: m.content_type.clone().map(Symbol::from),
+            content_encoding: m.content_encoding.clone().map(Symbol::from),
+            correlation_id: m.correlation_id.clone().map(MessageId::String),
+            creation_time: m
+                .timestamp
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .and_then(|d| i64::try_from(d.as_millis()).ok())
+                .map(fe2o3_amqp::types::primitives::Timestamp::from_milliseconds),
             ..Properties::default()
         }),
         application_properties: Some(app),

@@ -317,6 +317,9 @@ fn letter_json(l: &Letter) -> serde_json::Value {
         "group": l.group().id(),
         "message_id": l.message_id,
         "content_type": l.content_type,
+        "content_encoding": l.content_encoding,
+        "correlation_id": l.correlation_id,
+        "timestamp_us": l.timestamp.map(|t| idem::Timestamp::from_system_time(t).as_micros()),
         "outcome": l.outcome(),
         "reason": l.reason(),
         "scope": l.scope(),
@@ -362,6 +365,15 @@ fn print_letter(l: &Letter, record: Option<&idem::Record>, as_json: bool) {
     println!("message id  {}", clean(l.message_id.as_deref().unwrap_or("-")));
     if let Some(ct) = &l.content_type {
         println!("type        {}", clean(ct));
+    }
+    if let Some(ce) = &l.content_encoding {
+        println!("encoding    {}", clean(ce));
+    }
+    if let Some(c) = &l.correlation_id {
+        println!("correlation {}", clean(c));
+    }
+    if let Some(t) = l.timestamp {
+        println!("sent        {}", idem::Timestamp::from_system_time(t));
     }
     println!("headers");
     for (k, v) in &l.headers {

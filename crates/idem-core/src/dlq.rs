@@ -44,6 +44,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use futures_util::future::BoxFuture;
 use sha2::{Digest as _, Sha256};
@@ -64,6 +65,14 @@ pub struct Letter {
     pub message_id: Option<String>,
     /// Its content type, where the broker carries one.
     pub content_type: Option<String>,
+    /// Its content encoding (`gzip`, …), where the broker carries one as a property.
+    pub content_encoding: Option<String>,
+    /// Its correlation id, where the broker carries one as a property (elsewhere it is a
+    /// header, carried with the others).
+    pub correlation_id: Option<String>,
+    /// When its producer sent it, where the broker carries that (AMQP's timestamp, a Kafka
+    /// record's create time).
+    pub timestamp: Option<SystemTime>,
     /// Its headers, as text, in the broker's order (idem's dead-letter headers included).
     pub headers: Vec<(String, String)>,
     /// Its payload.
@@ -73,7 +82,16 @@ pub struct Letter {
 impl Letter {
     /// A letter with `id` and `payload`, no headers.
     pub fn new(id: impl Into<String>, payload: Vec<u8>) -> Self {
-        Self { id: id.into(), message_id: None, content_type: None, headers: Vec::new(), payload }
+        Self {
+            id: id.into(),
+            message_id: None,
+            content_type: None,
+            content_encoding: None,
+            correlation_id: None,
+            timestamp: None,
+            headers: Vec::new(),
+            payload,
+        }
     }
 
     /// The same, with a message id.
@@ -87,6 +105,27 @@ impl Letter {
     #[must_use]
     pub fn with_content_type(mut self, ct: impl Into<String>) -> Self {
         self.content_type = Some(ct.into());
+        self
+    }
+
+    /// The same, with a content encoding.
+    #[must_use]
+    pub fn with_content_encoding(mut self, encoding: impl Into<String>) -> Self {
+        self.content_encoding = Some(encoding.into());
+        self
+    }
+
+    /// The same, with a correlation id.
+    #[must_use]
+    pub fn with_correlation_id(mut self, id: impl Into<String>) -> Self {
+        self.correlation_id = Some(id.into());
+        self
+    }
+
+    /// The same, with the time its producer sent it.
+    #[must_use]
+    pub fn with_timestamp(mut self, at: SystemTime) -> Self {
+        self.timestamp = Some(at);
         self
     }
 
@@ -250,6 +289,13 @@ pub struct Republish {
     pub message_id: Option<String>,
     /// Its content type.
     pub content_type: Option<String>,
+    /// Its content encoding, as the dead letter had it.
+    pub content_encoding: Option<String>,
+    /// Its correlation id, as the dead letter had it.
+    pub correlation_id: Option<String>,
+    /// When its producer first sent it (a replay keeps the original time where the broker
+    /// lets a publisher set it).
+    pub timestamp: Option<SystemTime>,
     /// Its headers: the original ones and [`REPLAYED_FROM`].
     pub headers: Vec<(String, String)>,
     /// Its payload, unchanged.
@@ -548,6 +594,9 @@ fn plan(l: &Letter, on_conflict: OnConflict) -> Plan {
         destination: destination.to_owned(),
         message_id,
         content_type: l.content_type.clone(),
+        content_encoding: l.content_encoding.clone(),
+        correlation_id: l.correlation_id.clone(),
+        timestamp: l.timestamp,
         headers,
         payload: l.payload.clone(),
     })
@@ -651,6 +700,30 @@ mod tests {
 
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread().build().expect("runtime")
+    }
+
+    #[test]
+    fn a_replay_keeps_correlation_id_timestamp_and_content_encoding() {
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_765_000_000);
+        let q = MemoryDeadLetters::new();
+        q.push(
+            letter("1", "failed_permanent", "declined")
+                .with_content_type("application/json")
+                .with_content_encoding("gzip")
+                .with_correlation_id("c-7")
+                .with_timestamp(at),
+        );
+        rt().block_on(async {
+            let bench = Workbench::new(q.clone());
+            let ls = bench.list(10).await.expect("list");
+            bench.replay(&ls, OnConflict::Refuse).await.expect("replay");
+        });
+        let r = q.published().remove(0);
+        assert_eq!(
+            (r.content_type.as_deref(), r.content_encoding.as_deref(), r.correlation_id.as_deref()),
+            (Some("application/json"), Some("gzip"), Some("c-7"))
+        );
+        assert_eq!(r.timestamp, Some(at));
     }
 
     #[test]

@@ -35,12 +35,50 @@ impl Timestamp {
         Duration::from_micros(u64::try_from(self.0.saturating_sub(earlier.0)).unwrap_or(0))
     }
 
+    /// From a [`SystemTime`] (saturating far outside ±292,000 years).
+    pub fn from_system_time(t: SystemTime) -> Self {
+        match t.duration_since(UNIX_EPOCH) {
+            Ok(d) => Self(duration_micros(d)),
+            Err(e) => Self(duration_micros(e.duration()).saturating_neg()),
+        }
+    }
+
     /// As a [`SystemTime`].
     pub fn to_system_time(self) -> SystemTime {
         match u64::try_from(self.0) {
             Ok(us) => UNIX_EPOCH + Duration::from_micros(us),
             Err(_) => UNIX_EPOCH - Duration::from_micros(self.0.unsigned_abs()),
         }
+    }
+}
+
+/// As `2026-12-04 21:30:05 UTC`: the civil date and time, whole seconds.
+///
+/// ```
+/// use idem_core::Timestamp;
+/// assert_eq!(Timestamp::from_micros(1_709_251_199_000_000).to_string(), "2024-02-29 23:59:59 UTC");
+/// ```
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = self.0.div_euclid(1_000_000);
+        let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+        // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = doy - (153 * mp + 2) / 5 + 1;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 };
+        let year = yoe + era * 400 + i64::from(month <= 2);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        )
     }
 }
 

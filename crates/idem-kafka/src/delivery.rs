@@ -43,6 +43,8 @@ struct Record {
     key: Option<Vec<u8>>,
     payload: Vec<u8>,
     headers: Vec<(String, Vec<u8>)>,
+    /// The record's timestamp (ms since 1970), when it has one.
+    timestamp: Option<i64>,
 }
 
 impl Delivery {
@@ -55,6 +57,7 @@ impl Delivery {
             key: None,
             payload,
             headers: Vec::new(),
+            timestamp: None,
         };
         Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
     }
@@ -82,6 +85,7 @@ impl Delivery {
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
             headers,
+            timestamp: m.timestamp().to_millis(),
         };
         Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
     }
@@ -99,6 +103,12 @@ impl Delivery {
     /// The offset in its partition.
     pub fn offset(&self) -> i64 {
         self.inner.offset
+    }
+
+    /// The record's timestamp in milliseconds since 1970 (its producer's create time, or the
+    /// broker's append time, as the topic says), when it has one.
+    pub fn timestamp_ms(&self) -> Option<i64> {
+        self.inner.timestamp
     }
 
     /// The Kafka record key (the partitioning key, usually an entity id; not a message id).

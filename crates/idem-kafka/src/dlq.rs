@@ -196,6 +196,13 @@ impl KafkaDeadLetters {
         if let Some(k) = &key {
             rec = rec.key(k.as_slice());
         }
+        if let Some(ms) = r
+            .timestamp
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .and_then(|d| i64::try_from(d.as_millis()).ok())
+        {
+            rec = rec.timestamp(ms);
+        }
         match self.producer.send(rec, QUEUE_TIMEOUT).await {
             Ok(_) => Ok(()),
             Err((e, _)) => Err(DlqError::broker(
@@ -255,6 +262,12 @@ impl Record {
             .find(|(k, _)| k.eq_ignore_ascii_case(MSG_ID_HEADER))
             .map(|(_, v)| text(v));
         l.headers = self.headers.iter().map(|(k, v)| (k.clone(), text(v))).collect();
+        // The dead-letter copy keeps the original record's time.
+        if let Ok(ms) = u64::try_from(self.timestamp)
+            && ms > 0
+        {
+            l.timestamp = Some(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms));
+        }
         if let Some(k) = self.key {
             l.headers.push(match String::from_utf8(k) {
                 Ok(k) => (KafkaDeadLetters::RECORD_KEY_HEADER.to_owned(), k),

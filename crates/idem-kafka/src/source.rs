@@ -209,6 +209,10 @@ impl KafkaSource {
         if let Some(k) = d.record_key() {
             rec = rec.key(k);
         }
+        // The original time, so a replay can send it on (`idem dlq`).
+        if let Some(ms) = d.timestamp_ms() {
+            rec = rec.timestamp(ms);
+        }
         match self.producer.send(rec, self.produce_timeout).await {
             Ok(_) => Ok(()),
             Err((e, _)) => Err(Error::kafka("dead-letter produce", e)),

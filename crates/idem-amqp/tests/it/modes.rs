@@ -225,3 +225,60 @@ async fn a_missing_dead_letter_queue_is_named() {
     assert!(err.to_string().contains(&format!("`{}.idem.dlq`", h.0.queue())), "{err}");
     h.0.cleanup().await;
 }
+
+/// A replay carries what the producer set besides the id and the content type: the correlation
+/// id, the original timestamp and the content encoding, through the consumer's dead-letter copy,
+/// the dead letter read back, and the message sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_keeps_correlation_id_timestamp_and_encoding() {
+    use idem_amqp::lapin::options::BasicGetOptions;
+    use idem_core::engine::HandlerError;
+    let Some(h) = harness("dlq-props").await else { return };
+    let b = &h.0;
+    let sent = std::time::UNIX_EPOCH + Duration::from_secs(1_765_000_000);
+    let props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id("p-1".into())
+        .with_content_type("application/json".into())
+        .with_content_encoding("identity".into())
+        .with_correlation_id("c-42".into())
+        .with_timestamp(1_765_000_000);
+    let publish = b.ch.basic_publish(
+        "".into(),
+        b.queue().into(),
+        BasicPublishOptions::default(),
+        br#"{"n":1}"#,
+        props,
+    );
+    assert!(publish.await.unwrap().await.unwrap().is_ack());
+    let c = idem_amqp::AmqpConsumer::builder(h.config())
+        .store(idem_core::MemoryStore::new())
+        .scope("props")
+        .build()
+        .await
+        .unwrap();
+    let refuse = |_, _| async { Err::<(), _>(HandlerError::Permanent("refused".to_owned())) };
+    let report = c.poll(refuse).await.unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report}");
+    drop(c);
+
+    let q = AmqpDeadLetters::for_source(&b.conn, b.queue()).await.unwrap();
+    let bench = Workbench::new(&q);
+    let letters = bench.list(10).await.unwrap();
+    let l = &letters[0];
+    assert_eq!(
+        (l.correlation_id.as_deref(), l.content_encoding.as_deref(), l.timestamp),
+        (Some("c-42"), Some("identity"), Some(sent))
+    );
+    let report = bench.replay(&letters, OnConflict::Refuse).await.unwrap();
+    assert_eq!(report.replayed.len(), 1, "{report}");
+    let got = b.ch.basic_get(b.queue().into(), BasicGetOptions { no_ack: true }).await.unwrap();
+    let p = got.expect("the replayed message").delivery.properties;
+    let s = |v: &Option<idem_amqp::lapin::types::ShortString>| v.as_ref().map(|s| s.to_string());
+    assert_eq!(s(p.message_id()).as_deref(), Some("p-1"));
+    assert_eq!(s(p.correlation_id()).as_deref(), Some("c-42"));
+    assert_eq!(s(p.content_encoding()).as_deref(), Some("identity"));
+    assert_eq!(s(p.content_type()).as_deref(), Some("application/json"));
+    assert_eq!(p.timestamp(), &Some(1_765_000_000));
+    h.0.cleanup().await;
+}

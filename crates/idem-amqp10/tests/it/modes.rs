@@ -128,3 +128,54 @@ async fn dead_letters_read_twice_are_the_same() {
     dead.cleanup().await;
     h.0.cleanup().await;
 }
+
+/// A replay carries what the producer set besides the id and the content type: the correlation
+/// id, the creation time and the content encoding, through the consumer's dead-letter copy,
+/// the dead letter read back, and the message sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_keeps_correlation_id_timestamp_and_encoding() {
+    use fe2o3_amqp::types::messaging::{MessageId, Properties};
+    use fe2o3_amqp::types::primitives::{Symbol, Timestamp};
+    use idem_core::engine::HandlerError;
+    let Some(h) = harness("dlq-props").await else { return };
+    let b = &h.0;
+    let ms = 1_765_000_000_123_i64;
+    let props = Properties {
+        message_id: Some(MessageId::String("p-1".to_owned())),
+        correlation_id: Some(MessageId::String("c-42".to_owned())),
+        content_type: Some(Symbol::from("application/json")),
+        content_encoding: Some(Symbol::from("identity")),
+        creation_time: Some(Timestamp::from_milliseconds(ms)),
+        ..Properties::default()
+    };
+    b.publish_with(props, br#"{"n":1}"#, &[]).await;
+    let c = idem_amqp10::Amqp10Consumer::builder(h.config())
+        .store(idem_core::MemoryStore::new())
+        .scope("props")
+        .build()
+        .await
+        .unwrap();
+    let refuse = |_, _| async { Err::<(), _>(HandlerError::Permanent("refused".to_owned())) };
+    let report = c.poll(refuse).await.unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report}");
+    drop(c);
+
+    let q = Amqp10DeadLetters::for_source(&h.config()).unwrap();
+    let bench = Workbench::new(&q);
+    let letters = bench.list(10).await.unwrap();
+    let l = &letters[0];
+    let sent = std::time::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs());
+    assert_eq!(
+        (l.correlation_id.as_deref(), l.content_encoding.as_deref(), l.timestamp),
+        (Some("c-42"), Some("identity"), Some(sent))
+    );
+    let report = bench.replay(&letters, OnConflict::Refuse).await.unwrap();
+    assert_eq!(report.replayed.len(), 1, "{report}");
+    let m = b.take(&b.address()).await.expect("the replayed message");
+    let p = m.properties.expect("properties");
+    assert_eq!(p.message_id, Some(MessageId::String("p-1".to_owned())));
+    assert_eq!(p.correlation_id, Some(MessageId::String("c-42".to_owned())));
+    assert_eq!(p.content_encoding, Some(Symbol::from("identity")));
+    assert_eq!(p.creation_time.map(|t| t.milliseconds()), Some(ms));
+    h.0.cleanup().await;
+}

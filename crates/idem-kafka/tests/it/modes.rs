@@ -280,3 +280,50 @@ async fn a_last_batch_of_several_dead_letters_is_read_to_its_end() {
     offsets.sort_unstable();
     assert_eq!(offsets, ["0:0", "0:1", "0:2", "0:3"], "high watermark {high:?}");
 }
+
+/// A replay keeps the record's original time: the consumer's dead-letter copy carries the
+/// timestamp of the record it copies, the dead letter reads it back, and the replay produces
+/// the record with it (correlation ids and content encodings travel as headers on Kafka).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_keeps_the_record_timestamp() {
+    use idem_core::engine::HandlerError;
+    let Some(h) = harness("dlq-time").await else { return };
+    let ms = 1_765_000_000_123_i64;
+    let hs = OwnedHeaders::new()
+        .insert(Header { key: "message-id", value: Some(b"t-1".as_slice()) })
+        .insert(Header { key: "correlation-id", value: Some(b"c-42".as_slice()) });
+    let rec = FutureRecord::to(&h.topic).key("t-1").payload(r#"{"n":1}"#).headers(hs).timestamp(ms);
+    h.producer.send(rec, Duration::from_secs(30)).await.map_err(|(e, _)| e).expect("produce");
+    let c = idem_kafka::KafkaConsumer::builder(h.config())
+        .store(idem_core::MemoryStore::new())
+        .scope("time")
+        .build()
+        .await
+        .unwrap();
+    let refuse = |_, _| async { Err::<(), _>(HandlerError::Permanent("refused".to_owned())) };
+    // The first polls may come back empty while the group forms; each waits for messages.
+    let mut dead = 0;
+    for _ in 0..30 {
+        dead += c.poll(refuse).await.unwrap().dead_lettered;
+        if dead > 0 {
+            break;
+        }
+    }
+    assert_eq!(dead, 1);
+    drop(c);
+
+    let q = KafkaDeadLetters::new(&h.brokers, &h.dlq).expect("dead letters");
+    let letters = q.read(10).await.expect("read");
+    let sent = std::time::UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs());
+    assert_eq!(letters[0].timestamp, Some(sent), "{letters:?}");
+    assert_eq!(letters[0].header("correlation-id"), Some("c-42"));
+    let report = Workbench::new(&q).replay(&letters, OnConflict::Refuse).await.expect("replay");
+    assert_eq!(report.replayed.len(), 1, "{report:?}");
+    // The topic read as a dead-letter queue: its records' times and headers.
+    let replayed = KafkaDeadLetters::new(&h.brokers, &h.topic).expect("reader");
+    let records = replayed.read(10).await.expect("read");
+    let again = records.iter().find(|r| r.header("idem-replayed-from").is_some()).expect("replay");
+    assert_eq!(again.timestamp, Some(sent), "{again:?}");
+    assert_eq!(again.header("correlation-id"), Some("c-42"));
+    h.cleanup().await;
+}

@@ -388,14 +388,25 @@ pub(crate) async fn letter(
     let mut body = format!(
         "<p><a href=\"{}\">← {}</a> · <a href=\"{}\">its group</a></p>\
          <dl class=\"facts\"><dt>Letter</dt><dd class=\"mono\">{}</dd><dt>Message id</dt>\
-         <dd class=\"mono\">{}</dd><dt>Content type</dt><dd>{}</dd><dt>Outcome</dt><dd>{}</dd>\
+         <dd class=\"mono\">{}</dd><dt>Content type</dt><dd>{}</dd><dt>Correlation id</dt>\
+         <dd class=\"mono\">{}</dd><dt>Sent</dt><dd>{}</dd><dt>Outcome</dt><dd>{}</dd>\
          <dt>Reason</dt><dd>{}</dd></dl>",
         esc(&queue_url(&name)),
         esc(&name),
         esc(&group_url(&name, &gid)),
         esc(&l.id),
         esc(l.message_id.as_deref().unwrap_or("—")),
-        esc(l.content_type.as_deref().unwrap_or("—")),
+        esc(&match (&l.content_type, &l.content_encoding) {
+            (Some(t), Some(e)) => format!("{t} ({e})"),
+            (Some(t), None) => t.clone(),
+            (None, Some(e)) => format!("({e})"),
+            (None, None) => "—".to_owned(),
+        }),
+        esc(l.correlation_id.as_deref().unwrap_or("—")),
+        l.timestamp.map_or_else(
+            || "—".to_owned(),
+            |t| idem_core::Timestamp::from_system_time(t).to_string()
+        ),
         outcome_badge(l.outcome().unwrap_or("unknown")),
         esc(l.reason().unwrap_or("—")),
     );

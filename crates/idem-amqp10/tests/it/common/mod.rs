@@ -101,6 +101,15 @@ impl Broker {
     /// Publishes `body` with `message-id` = `id` (if any) and string application properties,
     /// waiting for the broker's `accepted`.
     pub async fn publish(&self, id: Option<&str>, body: &[u8], props: &[(&str, &str)]) {
+        let properties = Properties {
+            message_id: id.map(|i| MessageId::String(i.to_owned())),
+            ..Properties::default()
+        };
+        self.publish_with(properties, body, props).await;
+    }
+
+    /// As [`publish`](Self::publish), with the message's properties as given.
+    pub async fn publish_with(&self, properties: Properties, body: &[u8], props: &[(&str, &str)]) {
         let mut app = ApplicationProperties::default();
         for (k, v) in props {
             app.0.insert((*k).to_owned(), SimpleValue::String((*v).to_owned()));
@@ -109,10 +118,7 @@ impl Broker {
             header: None,
             delivery_annotations: None,
             message_annotations: None,
-            properties: Some(Properties {
-                message_id: id.map(|i| MessageId::String(i.to_owned())),
-                ..Properties::default()
-            }),
+            properties: Some(properties),
             application_properties: Some(app),
             body: Body::<Value>::Data(vec![Data(Binary::from(body.to_vec()))].into()),
             footer: None,
@@ -130,6 +136,27 @@ impl Broker {
             .await
             .unwrap()
             .message_count()
+    }
+
+    /// Takes the first message at `address` (waiting up to 5 s), over AMQP 1.0.
+    pub async fn take(&self, address: &str) -> Option<Message<Body<Value>>> {
+        let mut connection =
+            Connection::open(format!("idem-test-take-{}", suffix()), self.url.as_str())
+                .await
+                .unwrap();
+        let mut session = Session::begin(&mut connection).await.unwrap();
+        let mut rx = Receiver::attach(&mut session, "taker", address).await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), rx.recv::<Body<Value>>()).await;
+        let m = match got {
+            Ok(Ok(d)) => {
+                rx.accept(&d).await.unwrap();
+                Some(d.into_message())
+            }
+            _ => None,
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), rx.close()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), connection.close()).await;
+        m
     }
 
     /// Takes every dead letter: `(message-id, string application properties)`, over AMQP 1.0.

@@ -208,6 +208,52 @@ pub async fn failures_retry_then_park<S: OutboxStore, C: TimeControl>(h: Harness
     assert_eq!(revived[0].failures, 0, "an operator's retry starts the count again");
 }
 
+/// `unsent` lists the rows not yet sent, parked ones first, with their destination, failure
+/// count and last error; sent rows are not listed, and the limit holds.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its messages in the harness's outbox, which the
+/// harness cleans up.
+pub async fn unsent_lists_parked_then_pending_rows<S: OutboxStore, C: TimeControl>(
+    h: Harness<S, C>,
+) {
+    let s = &h.store;
+    let ids = s.send(vec![msg("q1", "a"), msg("q2", "b"), msg("q1", "c")]).await.unwrap();
+    let batch = s.claim(10, h.unit * 10).await.unwrap();
+    let ticket =
+        |body: &str| batch.iter().find(|p| p.message.payload() == body.as_bytes()).unwrap().ticket;
+    let fail = |body: &str, reason: &str, retry_in| PublishFailure {
+        ticket: ticket(body),
+        reason: reason.into(),
+        retry_in,
+    };
+    let failures = [fail("a", "broker away", Some(h.unit)), fail("b", "no such queue", None)];
+    assert_eq!(s.mark_failed(&failures).await.unwrap(), 2);
+    assert_eq!(s.mark_sent(&[ticket("c")]).await.unwrap(), 1);
+    let rows = s.unsent(10).await.unwrap();
+    let seen: Vec<(&str, &str, bool, u32, Option<&str>)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.message_id.as_str(),
+                r.destination.as_str(),
+                r.parked,
+                r.failures,
+                r.last_error.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (ids[1].as_str(), "q2", true, 1, Some("no such queue")),
+            (ids[0].as_str(), "q1", false, 1, Some("broker away")),
+        ]
+    );
+    assert!(rows[0].row != rows[1].row);
+    assert_eq!(s.unsent(1).await.unwrap().len(), 1, "the limit holds");
+}
+
 /// Purge removes sent rows older than the retention, a bounded number at a time, never
 /// unsent ones.
 ///
@@ -341,6 +387,7 @@ macro_rules! outbox_conformance {
             ordering_keys_go_one_at_a_time,
             concurrent_relays_keep_key_order,
             failures_retry_then_park,
+            unsent_lists_parked_then_pending_rows,
             purge_removes_only_old_sent_rows,
             an_id_is_enqueued_once,
             ids_differing_by_case_or_a_trailing_space_are_apart,

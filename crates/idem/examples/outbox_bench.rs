@@ -35,7 +35,7 @@ use idem::nats::JetStreamPublisher;
 use idem::nats::async_nats::{self, HeaderMap, jetstream};
 use idem::outbox::{
     OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, PublishFailure, Publisher, Relay, Ticket,
+    PublishError, PublishFailure, Publisher, Relay, Ticket, UnsentRow,
 };
 use idem::sqlx::{self, AssertSqlSafe};
 use idem::{PostgresOutbox, StoreError};
@@ -329,6 +329,10 @@ impl<S: OutboxStore> OutboxStore for Profiled<S> {
     async fn counts(&self) -> Result<OutboxCounts, StoreError> {
         self.inner.counts().await
     }
+
+    async fn unsent(&self, limit: usize) -> Result<Vec<UnsentRow>, StoreError> {
+        self.inner.unsent(limit).await
+    }
 }
 
 impl<P: Publisher> Publisher for Profiled<P> {
@@ -368,6 +372,10 @@ impl OutboxStore for Polling {
     }
     async fn counts(&self) -> Result<OutboxCounts, StoreError> {
         self.0.counts().await
+    }
+
+    async fn unsent(&self, limit: usize) -> Result<Vec<UnsentRow>, StoreError> {
+        self.0.unsent(limit).await
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::{
     OutboxCounts, OutboxError, OutboxId, OutboxMessage, OutboxStore, Outgoing, Pending,
-    PublishError, PublishFailure, Publisher, Ticket,
+    PublishError, PublishFailure, Publisher, Ticket, UnsentRow,
 };
 use crate::time::{Clock, SystemClock};
 use crate::{StoreError, Timestamp};
@@ -213,6 +213,31 @@ impl OutboxStore for MemoryOutbox {
             }
         }
         Ok(c)
+    }
+
+    async fn unsent(&self, limit: usize) -> Result<Vec<UnsentRow>, StoreError> {
+        let rows = self.rows();
+        let unsent = |parked: bool| {
+            rows.iter().filter(move |(_, r)| match r.state {
+                State::Parked => parked,
+                State::Pending => !parked,
+                State::Sent(_) => false,
+            })
+        };
+        Ok(unsent(true)
+            .chain(unsent(false))
+            .take(limit)
+            .map(|(seq, r)| {
+                UnsentRow::new(
+                    *seq,
+                    r.message.id().as_str(),
+                    r.message.destination(),
+                    r.state == State::Parked,
+                    r.failures,
+                    r.reason.clone(),
+                )
+            })
+            .collect())
     }
 }
 

@@ -36,4 +36,4 @@ pub use message::{
 };
 pub use publish::{PublishError, Publisher};
 pub use relay::{Builder, Relay, RelayError, RelayReport};
-pub use store::{OutboxCounts, OutboxStore, Pending, PublishFailure, Ticket};
+pub use store::{OutboxCounts, OutboxStore, Pending, PublishFailure, Ticket, UnsentRow};

@@ -61,6 +61,45 @@ pub struct OutboxCounts {
     pub parked: u64,
 }
 
+/// A row not yet sent, as an operator sees it (the console's outbox page).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnsentRow {
+    /// The row's sequence number (enqueue order).
+    pub row: i64,
+    /// The message id the relay publishes it with.
+    pub message_id: String,
+    /// Where it goes.
+    pub destination: String,
+    /// Given up on after repeated failures, until an operator retries it.
+    pub parked: bool,
+    /// Publishes that failed so far.
+    pub failures: u32,
+    /// Why the last one failed.
+    pub last_error: Option<String>,
+}
+
+impl UnsentRow {
+    /// A row as a store read it.
+    pub fn new(
+        row: i64,
+        message_id: impl Into<String>,
+        destination: impl Into<String>,
+        parked: bool,
+        failures: u32,
+        last_error: Option<String>,
+    ) -> Self {
+        Self {
+            row,
+            message_id: message_id.into(),
+            destination: destination.into(),
+            parked,
+            failures,
+            last_error,
+        }
+    }
+}
+
 /// An outbox table as its relay sees it.
 ///
 /// # Contract
@@ -168,6 +207,19 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// # Cancel safety
     /// Cancel safe.
     fn counts(&self) -> impl Future<Output = Result<OutboxCounts, StoreError>> + Send;
+
+    /// Up to `limit` rows not yet sent, parked ones first, each group in enqueue order: what an
+    /// operator looks at when the outbox does not drain.
+    ///
+    /// # Errors
+    /// Backend errors.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    fn unsent(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<UnsentRow>, StoreError>> + Send;
 
     /// Waits until new rows may have been committed, or `max` passed. The default polls:
     /// it sleeps `max`. PostgreSQL wakes on `LISTEN/NOTIFY`.

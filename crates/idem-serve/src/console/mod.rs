@@ -42,7 +42,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::{get, post};
 use idem_core::dlq::{DeadLetterQueue, MAX_LETTERS};
-use idem_core::outbox::{OutboxCounts, OutboxStore};
+use idem_core::outbox::{OutboxCounts, OutboxStore, UnsentRow};
 use idem_core::{DedupStore, InspectStore, StoreError};
 
 use crate::api::{AppState, MetricsRender};
@@ -65,19 +65,26 @@ pub const MAX_SELECTED: usize = 1000;
 /// A boxed future, as [`OutboxAdmin`] returns.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// What the console needs of an outbox: its counts, and retrying parked rows. Object safe, and
-/// implemented by every [`OutboxStore`].
+/// What the console needs of an outbox: its counts and unsent rows, and retrying parked rows.
+/// Object safe, and implemented by every [`OutboxStore`].
 pub trait OutboxAdmin: Send + Sync {
     /// Rows by state ([`OutboxStore::counts`]).
     fn counts(&self) -> BoxFuture<'_, Result<OutboxCounts, StoreError>>;
 
     /// Makes up to `limit` parked rows due again; returns how many ([`OutboxStore::retry_parked`]).
     fn retry_parked(&self, limit: usize) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Up to `limit` unsent rows, parked first ([`OutboxStore::unsent`]).
+    fn unsent(&self, limit: usize) -> BoxFuture<'_, Result<Vec<UnsentRow>, StoreError>>;
 }
 
 impl<T: OutboxStore> OutboxAdmin for T {
     fn counts(&self) -> BoxFuture<'_, Result<OutboxCounts, StoreError>> {
         Box::pin(OutboxStore::counts(self))
+    }
+
+    fn unsent(&self, limit: usize) -> BoxFuture<'_, Result<Vec<UnsentRow>, StoreError>> {
+        Box::pin(OutboxStore::unsent(self, limit))
     }
 
     fn retry_parked(&self, limit: usize) -> BoxFuture<'_, Result<u64, StoreError>> {

@@ -1,5 +1,5 @@
-//! The outbox page: rows by state, and retrying parked rows (scope `*`: an outbox is not
-//! scoped).
+//! The outbox page: rows by state, the unsent ones (id, destination, failures, last error),
+//! and retrying parked rows (scope `*`: an outbox is not scoped).
 
 use std::fmt::Write as _;
 
@@ -12,6 +12,8 @@ use super::session::{Action, Viewer};
 
 /// The most parked rows one retry makes due again.
 const MAX_RETRY: usize = 10_000;
+/// Unsent rows the page lists.
+const ROWS_SHOWN: usize = 200;
 
 fn outbox(s: &ConsoleState) -> Result<&std::sync::Arc<dyn super::OutboxAdmin>, ConsoleError> {
     s.console.outbox.as_ref().ok_or_else(|| ConsoleError::not_found("no outbox is configured"))
@@ -34,6 +36,31 @@ pub(crate) async fn page(
         c.parked,
         c.sent
     );
+    let rows = outbox(&s)?.unsent(ROWS_SHOWN).await?;
+    if !rows.is_empty() {
+        body.push_str(
+            "<h2>Not sent yet</h2><table class=\"rows\" id=\"unsent\"><thead><tr><th>Row</th>\
+             <th>Message id</th><th>Destination</th><th>State</th><th>Failed</th>\
+             <th>Last error</th></tr></thead><tbody>",
+        );
+        for r in &rows {
+            let _ = write!(
+                body,
+                "<tr><td class=\"n\">{}</td><td class=\"mono\">{}</td><td>{}</td><td>{}</td>\
+                 <td class=\"n\">{}</td><td>{}</td></tr>",
+                r.row,
+                esc(&r.message_id),
+                esc(&r.destination),
+                if r.parked { "<span class=\"state conflict\">parked</span>" } else { "pending" },
+                r.failures,
+                esc(r.last_error.as_deref().unwrap_or("—")),
+            );
+        }
+        body.push_str("</tbody></table>");
+        if rows.len() == ROWS_SHOWN {
+            let _ = write!(body, "<p class=\"hint\">The first {ROWS_SHOWN}, parked first.</p>");
+        }
+    }
     if !s.console.read_only && viewer.caller.may_use_all("the outbox").is_ok() {
         let _ = write!(
             body,

@@ -540,7 +540,7 @@ async fn an_anonymous_server_opens_a_session_without_a_token() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_outbox_page_counts_rows_and_only_star_retries_parked_ones() {
+async fn the_outbox_page_lists_unsent_rows_and_only_star_retries_parked_ones() {
     use idem_core::outbox::{MemoryOutbox, OutboxStore, Outgoing, PublishFailure};
     let outbox = MemoryOutbox::new();
     outbox
@@ -559,6 +559,11 @@ async fn the_outbox_page_counts_rows_and_only_star_retries_parked_ones() {
     let mut orders = Browser::login(&app, ORDERS).await;
     let page = orders.get("/console/outbox").await.body;
     assert!(page.contains("id=\"parked\">1<") && page.contains("id=\"pending\">1<"), "{page}");
+    // Each unsent row, parked first, with its destination, failures and last error.
+    let table = page.split("id=\"unsent\"").nth(1).expect("the unsent rows' table");
+    let (parked, pending) = (table.find("parked</span>"), table.find("<td>pending</td>"));
+    assert!(parked.is_some() && pending.is_some() && parked < pending, "{table}");
+    assert!(table.contains("<td>orders</td>") && table.contains("broker down"), "{table}");
     assert!(!page.contains("Retry parked"), "only a token with * may retry");
     let csrf = orders.csrf().await;
     let a = orders.post("/console/outbox/retry", &[("limit", "10"), ("csrf", &csrf)]).await;

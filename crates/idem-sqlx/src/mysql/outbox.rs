@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use idem_core::outbox::{
     OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
+    UnsentRow,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -30,6 +31,7 @@ struct Sql {
     retry_parked: Arc<str>,
     failed: Arc<str>,
     counts: Arc<str>,
+    unsent: Arc<str>,
 }
 
 impl Sql {
@@ -94,6 +96,12 @@ impl Sql {
                  WHERE seq = ? AND token = ? AND state = 0"
             )),
             counts: s(format!("SELECT CAST(state AS SIGNED), COUNT(*) FROM {t} GROUP BY state")),
+            // Parked (2) first, then pending (0), each in enqueue order.
+            unsent: s(format!(
+                "SELECT seq, CONVERT(message_id USING utf8mb4), destination, CAST(state AS SIGNED), \
+                 CAST(failures AS SIGNED), last_error FROM {t} \
+                 WHERE state IN (0, 2) ORDER BY state DESC, seq LIMIT ?"
+            )),
             t,
         }
     }
@@ -405,5 +413,22 @@ impl OutboxStore for MySqlOutbox {
             .await
             .map_err(|e| backend("outbox counts", e))?;
         counts_of(rows)
+    }
+
+    async fn unsent(&self, limit: usize) -> Result<Vec<UnsentRow>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows: Vec<(i64, String, String, i64, i64, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(Arc::clone(&self.sql.unsent)))
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| backend("outbox unsent", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|(seq, id, destination, state, failures, last_error)| {
+                let failures = u32::try_from(failures).unwrap_or(0);
+                UnsentRow::new(seq, id, destination, state == 2, failures, last_error)
+            })
+            .collect())
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use idem_core::outbox::{
     OutboxCounts, OutboxError, OutboxId, OutboxStore, Outgoing, Pending, PublishFailure, Ticket,
+    UnsentRow,
 };
 use idem_core::time::{ClockSkew, duration_micros};
 use idem_core::{Identifier, IdentifierError, StoreError};
@@ -31,6 +32,7 @@ struct Sql {
     purge: Arc<str>,
     retry_parked: Arc<str>,
     counts: Arc<str>,
+    unsent: Arc<str>,
 }
 
 impl Sql {
@@ -145,6 +147,11 @@ impl Sql {
                 now = now(2)
             )),
             counts: s(format!("SELECT state, count(*) FROM {t} GROUP BY state")),
+            // Parked (2) first, then pending (0), each in enqueue order.
+            unsent: s(format!(
+                "SELECT seq, message_id, destination, state, failures, last_error FROM {t} \
+                 WHERE state IN (0, 2) ORDER BY state DESC, seq LIMIT $1"
+            )),
             channel,
         }
     }
@@ -410,6 +417,23 @@ impl OutboxStore for PostgresOutbox {
             .await
             .map_err(|e| backend("outbox counts", e))?;
         crate::outbox::counts_of(rows.into_iter().map(|(s, n)| (i64::from(s), n)))
+    }
+
+    async fn unsent(&self, limit: usize) -> Result<Vec<UnsentRow>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows: Vec<(i64, String, String, i16, i32, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(Arc::clone(&self.sql.unsent)))
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| backend("outbox unsent", e))?;
+        Ok(rows
+            .into_iter()
+            .map(|(seq, id, destination, state, failures, last_error)| {
+                let failures = u32::try_from(failures).unwrap_or(0);
+                UnsentRow::new(seq, id, destination, state == 2, failures, last_error)
+            })
+            .collect())
     }
 
     async fn wait_for_work(&self, max: Duration) {

@@ -283,7 +283,8 @@ $(cat "$TLS_DIR/nats/operator.conf")" "verify: false"
 kafka_tls_up() {
   local tansu dir=$STATE/kafka-tls a args started=0
   tansu=$(command -v tansu || echo "$HOME/.cargo/bin/tansu")
-  [[ -x $tansu ]] || { log "kafka-tls skipped: tansu is not installed"; return 0; }
+  # While tansu builds in the background, kafka_background starts this listener after it.
+  [[ -x $tansu ]] || { log "kafka-tls: follows kafka, once tansu is built"; return 0; }
   mkdir -p "$dir"
   if ! port_open "$KAFKA_TLS_BACKEND_PORT"; then
     nohup setsid "$tansu" broker --listener-url "tcp://127.0.0.1:$KAFKA_TLS_BACKEND_PORT" \

@@ -10,7 +10,7 @@ use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString};
+use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use sha2::{Digest as _, Sha256};
 use tokio::sync::Mutex;
@@ -327,28 +327,23 @@ fn properties(m: &Republish) -> Result<BasicProperties, DlqError> {
     if m.destination.len() > SHORT_STRING {
         return Err(too_long("destination queue name", m.destination.len()));
     }
+    // A short-string property, refused when it is longer than AMQP allows.
+    let short = |what: &str, v: &Option<String>| match v {
+        Some(v) if v.len() > SHORT_STRING => Err(too_long(what, v.len())),
+        v => Ok(v.as_deref().map(ShortString::from)),
+    };
     let mut props = BasicProperties::default().with_delivery_mode(2);
-    if let Some(id) = &m.message_id {
-        if id.len() > SHORT_STRING {
-            return Err(too_long("message id", id.len()));
-        }
-        props = props.with_message_id(id.as_str().into());
+    if let Some(id) = short("message id", &m.message_id)? {
+        props = props.with_message_id(id);
     }
-    for (what, value) in [
-        ("content type", &m.content_type),
-        ("content encoding", &m.content_encoding),
-        ("correlation id", &m.correlation_id),
-    ] {
-        let Some(v) = value else { continue };
-        if v.len() > SHORT_STRING {
-            return Err(too_long(what, v.len()));
-        }
-        let v = v.as_str().into();
-        props = match what {
-            "content type" => props.with_content_type(v),
-            "content encoding" => props.with_content_encoding(v),
-            _ => props.with_correlation_id(v),
-        };
+    if let Some(ct) = short("content type", &m.content_type)? {
+        props = props.with_content_type(ct);
+    }
+    if let Some(ce) = short("content encoding", &m.content_encoding)? {
+        props = props.with_content_encoding(ce);
+    }
+    if let Some(c) = short("correlation id", &m.correlation_id)? {
+        props = props.with_correlation_id(c);
     }
     // AMQP's timestamp is whole seconds since 1970.
     if let Some(secs) = m.timestamp.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()) {
@@ -606,7 +601,7 @@ fn x_death(deaths: &[AMQPValue]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::{FieldArray, ShortString};
+    use lapin::types::FieldArray;
 
     fn delivery(redelivered: bool, headers: FieldTable) -> Delivery {
         let mut d = Delivery::mock(7, "".into(), "q".into(), redelivered, b"{}".to_vec());

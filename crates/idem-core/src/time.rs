@@ -206,3 +206,16 @@ impl ClockSkew {
         self.0.load(Ordering::SeqCst)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_is_the_civil_date_in_utc() {
+        assert_eq!(Timestamp::from_micros(0).to_string(), "1970-01-01 00:00:00 UTC");
+        let leap = Timestamp::from_micros(1_709_251_199_000_000);
+        assert_eq!(leap.to_string(), "2024-02-29 23:59:59 UTC");
+        assert_eq!(Timestamp::from_micros(-1_000_000).to_string(), "1969-12-31 23:59:59 UTC");
+    }
+}

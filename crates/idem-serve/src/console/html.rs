@@ -5,7 +5,6 @@ use std::fmt::Write as _;
 use axum::extract::Path;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
-use idem_core::Timestamp;
 use idem_core::dlq::DlqError;
 
 use super::ConsoleState;
@@ -35,11 +34,6 @@ pub(crate) fn esc(s: &str) -> String {
 /// where it lands in an attribute: the encoding leaves no `&`, `<`, `"` or `'`).
 pub(crate) fn enc(s: &str) -> String {
     form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20")
-}
-
-/// A time as `2026-12-04 21:30:05 UTC` (the store's clock).
-pub(crate) fn utc(t: Timestamp) -> String {
-    t.to_string()
 }
 
 /// A payload for reading: pretty JSON, text, or (not UTF-8) base64; cut at `max` bytes.
@@ -271,13 +265,6 @@ mod tests {
             "&lt;a href=&quot;x&quot; onclick=&#39;y&#39;&gt;&amp;&lt;/a&gt;"
         );
         assert_eq!(enc("a b/c?d&e\"'<"), "a%20b%2Fc%3Fd%26e%22%27%3C");
-    }
-
-    #[test]
-    fn utc_formats_the_civil_date() {
-        assert_eq!(utc(Timestamp::from_micros(0)), "1970-01-01 00:00:00 UTC");
-        assert_eq!(utc(Timestamp::from_micros(1_709_251_199_000_000)), "2024-02-29 23:59:59 UTC");
-        assert_eq!(utc(Timestamp::from_micros(-1_000_000)), "1969-12-31 23:59:59 UTC");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use idem_core::dlq::{DeadLetterQueue, Letter, OnConflict, ReplayReport, Workbenc
 use idem_core::{Fingerprint, consumer::headers};
 use serde::Deserialize;
 
-use super::html::{self, ConsoleError, Nav, enc, esc, utc};
+use super::html::{self, ConsoleError, Nav, enc, esc};
 use super::session::{Action, Viewer};
 use super::{ConsoleState, MAX_SELECTED};
 use crate::auth::Caller;
@@ -355,9 +355,9 @@ async fn record_section(s: &ConsoleState, viewer: &Viewer, l: &Letter) -> String
             r.fingerprint.map(|f| hex::encode(f.as_bytes())).unwrap_or_else(|| "—".into()),
             fingerprint_line(l, r.fingerprint),
             esc(&r.result.as_deref().map(|b| html::payload_text(b, 2000)).unwrap_or_default()),
-            utc(r.created_at),
-            utc(r.updated_at),
-            utc(r.expires_at),
+            r.created_at,
+            r.updated_at,
+            r.expires_at,
             st = r.state.as_str(),
         ),
         Err(e) => format!(

@@ -10,7 +10,7 @@ use idem_core::{Counts, ListFilter, Record, RecordState};
 use serde::Deserialize;
 
 use super::ConsoleState;
-use super::html::{self, ConsoleError, Nav, enc, esc, utc};
+use super::html::{self, ConsoleError, Nav, enc, esc};
 use super::session::{Action, Viewer};
 use crate::auth::Scopes;
 use crate::wire;
@@ -119,8 +119,8 @@ fn records_table(s: &ConsoleState, viewer: &Viewer, records: &[Record], actions:
             esc(&r.scope),
             esc(&r.id),
             r.attempt,
-            r.lease_until.map(utc).unwrap_or_default(),
-            utc(r.updated_at),
+            r.lease_until.map(|t| t.to_string()).unwrap_or_default(),
+            r.updated_at,
             esc(&result_text(r)),
             st = r.state.as_str(),
         );

@@ -199,6 +199,26 @@ pub(crate) fn counts_of(
     Ok(c)
 }
 
+/// Unsent rows from `(seq, message_id, destination, state, failures, last_error)` rows, the
+/// columns every store's `unsent` query selects (state 2 is parked).
+pub(crate) fn unsent_of(
+    rows: impl IntoIterator<Item = (i64, String, String, i64, i64, Option<String>)>,
+) -> Vec<idem_core::outbox::UnsentRow> {
+    rows.into_iter()
+        .map(|(seq, id, destination, state, failures, last_error)| {
+            let failures = u32::try_from(failures).unwrap_or(0);
+            idem_core::outbox::UnsentRow::new(
+                seq,
+                id,
+                destination,
+                state == 2,
+                failures,
+                last_error,
+            )
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -334,12 +334,6 @@ impl OutboxStore for SqliteOutbox {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(|e| backend("outbox unsent", e))?;
-        Ok(rows
-            .into_iter()
-            .map(|(seq, id, destination, state, failures, last_error)| {
-                let failures = u32::try_from(failures).unwrap_or(0);
-                UnsentRow::new(seq, id, destination, state == 2, failures, last_error)
-            })
-            .collect())
+        Ok(crate::outbox::unsent_of(rows))
     }
 }

@@ -34,7 +34,9 @@ fn nats() -> Option<String> {
 /// `--kill-every`).
 fn chaos(broker: &str, store: &str, extra: &[&str]) -> Output {
     let mut args = vec!["chaos", "--broker", broker, "--store", store];
-    args.extend(["--messages", "2000", "--workers", "3", "--lease", "1s", "--timeout", "180s"]);
+    // The bound on a run that is still correct: a Kafka offset run on MariaDB beside CI's two
+    // other lanes took 185 s (56 kills, each a rebalance; 0 lost, 0 twice, nothing left).
+    args.extend(["--messages", "2000", "--workers", "3", "--lease", "1s", "--timeout", "300s"]);
     if !extra.contains(&"--kill-every") {
         args.extend(["--kill-every", "100ms..300ms"]);
     }

@@ -56,10 +56,12 @@ Columns of the table:
   application kills       --push: of the kills, those of the application (the rest hit sidecars)
   worker exits            workers that ended by themselves (replaced), poison aborts included
   left in broker          messages still queued after the workers stopped
+  longest no progress     the longest time the run saw nothing change (no new effect, settled
+                          id, dead letter or change in the broker's backlog); --timeout bounds it
   wall time               the whole run
 
 Exit status: 0 when nothing was lost, duplicated or unexpected and every reused id was \
-dead-lettered; 1 otherwise (or on --timeout); 2 when the run could not be set up. The run's \
+dead-lettered; 1 otherwise (or when nothing progressed for --timeout); 2 when the run could not be set up. The run's \
 queue/stream and tables/keys (named idem_chaos_<tag>) are deleted at the end unless --keep.";
 
 /// Where `--broker` is read from when not given; also how workers get it (never in argv).
@@ -144,8 +146,10 @@ pub(crate) struct ChaosArgs {
     /// The idem lease of each claim.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     lease: Duration,
-    /// Give up draining after this long.
-    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    /// Give up when nothing has progressed for this long: no new effect, settled id or dead
+    /// letter, and no change in the broker's backlog. A slow machine makes a run longer, not
+    /// red; a run that stops moving (a lost message, a stuck consumer) fails.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
     timeout: Duration,
     /// Keep the run's queue, stream, tables and keys.
     #[arg(long)]
@@ -478,7 +482,9 @@ async fn verify(
     let mut stall_done = !args.stall;
     let mut next_poll = Instant::now();
     let mut quiet_polls = 0;
-    let deadline = started + args.timeout;
+    // What the last poll saw, and when it last changed: the run gives up on no progress.
+    let mut seen = (0, 0, 0, 0);
+    let mut progressed = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(20)).await;
         let now = Instant::now();
@@ -567,7 +573,18 @@ async fn verify(
         if quiet_polls >= 3 {
             break;
         }
-        if now >= deadline {
+        let state = (effects.len(), dead.len(), backlog, settled);
+        if state != seen {
+            seen = state;
+            progressed = now;
+        }
+        events.longest_idle = events.longest_idle.max(now.duration_since(progressed));
+        if now.duration_since(progressed) >= args.timeout {
+            eprintln!(
+                "idem chaos: nothing progressed for {:?} ({settled} of {goal} settled, {backlog} \
+                 in the broker); giving up",
+                args.timeout
+            );
             events.timed_out = true;
             break;
         }

@@ -34,6 +34,9 @@ pub(crate) struct Events {
     /// Messages still in the broker after the workers stopped.
     pub(crate) left_in_broker: u64,
     pub(crate) wall: Duration,
+    /// The longest time the run saw no progress (see `--timeout`).
+    pub(crate) longest_idle: Duration,
+    /// Nothing progressed for `--timeout`: the run gave up.
     pub(crate) timed_out: bool,
 }
 
@@ -166,7 +169,12 @@ impl fmt::Display for Table<'_> {
             ("stalls", e.stalls.to_string(), ""),
             ("worker exits", e.worker_exits.to_string(), ""),
             ("left in broker", e.left_in_broker.to_string(), ""),
-            ("wall time", format!("{:.1} s", e.wall.as_secs_f64()), flag(e.timed_out)),
+            (
+                "longest no progress",
+                format!("{:.1} s", e.longest_idle.as_secs_f64()),
+                flag(e.timed_out),
+            ),
+            ("wall time", format!("{:.1} s", e.wall.as_secs_f64()), ""),
         ];
         if !self.push {
             rows.retain(|(name, _, _)| *name != "application kills");

@@ -68,8 +68,8 @@ cp Cargo.lock "$scratch/"
 cd "$scratch"
 cargo metadata --format-version 1 >/dev/null   # resolves once; the lock then differs from ours only if it had to
 # (idem-repo-checks is not a member here, so its entry is expected to go.)
-diff <(grep -A1 "^name = " "$OLDPWD/Cargo.lock" | grep -v -A1 '^name = "idem-repo-checks"' | grep -v '^--$') \
-     <(grep -A1 "^name = " Cargo.lock | grep -v '^--$') || true
+pairs() { awk '/^name = / { n = $3 } /^version = / && n != "\"idem-repo-checks\"" { print n, $3 }' "$1"; }
+diff <(pairs "$OLDPWD/Cargo.lock") <(pairs Cargo.lock) || true
 for nv in $names; do
   echo "[package-check] ${nv%-*}"
   # Warnings fail the step (the all-features clippy step cannot see default-feature code).

@@ -84,9 +84,15 @@ for spec in "$@"; do
     log=$out/$slug.run$i.log
     t0=$(date +%s.%N)
     IFS=$'\t' read -r dir exe args < <(run_of "$spec")
+    : >"$log"
+    # A run that prints nothing for 10 min is a hang: its stacks go to its log, and it fails.
+    .ci/hang-guard.sh 10 "$log" >>"$log.hang" 2>&1 & guard=$!
     # shellcheck disable=SC2086
     if (cd "$dir" && "$exe" $args) >"$log" 2>&1; then status=ok; rm -f "$log"
     else status=FAILED; fails=$((fails + 1)); failed_any=1; fi
+    kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+    if [[ -s $log.hang ]]; then cat "$log.hang" >>"$log"; fi
+    rm -f "$log.hang"
     t=$(echo "$(date +%s.%N) - $t0" | bc); times+=("$t")
     printf '[repeat] %s: run %d/%d %s in %.1f s%s\n' "$spec" "$i" "$runs" "$status" "$t" \
       "$([[ $status == ok ]] || echo " (output: $log)")"

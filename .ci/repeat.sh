@@ -90,7 +90,7 @@ for spec in "$@"; do
     # shellcheck disable=SC2086
     if (cd "$dir" && "$exe" $args) >"$log" 2>&1; then status=ok; rm -f "$log"
     else status=FAILED; fails=$((fails + 1)); failed_any=1; fi
-    kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+    kill "$guard" 2>/dev/null || true; wait "$guard" 2>/dev/null || true
     if [[ -s $log.hang ]]; then cat "$log.hang" >>"$log"; fi
     rm -f "$log.hang"
     t=$(echo "$(date +%s.%N) - $t0" | bc); times+=("$t")

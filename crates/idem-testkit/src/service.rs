@@ -32,6 +32,79 @@ pub fn require(service: &str, env_var: &str, default: &str) -> Option<String> {
     None
 }
 
+/// [`require`] for a NATS server with JetStream, which it first gives a stream kept for good
+/// (`IDEM_TEST_ANCHOR`, once per process and address), so that tests can create and delete
+/// their own streams at the same time.
+///
+/// Why: nats-server (2.9.10 here, and its main branch still) removes an account's `streams`
+/// directory when a stream's deletion leaves it empty, and a stream created at that moment fails
+/// with "error creating store for stream" (its log: `mkdir …/$G/streams: no such file or
+/// directory`). With one stream that is never deleted, the directory is never empty
+/// (docs/TESTING.md, flake 9). A server that refuses the anchor is used as it is, with a warning.
+///
+/// # Panics
+/// As [`require`].
+pub fn require_nats(env_var: &str, default: &str) -> Option<String> {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static ANCHORED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let url = require("NATS", env_var, default)?;
+    let addr = host_port(&url);
+    let mut anchored =
+        ANCHORED.get_or_init(Mutex::default).lock().unwrap_or_else(|e| e.into_inner());
+    if anchored.insert(addr.clone())
+        && let Err(e) = keep_jetstream_account_dir(&addr)
+    {
+        eprintln!("warning: NATS at {addr}: could not create the anchor stream: {e}");
+    }
+    Some(url)
+}
+
+/// Creates the file stream `IDEM_TEST_ANCHOR` (subject `_idem_test_anchor`, at most one message)
+/// at `addr` over the plain NATS protocol, unless it exists with this configuration.
+fn keep_jetstream_account_dir(addr: &str) -> std::io::Result<()> {
+    use std::io::{BufRead, BufReader, Error, Read, Write};
+    const INBOX: &str = "_INBOX.idem_test_anchor";
+    const CONFIG: &str = r#"{"name":"IDEM_TEST_ANCHOR","subjects":["_idem_test_anchor"],"storage":"file","max_msgs":1,"num_replicas":1}"#;
+    let sa = addr.to_socket_addrs()?.next().ok_or_else(|| Error::other("no address"))?;
+    let conn = TcpStream::connect_timeout(&sa, Duration::from_secs(5))?;
+    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut out = conn.try_clone()?;
+    let mut input = BufReader::new(conn);
+    let mut line = String::new();
+    input.read_line(&mut line)?; // the server's INFO
+    write!(
+        out,
+        "CONNECT {{\"verbose\":false,\"pedantic\":false}}\r\nSUB {INBOX} 1\r\n\
+         PUB $JS.API.STREAM.CREATE.IDEM_TEST_ANCHOR {INBOX} {}\r\n{CONFIG}\r\n",
+        CONFIG.len()
+    )?;
+    loop {
+        line.clear();
+        if input.read_line(&mut line)? == 0 {
+            return Err(Error::other("the server closed the connection"));
+        }
+        if line.starts_with("PING") {
+            out.write_all(b"PONG\r\n")?;
+        } else if line.starts_with("-ERR") {
+            return Err(Error::other(line.trim().to_owned()));
+        } else if line.starts_with("MSG ") {
+            let size: usize = line
+                .split_whitespace()
+                .last()
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| Error::other(format!("bad MSG line {line:?}")))?;
+            let mut reply = vec![0; size + 2];
+            input.read_exact(&mut reply)?;
+            let reply = String::from_utf8_lossy(&reply[..size]).into_owned();
+            return match reply.contains("\"error\"") {
+                true => Err(Error::other(reply)),
+                false => Ok(()),
+            };
+        }
+    }
+}
+
 /// [`require`] for a comma-separated list of URLs (the nodes of a cluster): every one must
 /// answer, and there must be at least `min` of them (a list too short is a setup error, named).
 ///

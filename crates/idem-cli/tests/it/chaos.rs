@@ -26,7 +26,7 @@ fn amqp() -> Option<String> {
 }
 
 fn nats() -> Option<String> {
-    let url = require("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")?;
+    let url = idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")?;
     Some(if url.contains("://") { url } else { format!("nats://{url}") })
 }
 

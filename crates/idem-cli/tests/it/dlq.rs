@@ -212,7 +212,7 @@ fn rabbitmq_and_nats_dead_letters_open() {
         assert!(text(&o).contains(&format!("{q}.idem.dlq")), "{}", text(&o));
     }
     if let Some(url) =
-        idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")
+        idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")
     {
         // CI gives the bare `host:port` the NATS crates take; the CLI wants a scheme.
         let url = if url.contains("://") { url } else { format!("nats://{url}") };

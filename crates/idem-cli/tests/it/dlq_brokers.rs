@@ -154,7 +154,9 @@ async fn dlq_on_rabbitmq() {
 async fn dlq_on_nats_jetstream() {
     use idem::nats::async_nats::{self, HeaderMap, jetstream};
 
-    let Some(url) = require("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222") else {
+    let Some(url) =
+        idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")
+    else {
         return;
     };
     // CI gives the bare `host:port` the NATS crates take; the CLI wants a scheme.

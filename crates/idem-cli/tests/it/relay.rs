@@ -126,7 +126,7 @@ async fn relay_drains_a_wal_slot_into_nats() {
     ) else {
         return;
     };
-    let Some(nats) = idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
+    let Some(nats) = idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "127.0.0.1:4222")
     else {
         return;
     };

@@ -446,7 +446,7 @@ mod nats {
     use idem::nats::{JetStreamConfig, JetStreamPublisher};
 
     fn url() -> Option<String> {
-        idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
+        idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "127.0.0.1:4222")
     }
 
     fn stream(subject: &str) -> String {

@@ -15,7 +15,7 @@ pub const MAX_AGE: Duration = Duration::from_secs(3600);
 
 /// The server URL, or `None` (skip) when it is down outside CI.
 pub fn nats_url() -> Option<String> {
-    idem_testkit::service::require("NATS", "IDEM_TEST_NATS_URL", "127.0.0.1:4222")
+    idem_testkit::service::require_nats("IDEM_TEST_NATS_URL", "127.0.0.1:4222")
 }
 
 /// A stream and dead-letter stream with random names, deleted by [`Env::cleanup`].

@@ -18,11 +18,12 @@
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
+mod answer;
 pub mod batched;
 mod chain;
 pub mod claim;
+pub mod claim_rule;
 pub mod consumer;
-pub mod decide;
 pub mod dlq;
 pub mod engine;
 pub mod extract;
@@ -33,6 +34,7 @@ pub mod job;
 pub mod key;
 pub mod memory;
 pub mod outbox;
+mod outcome;
 pub mod record;
 pub mod redact;
 pub mod retention;

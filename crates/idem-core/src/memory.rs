@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::claim::next_token;
-use crate::decide::decide_claim;
+use crate::claim_rule;
 use crate::time::{Clock, SystemClock};
 use crate::{
     Advance, Claim, ClaimRequest, Counts, DedupKey, DedupStore, FailKind, InspectStore, KeyHash,
@@ -69,7 +69,7 @@ impl MemoryStore {
 
     fn claim_locked(inner: &mut Inner, req: &ClaimRequest, now: Timestamp) -> Claim {
         let hash = req.key.hash();
-        let decision = decide_claim(inner.records.get(&hash), req, now);
+        let decision = claim_rule::apply(inner.records.get(&hash), req, now);
         if let Some(rec) = decision.write {
             inner.records.insert(hash, rec);
         }

@@ -227,7 +227,7 @@ impl<C: SourceConfig, B: Backend> Builder<C, B> {
         self,
     ) -> Result<Consumer<C::Source, B>, BuildError<<C::Source as Source>::Error>> {
         let engine = self.engine.build(self.backend)?;
-        Backend::check(engine.store()).await.map_err(BuildError::Store)?;
+        crate::engine::Mode::check(engine.store()).await.map_err(BuildError::Store)?;
         let opening = Opening {
             scope: engine.scope(),
             retention: B::retention(&engine),

@@ -29,8 +29,10 @@
 //! dropped) and its messages released, then the source is closed.
 
 mod builder;
+mod dead_letter;
 mod error;
 pub mod headers;
+mod lane;
 mod memory;
 mod report;
 mod source;
@@ -39,17 +41,15 @@ use std::fmt::Display;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 pub use builder::{Builder, FetchFailures};
 pub use error::{BuildError, Error};
 pub use memory::{MemoryDelivery, MemoryQueue};
 pub use report::Report;
-pub use source::{DeadLetter, Opening, Settlement, Source, SourceConfig};
+pub use source::{DeadLetter, Opening, Settlement, Source, SourceConfig, retry_delay};
 
 use crate::engine::{Ahead, Backend, Cause, Engine, Handler, Outcome, Verb};
-use crate::telemetry::{BATCH_SIZE, DEAD_LETTERS_TOTAL, FETCH_FAILURES_TOTAL, SOURCE_LAG_MESSAGES};
+use crate::telemetry::{BATCH_SIZE, SOURCE_LAG_MESSAGES};
 use builder::Settings;
 
 type Hook<M> = Arc<dyn Fn(&Settlement<'_, M>) + Send + Sync>;
@@ -115,59 +115,6 @@ impl<S: Source, B> Consumer<S, B> {
 }
 
 impl<S: Source, B: Backend> Consumer<S, B> {
-    /// Fetches, decides and settles batches until `shutdown` completes, then closes the source.
-    /// In two-phase mode the handler gets a [`Context`](crate::engine::Context); in inbox
-    /// mode, the batch's transaction. It gets its own copy of the message, so its future may
-    /// own what it reads.
-    ///
-    /// # Errors
-    /// [`Error::Fetch`] when the fetch-failure policy gives up, [`Error::Settle`] when the
-    /// broker can no longer be told, [`Error::BrokerTimeout`] when a broker call hangs. The
-    /// source is closed in every case; unacknowledged messages are redelivered.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe; stop it with `shutdown` instead. Dropped midway, nothing is lost (no
-    /// message is acknowledged before its outcome is durable, so the broker redelivers the
-    /// rest), but the source is not closed and in-progress claims wait for their leases.
-    pub async fn run<H>(
-        &self,
-        handler: H,
-        shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<Report, Error<S::Error>>
-    where
-        H: Handler<B::Ctx, S::Delivery>,
-    {
-        // Every lane watches the same shutdown; a lane that fails stops the others.
-        let shutdown: BoxFuture<'_, ()> = Box::pin(shutdown);
-        let shutdown = futures_util::FutureExt::shared(shutdown);
-        let failed = AtomicBool::new(false);
-        let lanes = (0..self.settings.concurrency).map(|_| {
-            let (shutdown, failed) = (shutdown.clone(), &failed);
-            let handler = &handler;
-            async move {
-                let mut report = Report::default();
-                let ended = self.drive(handler, shutdown, failed, &mut report).await;
-                if ended.is_err() {
-                    failed.store(true, Ordering::SeqCst);
-                }
-                (ended, report)
-            }
-        });
-        let mut report = Report::default();
-        let mut ended = Ok(());
-        for (e, r) in futures_util::future::join_all(lanes).await {
-            report += r;
-            if ended.is_ok() {
-                ended = e;
-            }
-        }
-        match self.close().await {
-            Ok(n) => report.released += n,
-            Err(e) => tracing::warn!(target: "idem", error = %e, "closing the source failed"),
-        }
-        ended.map(|()| report)
-    }
-
     /// Closes the source: gives back what the broker delivered but was never fetched, makes
     /// final commits, closes channels; returns how many messages it gave back. [`run`](Self::run)
     /// does it when it ends; call it after driving [`poll`](Self::poll) or the steps yourself.
@@ -199,162 +146,6 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         let batch = self.fetch().await?;
         let decided = self.decide_ref(batch, &handler, None).await?;
         self.settle(decided).await
-    }
-
-    /// One lane: fetch, decide, settle, until shutdown (or another lane failed).
-    ///
-    /// Pipelined (the default), three batches overlap: while batch k is decided, batch k + 1
-    /// is fetched (and, two-phase, its keys claimed ahead) and waits for its turn, kept alive
-    /// at the broker, and batch k − 1 is settled. Only a decided batch is ever settled, and
-    /// batches are settled in the order they were decided. A fetch is never dropped (sources
-    /// need not be cancel safe): on shutdown it is awaited, and what it brought — and the batch
-    /// waiting for its turn — is released, with the claims taken ahead for it.
-    async fn drive<H>(
-        &self,
-        handler: &H,
-        mut shutdown: futures_util::future::Shared<BoxFuture<'_, ()>>,
-        failed: &AtomicBool,
-        report: &mut Report,
-    ) -> Result<(), Error<S::Error>>
-    where
-        H: Handler<B::Ctx, S::Delivery>,
-    {
-        let pipelined = self.settings.pipelined;
-        let mut lane = Lane::<'_, S>::default();
-        let mut failures = 0u32;
-        let mut stopping = false;
-        let mut ended = Ok(());
-        loop {
-            if !stopping
-                && (failed.load(Ordering::SeqCst) || is_ready(Pin::new(&mut shutdown)).await)
-            {
-                stopping = true;
-            }
-            if stopping {
-                lane.backoff = None;
-                if let Some(go) = lane.go.take() {
-                    // Its future releases the batch; a closed receiver means it ended already.
-                    let _ = go.send(false);
-                }
-            }
-            if lane.settling.is_none()
-                && let Some(d) = lane.decided.take()
-            {
-                lane.settling = Some(Box::pin(self.settle(d)));
-            }
-            // The next batch's turn (not when told to release: its `go` is spent).
-            if lane.current.is_none()
-                && lane.decided.is_none()
-                && let Some(go) = lane.go.take()
-            {
-                let _ = go.send(true);
-                lane.current = lane.next.take();
-            }
-            let room = if pipelined { lane.next.is_none() } else { lane.is_idle() };
-            if !stopping && room && lane.fetching.is_none() && lane.backoff.is_none() {
-                lane.fetching = Some(Box::pin(self.fetch_bounded()));
-            }
-            if stopping && lane.is_idle() && lane.fetching.is_none() {
-                return ended;
-            }
-            let mut fail = |e: Error<S::Error>, stopping: &mut bool| {
-                if ended.is_ok() {
-                    ended = Err(e);
-                }
-                *stopping = true;
-            };
-            tokio::select! {
-                biased;
-                r = slot(&mut lane.settling), if lane.settling.is_some() => {
-                    lane.settling = None;
-                    match r {
-                        Ok(r) => *report += r,
-                        Err(e) => fail(e, &mut stopping),
-                    }
-                }
-                r = slot(&mut lane.current), if lane.current.is_some() => {
-                    lane.current = None;
-                    match r {
-                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
-                        Ok(Turned::Released(r)) => *report += r,
-                        Err(e) => fail(e, &mut stopping),
-                    }
-                }
-                // Only ends before its turn when told to release its batch.
-                r = slot(&mut lane.next), if lane.next.is_some() => {
-                    lane.next = None;
-                    match r {
-                        Ok(Turned::Released(r)) => *report += r,
-                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
-                        Err(e) => fail(e, &mut stopping),
-                    }
-                }
-                r = slot(&mut lane.fetching), if lane.fetching.is_some() => {
-                    lane.fetching = None;
-                    match r {
-                        Ok(batch) => {
-                            failures = 0;
-                            if !batch.is_empty() {
-                                let (go, turn) = tokio::sync::oneshot::channel();
-                                lane.next = Some(Box::pin(self.turn(batch, handler, turn)));
-                                lane.go = Some(go);
-                            }
-                        }
-                        Err(Err(e)) => fail(e, &mut stopping),
-                        Err(Ok(_)) if stopping => {}
-                        Err(Ok(e)) => {
-                            failures += 1;
-                            let policy = self.settings.fetch_failures;
-                            if self.source.is_fatal(&e) || failures >= policy.max_in_a_row {
-                                fail(Error::Fetch { attempts: failures, source: e }, &mut stopping);
-                            } else {
-                                report.fetch_failures += 1;
-                                metrics::counter!(FETCH_FAILURES_TOTAL, "scope" => self.engine.scope().to_owned())
-                                    .increment(1);
-                                tracing::warn!(target: "idem", error = %e, failures, "fetch failed; retrying");
-                                lane.backoff = Some(Box::pin(tokio::time::sleep(policy.backoff)));
-                            }
-                        }
-                    }
-                }
-                () = slot(&mut lane.backoff), if lane.backoff.is_some() => lane.backoff = None,
-                () = &mut shutdown, if !stopping => stopping = true,
-            }
-        }
-    }
-
-    /// A fetched batch's way through a lane: claimed ahead (two-phase, pipelined) and kept
-    /// alive while it waits for `turn`, then decided — or, told `false`, released.
-    async fn turn<H>(
-        &self,
-        batch: Vec<S::Delivery>,
-        handler: &H,
-        turn: tokio::sync::oneshot::Receiver<bool>,
-    ) -> Result<Turned<S::Delivery>, Error<S::Error>>
-    where
-        H: Handler<B::Ctx, S::Delivery>,
-    {
-        let (ahead, go) = {
-            let wait = std::pin::pin!(async {
-                let ahead = match self.settings.pipelined {
-                    true => B::claim_ahead(&self.engine, &batch).await,
-                    false => None,
-                };
-                (ahead, turn.await.unwrap_or(false))
-            });
-            let beat = std::pin::pin!(self.source.keep_alive(&batch));
-            match futures_util::future::select(wait, beat).await {
-                futures_util::future::Either::Left((waited, _)) => waited,
-                futures_util::future::Either::Right(((), wait)) => wait.await,
-            }
-        };
-        if !go {
-            if let Some(ahead) = ahead {
-                B::drop_ahead(&self.engine, ahead).await;
-            }
-            return self.release(batch).await.map(Turned::Released);
-        }
-        self.decide_ref(batch, handler, ahead).await.map(Turned::Decided)
     }
 
     /// A fetch bounded by the idle wait plus the broker timeout. `Err(Ok(e))` is the source's
@@ -442,52 +233,8 @@ impl<S: Source, B: Backend> Consumer<S, B> {
             }
         };
         self.note_store_failures(&outcomes, &mut report);
-        let mut actions = Vec::with_capacity(batch.len());
-        let mut dead = Vec::new();
-        for (i, (m, o)) in batch.iter().zip(&outcomes).enumerate() {
-            report.count_outcome(o.kind());
-            let action = match o.verb() {
-                Verb::Ack | Verb::Release => Verb::Ack,
-                Verb::DeadLetter { reason } => {
-                    dead.push((i, self.dead_letter_of(m, o, reason)));
-                    Verb::Release
-                }
-                Verb::Retry { after } => match self.source.give_up(m) {
-                    Some(why) => {
-                        let reason = format!("{why}; last outcome {}: {}", o.kind(), describe(o));
-                        dead.push((i, self.dead_letter_of(m, o, reason)));
-                        Verb::Release
-                    }
-                    None => Verb::Retry { after },
-                },
-            };
-            actions.push(action);
-        }
-        if !dead.is_empty() {
-            let items: Vec<(&S::Delivery, _)> =
-                dead.iter().map(|(i, dl)| (&batch[*i], dl.clone())).collect();
-            let copied =
-                self.bounded("the dead-letter copies", self.source.dead_letter(&items)).await?;
-            let mut copied = copied.into_iter();
-            for (i, dl) in dead {
-                actions[i] = match copied.next() {
-                    Some(Ok(())) => {
-                        metrics::counter!(DEAD_LETTERS_TOTAL, "scope" => dl.scope.clone(),
-                            "outcome" => dl.outcome.as_str())
-                        .increment(1);
-                        Verb::DeadLetter { reason: dl.reason }
-                    }
-                    failed => {
-                        report.dead_letter_failures += 1;
-                        let error = failed.and_then(Result::err).map(|e| e.to_string());
-                        // Never remove what is not safely elsewhere: let it come back instead.
-                        tracing::error!(target: "idem", error = error.as_deref().unwrap_or("no answer"),
-                            reason = %dl.reason, "dead-letter copy failed; retrying the message instead");
-                        Verb::Retry { after: None }
-                    }
-                };
-            }
-        }
+        let (verbs, dead) = self.verbs(&batch, &outcomes, &mut report);
+        let actions = self.copy_dead_letters(&batch, verbs, dead, &mut report).await?;
         if let Some(hook) = &self.hook {
             for ((m, o), action) in batch.iter().zip(&outcomes).zip(&actions) {
                 let key = self.engine.key_of(m).ok();
@@ -553,19 +300,6 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         report.first_store_error = Some(first);
     }
 
-    fn dead_letter_of<T, E>(
-        &self,
-        m: &S::Delivery,
-        o: &Outcome<T, E>,
-        reason: String,
-    ) -> DeadLetter {
-        let dl = DeadLetter::new(o.kind(), reason, self.engine.scope());
-        match self.engine.key_of(m) {
-            Ok(key) => dl.with_key(key.id()),
-            Err(_) => dl,
-        }
-    }
-
     /// `fut`, or [`Error::BrokerTimeout`] once the broker timeout has passed.
     async fn bounded<T>(
         &self,
@@ -597,99 +331,4 @@ impl<M> Decided<M> {
     pub fn items(&self) -> &[(M, Verb)] {
         &self.items
     }
-}
-
-/// Whether `fut` is ready now (it is polled once; a ready future must not be polled again).
-async fn is_ready(fut: Pin<&mut impl Future<Output = ()>>) -> bool {
-    let mut fut = Some(fut);
-    std::future::poll_fn(|cx| {
-        let ready = fut.take().is_some_and(|f| f.poll(cx).is_ready());
-        std::task::Poll::Ready(ready)
-    })
-    .await
-}
-
-/// What a fetched batch became when its turn came (or shutdown came first).
-enum Turned<M> {
-    Decided(Decided<M>),
-    Released(Report),
-}
-
-type Step<'a, S> =
-    BoxFuture<'a, Result<Turned<<S as Source>::Delivery>, Error<<S as Source>::Error>>>;
-type Fetched<S> =
-    Result<Vec<<S as Source>::Delivery>, Result<<S as Source>::Error, Error<<S as Source>::Error>>>;
-
-/// A lane's batches in flight: at most one being fetched, one waiting for its turn (`next`,
-/// told by `go`), one being decided, one decided and waiting for the broker, one being settled.
-struct Lane<'a, S: Source> {
-    fetching: Option<BoxFuture<'a, Fetched<S>>>,
-    backoff: Option<Pin<Box<tokio::time::Sleep>>>,
-    next: Option<Step<'a, S>>,
-    go: Option<tokio::sync::oneshot::Sender<bool>>,
-    current: Option<Step<'a, S>>,
-    decided: Option<Decided<S::Delivery>>,
-    settling: Option<BoxFuture<'a, Result<Report, Error<S::Error>>>>,
-}
-
-impl<S: Source> Default for Lane<'_, S> {
-    fn default() -> Self {
-        Self {
-            fetching: None,
-            backoff: None,
-            next: None,
-            go: None,
-            current: None,
-            decided: None,
-            settling: None,
-        }
-    }
-}
-
-impl<S: Source> Lane<'_, S> {
-    /// Whether no batch is in the lane (a fetch may still be).
-    fn is_idle(&self) -> bool {
-        self.next.is_none()
-            && self.current.is_none()
-            && self.decided.is_none()
-            && self.settling.is_none()
-    }
-}
-
-/// The future in `slot`, which must be there (`select!` guards each branch with `is_some`).
-async fn slot<F: Future + Unpin>(slot: &mut Option<F>) -> F::Output {
-    match slot {
-        Some(f) => f.await,
-        None => std::future::pending().await,
-    }
-}
-
-/// An outcome's cause in words, for a dead letter made of a retry.
-fn describe<T, E: Display>(o: &Outcome<T, E>) -> String {
-    match o {
-        Outcome::Failed(f) => f.cause.to_string(),
-        Outcome::InProgressElsewhere { retry_after } => {
-            format!("another consumer holds the key for {retry_after:?} more")
-        }
-        other => other.kind().to_string(),
-    }
-}
-
-/// The delay to use for a retry: the suggestion clamped to `[min, max]`, or `default`.
-///
-/// ```
-/// use std::time::Duration;
-/// use idem_core::consumer::retry_delay;
-///
-/// let s = Duration::from_secs;
-/// assert_eq!(retry_delay(Some(s(900)), s(1), s(1), s(300)), s(300));
-/// assert_eq!(retry_delay(None, s(5), s(1), s(300)), s(5));
-/// ```
-pub fn retry_delay(
-    after: Option<Duration>,
-    default: Duration,
-    min: Duration,
-    max: Duration,
-) -> Duration {
-    after.map_or(default, |d| d.clamp(min, max.max(min)))
 }

@@ -232,3 +232,22 @@ pub struct Settlement<'a, M> {
     /// The verb about to be sent.
     pub verb: &'a Verb,
 }
+
+/// The delay to use for a retry: the suggestion clamped to `[min, max]`, or `default`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::consumer::retry_delay;
+///
+/// let s = Duration::from_secs;
+/// assert_eq!(retry_delay(Some(s(900)), s(1), s(1), s(300)), s(300));
+/// assert_eq!(retry_delay(None, s(5), s(1), s(300)), s(5));
+/// ```
+pub fn retry_delay(
+    after: Option<Duration>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
+) -> Duration {
+    after.map_or(default, |d| d.clamp(min, max.max(min)))
+}

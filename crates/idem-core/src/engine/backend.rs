@@ -11,19 +11,13 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::ahead::Ahead;
+use super::inbox::InboxRound;
+use super::offset::OffsetRound;
 use super::two_phase::TwoPhase;
 use super::{Context, Engine, HandlerError, Outcome};
 use crate::extract::Envelope;
-use crate::inbox::decide::InboxRound;
 use crate::inbox::{Inbox, OffsetInbox, Tx, TxInbox, TxPositions};
 use crate::{DedupStore, StoreError};
-
-mod sealed {
-    pub trait Sealed {}
-    impl<S: crate::DedupStore> Sealed for S {}
-    impl<I: crate::inbox::TxInbox> Sealed for crate::inbox::Inbox<I> {}
-    impl<I: crate::inbox::TxPositions> Sealed for crate::inbox::OffsetInbox<I> {}
-}
 
 /// How an [`Engine`] turns a fetched batch into outcomes. Sealed: implemented by every
 /// [`DedupStore`] (**two-phase**: claim the batch with one `claim_many`, run the acquired
@@ -34,73 +28,84 @@ mod sealed {
 /// with the handlers' writes, so a redelivery is known by its offset).
 ///
 /// # Contract
-/// - `decide` answers one [`Outcome`] per message, in message order.
-/// - Every outcome that asks for an ack ([`Outcome::verb`]) is durable when `decide` returns: a
-///   completion recorded, a transaction committed. Nothing else is.
+/// - A batch gets one [`Outcome`] per message, in message order.
+/// - Every outcome that asks for an ack ([`Outcome::verb`]) is durable when the batch's
+///   decision returns: a completion recorded, a transaction committed. Nothing else is.
 /// - A key repeated inside the batch has its effect at most once; its later copies are
 ///   duplicates once the first is durable.
 /// - Failures to reach a decision are outcomes ([`Outcome::Failed`]), never panics.
-pub trait Backend: sealed::Sealed + Send + Sync + Sized + 'static {
-    /// What the handler receives beside the message.
-    type Ctx: Send + 'static;
+///
+/// The handler receives `B::Ctx` beside the message: a [`Context`] in two-phase mode, the
+/// transaction ([`Tx`]) in both inbox modes.
+pub trait Backend: mode::Mode + Send + Sync + Sized + 'static {}
 
-    /// How long what `decide` records is kept: the retention a broker's redelivery window is
-    /// checked against.
-    #[doc(hidden)]
-    fn retention(engine: &Engine<Self>) -> Duration;
+/// The engine's side of a backend, private to the crate: what differs between the modes.
+pub(crate) mod mode {
+    use super::*;
 
-    /// The longest a key stays in progress under a lease (`None`: none is held).
-    #[doc(hidden)]
-    fn lease(engine: &Engine<Self>) -> Option<Duration>;
+    /// How each mode decides (see [`Backend`]); implemented here for the three backends and
+    /// nowhere else, so no user type can be a backend.
+    pub trait Mode: Sized + 'static {
+        /// What the handler receives beside the message.
+        type Ctx: Send + 'static;
 
-    /// The store's startup check ([`DedupStore::check`], [`TxInbox::check`]).
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only reads.
-    #[doc(hidden)]
-    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+        /// How long what a decision records is kept: the retention a broker's redelivery
+        /// window is checked against.
+        fn retention(engine: &Engine<Self>) -> Duration;
 
-    /// Claims ahead the keys of a batch that will be decided later (two-phase only; by
-    /// default, as for the inboxes, nothing is claimed): see [`Ahead`].
-    ///
-    /// # Cancel safety
-    /// Not cancel safe: dropped midway, leases taken stay until they run out.
-    #[doc(hidden)]
-    fn claim_ahead<'a, M: Envelope + Sync>(
-        engine: &'a Engine<Self>,
-        batch: &'a [M],
-    ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
-        let _ = (engine, batch);
-        async { None }
+        /// The longest a key stays in progress under a lease (`None`: none is held).
+        fn lease(engine: &Engine<Self>) -> Option<Duration>;
+
+        /// The store's startup check ([`DedupStore::check`], [`TxInbox::check`]).
+        ///
+        /// # Cancel safety
+        /// Cancel safe: it only reads.
+        fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+        /// Claims ahead the keys of a batch that will be decided later (two-phase only; by
+        /// default, as for the inboxes, nothing is claimed): see [`Ahead`].
+        ///
+        /// # Cancel safety
+        /// Not cancel safe: dropped midway, leases taken stay until they run out.
+        fn claim_ahead<'a, M: Envelope + Sync>(
+            engine: &'a Engine<Self>,
+            batch: &'a [M],
+        ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
+            let _ = (engine, batch);
+            async { None }
+        }
+
+        /// Gives back what [`claim_ahead`](Self::claim_ahead) took and no decision used.
+        fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_ {
+            let _ = (engine, ahead);
+            async {}
+        }
+
+        /// Decides `batch` (with the claims taken ahead for it, if any); see the contract of
+        /// [`Backend`].
+        ///
+        /// # Cancel safety
+        /// As [`Engine::decide_batch`].
+        fn decide<'a, M, H, Fut, T, E>(
+            engine: &'a Engine<Self>,
+            batch: &'a [M],
+            handler: &'a H,
+            ahead: Option<Ahead>,
+        ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
+        where
+            M: Envelope + Clone + Send + Sync + 'static,
+            H: Fn(Self::Ctx, M) -> Fut + Sync,
+            Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
+            T: Serialize + DeserializeOwned + Send + 'a,
+            E: Display + Send + 'a;
     }
-
-    /// Gives back what [`claim_ahead`](Self::claim_ahead) took and no decision used.
-    #[doc(hidden)]
-    fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_ {
-        let _ = (engine, ahead);
-        async {}
-    }
-
-    /// Decides `batch` (with the claims taken ahead for it, if any); see the contract above.
-    ///
-    /// # Cancel safety
-    /// As [`Engine::decide_batch`].
-    #[doc(hidden)]
-    fn decide<'a, M, H, Fut, T, E>(
-        engine: &'a Engine<Self>,
-        batch: &'a [M],
-        handler: &'a H,
-        ahead: Option<Ahead>,
-    ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
-    where
-        M: Envelope + Clone + Send + Sync + 'static,
-        H: Fn(Self::Ctx, M) -> Fut + Sync,
-        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'a,
-        T: Serialize + DeserializeOwned + Send + 'a,
-        E: Display + Send + 'a;
 }
 
-impl<S: DedupStore> Backend for S {
+use mode::Mode;
+
+impl<S: DedupStore> Backend for S {}
+
+impl<S: DedupStore> Mode for S {
     type Ctx = Context;
 
     fn retention(engine: &Engine<Self>) -> Duration {
@@ -144,17 +149,15 @@ impl<S: DedupStore> Backend for S {
         async move {
             let mut ahead = ahead;
             let prepared = ahead.as_mut().map(Ahead::take_prepared).unwrap_or_default();
-            let mode = TwoPhase::new(engine, &by_index, batch, ahead);
-            let outcomes = engine.decide_in_rounds(batch, &mode, prepared).await;
-            if let Some(unused) = mode.into_unused() {
-                engine.drop_ahead(unused).await;
-            }
-            outcomes
+            let mode = TwoPhase::new(engine, &by_index, batch);
+            engine.decide_in_rounds(batch, &mode, prepared, ahead).await
         }
     }
 }
 
-impl<I: TxInbox> Backend for Inbox<I> {
+impl<I: TxInbox> Backend for Inbox<I> {}
+
+impl<I: TxInbox> Mode for Inbox<I> {
     type Ctx = Tx<I>;
 
     fn retention(engine: &Engine<Self>) -> Duration {
@@ -184,11 +187,13 @@ impl<I: TxInbox> Backend for Inbox<I> {
         E: Display + Send + 'a,
     {
         let mode = InboxRound { engine, handler, msgs: batch };
-        engine.decide_in_rounds(batch, &mode, Vec::new()).await
+        engine.decide_in_rounds(batch, &mode, Vec::new(), None).await
     }
 }
 
-impl<I: TxPositions> Backend for OffsetInbox<I> {
+impl<I: TxPositions> Backend for OffsetInbox<I> {}
+
+impl<I: TxPositions> Mode for OffsetInbox<I> {
     type Ctx = Tx<I>;
 
     /// Redeliveries are recognised by their offsets however old they are; only producer
@@ -218,6 +223,7 @@ impl<I: TxPositions> Backend for OffsetInbox<I> {
         T: Serialize + DeserializeOwned + Send + 'a,
         E: Display + Send + 'a,
     {
-        crate::inbox::decide_offsets(engine, batch, handler).await
+        let mode = OffsetRound { engine, handler, msgs: batch };
+        engine.decide_in_rounds(batch, &mode, Vec::new(), None).await
     }
 }

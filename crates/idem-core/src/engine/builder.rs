@@ -77,10 +77,6 @@ pub(crate) struct Config {
     pub(crate) max_result_bytes: usize,
     pub(crate) complete_retry: Duration,
     pub(crate) store_timeout: Duration,
-    /// Rounds of this engine (and its clones) with takeovers still to run alone: while one
-    /// is, no claims are taken ahead, so a takeover that kills the process again holds no
-    /// other key.
-    pub(crate) solo: std::sync::atomic::AtomicUsize,
 }
 
 /// The longest a store call, or an inbox batch's whole transaction, may take (see
@@ -332,8 +328,8 @@ impl Settings {
                 max_result_bytes: self.max_result_bytes,
                 complete_retry: self.complete_retry.min(self.lease / 2),
                 store_timeout: self.store_timeout,
-                solo: std::sync::atomic::AtomicUsize::new(0),
             }),
+            solo: Arc::default(),
         };
         if let Some(w) = window {
             w.check(S::retention(&engine))?;

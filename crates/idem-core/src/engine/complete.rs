@@ -6,11 +6,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batch::Decided;
-use super::two_phase::{Decision, Ran, close};
 use super::{Cause, Engine, FailureKind, Outcome};
 use crate::store::Completion;
 use crate::telemetry::{self, COMPLETE_RETRIES_TOTAL};
 use crate::{DedupStore, Lease, StoreError};
+
+/// What became of an acquired claim's handler: its outcome, or a completion still to record.
+pub(super) enum Ran<T, E> {
+    Done(Outcome<T, E>),
+    Complete { lease: Lease, value: T, stored: Option<Vec<u8>> },
+}
+
+/// One keyed delivery being decided: its span (closed with the outcome) and what it knows.
+pub(super) struct Decision<T, E> {
+    pub(super) span: tracing::Span,
+    pub(super) attempt: u32,
+    pub(super) ran: Ran<T, E>,
+}
+
+/// Records a decided delivery's attempt and outcome on its span.
+pub(super) fn close<T, E>(span: &tracing::Span, attempt: u32, outcome: &Outcome<T, E>) {
+    span.record("attempt", attempt);
+    span.record("outcome", outcome.kind().as_str());
+}
 
 impl<S: DedupStore> Engine<S> {
     /// Completes a lease, trying again while the store fails for a retryable reason, for up to

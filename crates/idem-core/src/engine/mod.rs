@@ -8,24 +8,29 @@
 //! also serves on its own ([`Engine::process`]).
 
 mod ahead;
-pub(crate) mod answer;
 mod backend;
 pub(crate) mod batch;
 mod builder;
 mod complete;
 mod context;
 mod handler;
+pub(crate) mod inbox;
 mod observe;
-mod outcome;
+mod offset;
 pub(crate) mod prepare;
 mod two_phase;
+mod txn;
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
-#[doc(hidden)]
-pub use ahead::Ahead;
+pub use crate::outcome::{
+    Cause, Conflict, Failure, FailureKind, HandlerError, Outcome, OutcomeKind, Verb,
+};
+pub(crate) use ahead::Ahead;
 pub use backend::Backend;
+pub(crate) use backend::mode::Mode;
 pub use builder::{
     ConfigError, DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_STORE_TIMEOUT, EngineBuilder,
     ExpiredLeasePolicy, MissingKeyPolicy,
@@ -33,9 +38,6 @@ pub use builder::{
 pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;
 pub use handler::Handler;
-pub use outcome::{
-    Cause, Conflict, Failure, FailureKind, HandlerError, Outcome, OutcomeKind, Verb,
-};
 pub use prepare::KeyFailure;
 
 use crate::extract::Envelope;
@@ -73,11 +75,15 @@ type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + 
 pub struct Engine<B> {
     store: B,
     cfg: Arc<Config>,
+    /// Rounds of this engine (and its clones) with takeovers still to run alone: while one
+    /// is, no claims are taken ahead, so a takeover that kills the process again holds no
+    /// other key.
+    solo: Arc<AtomicUsize>,
 }
 
 impl<B: Clone> Clone for Engine<B> {
     fn clone(&self) -> Self {
-        Self { store: self.store.clone(), cfg: Arc::clone(&self.cfg) }
+        Self { store: self.store.clone(), cfg: Arc::clone(&self.cfg), solo: Arc::clone(&self.solo) }
     }
 }
 

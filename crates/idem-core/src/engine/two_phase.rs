@@ -3,7 +3,6 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -11,27 +10,16 @@ use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 use super::ahead::Ahead;
-use super::answer::{Answer, outcome_of};
 use super::batch::{Decided, Item, Round};
-use super::complete::completed;
+use super::complete::{Decision, Ran, close, completed};
 use super::prepare::Prepared;
-use super::{Cause, Context, Engine, ExpiredLeasePolicy, FailureKind, HandlerError, Outcome};
+use super::{
+    Cause, Context, Engine, ExpiredLeasePolicy, FailureKind, Handler, HandlerError, Outcome,
+};
+use crate::answer::{Answer, outcome_of};
 use crate::extract::Envelope;
 use crate::telemetry::TAKEOVERS_TOTAL;
 use crate::{Claim, ClaimRequest, DedupStore, FailKind, Lease, StoreError};
-
-/// What became of an acquired claim's handler: its outcome, or a completion still to record.
-pub(super) enum Ran<T, E> {
-    Done(Outcome<T, E>),
-    Complete { lease: Lease, value: T, stored: Option<Vec<u8>> },
-}
-
-/// One keyed delivery being decided: its span (closed with the outcome) and what it knows.
-pub(super) struct Decision<T, E> {
-    pub(super) span: tracing::Span,
-    pub(super) attempt: u32,
-    pub(super) ran: Ran<T, E>,
-}
 
 impl<S: DedupStore> Engine<S> {
     /// Processes one delivery. Every call ends in exactly one [`Outcome`]; store failures are
@@ -103,7 +91,7 @@ impl<S: DedupStore> Engine<S> {
         Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
     {
         let by_index = |ctx: Context, i: usize| handler(ctx, &msgs[i]);
-        self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs, None), Vec::new()).await
+        self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs), Vec::new(), None).await
     }
 
     /// The claims of a round: one `claim_many`, or one claim each when the batch call fails
@@ -281,23 +269,11 @@ pub(super) struct TwoPhase<'e, S, H, M> {
     engine: &'e Engine<S>,
     handler: &'e H,
     msgs: &'e [M],
-    /// The first round's claims, taken ahead by a pipelined consumer (used once).
-    ahead: Mutex<Option<Ahead>>,
 }
 
 impl<'e, S, H, M> TwoPhase<'e, S, H, M> {
-    pub(super) fn new(
-        engine: &'e Engine<S>,
-        handler: &'e H,
-        msgs: &'e [M],
-        ahead: Option<Ahead>,
-    ) -> Self {
-        Self { engine, handler, msgs, ahead: Mutex::new(ahead) }
-    }
-
-    /// The claims taken ahead that no round used (to release).
-    pub(super) fn into_unused(self) -> Option<Ahead> {
-        self.ahead.into_inner().unwrap_or_else(PoisonError::into_inner)
+    pub(super) fn new(engine: &'e Engine<S>, handler: &'e H, msgs: &'e [M]) -> Self {
+        Self { engine, handler, msgs }
     }
 }
 
@@ -305,9 +281,12 @@ impl<S: DedupStore, H, M> TwoPhase<'_, S, H, M> {
     /// The claims of `reqs`: those taken ahead when they answer exactly these requests (their
     /// leases extended to a full lease when old, the keys they left open claimed now), else
     /// one `claim_many` now (releasing what was taken ahead for nothing).
-    async fn claims(&self, reqs: &[ClaimRequest]) -> Vec<Result<Claim, StoreError>> {
+    async fn claims(
+        &self,
+        reqs: &[ClaimRequest],
+        ahead: Option<Ahead>,
+    ) -> Vec<Result<Claim, StoreError>> {
         let engine = self.engine;
-        let ahead = self.ahead.lock().unwrap_or_else(PoisonError::into_inner).take();
         let Some(ahead) = ahead else { return engine.claim_all(reqs).await };
         let (mut taken, old) = match ahead.take_for(reqs, engine.lease()) {
             Ok(taken) => taken,
@@ -348,19 +327,24 @@ impl<S: DedupStore, H, M> TwoPhase<'_, S, H, M> {
 #[error("no answer for a key claimed ahead")]
 struct Unanswered;
 
-impl<S, M, T, E, H, Fut> Round<T, E> for TwoPhase<'_, S, H, M>
+impl<S, M, T, E, H> Round<T, E> for TwoPhase<'_, S, H, M>
 where
     S: DedupStore,
     M: Envelope + Sync,
     T: Serialize + DeserializeOwned + Send,
     E: Display + Send,
-    H: Fn(Context, usize) -> Fut + Sync,
-    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+    H: Handler<Context, usize, Value = T, Error = E>,
 {
+    type Ahead = Ahead;
+
     // The trait's future is `Send + '_` over the handler's types; an `async fn` here would
     // need those types to outlive the borrow, which they need not.
     #[allow(clippy::manual_async_fn)]
-    fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
+    fn decide(
+        &self,
+        round: Vec<Item>,
+        ahead: Option<Ahead>,
+    ) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             let (engine, handler, msgs) = (self.engine, self.handler, self.msgs);
             let mut keyed = Vec::with_capacity(round.len());
@@ -378,13 +362,16 @@ where
             let unkeyed_runs = futures_util::future::join_all(unkeyed_runs);
             let keyed_runs = async {
                 if keyed.is_empty() {
+                    if let Some(unused) = ahead {
+                        engine.drop_ahead(unused).await;
+                    }
                     return Vec::new();
                 }
                 // Claimed without takeover: a key whose lease ran out (its holder died or hung)
                 // answers in progress with no time left and stays as it is.
                 let reqs: Vec<ClaimRequest> =
                     keyed.iter().map(|(_, r)| r.clone().without_takeover()).collect();
-                let claims = self.claims(&reqs).await;
+                let claims = self.claims(&reqs, ahead).await;
                 let (suspects, rest): (Vec<_>, Vec<_>) =
                     keyed.into_iter().zip(claims).partition(|(_, c)| suspect(c));
                 let decide = |((i, req), claim): ((usize, ClaimRequest), _)| async move {
@@ -445,8 +432,8 @@ struct Solo<'e>(&'e std::sync::atomic::AtomicUsize);
 
 impl<'e> Solo<'e> {
     fn enter<S>(engine: &'e Engine<S>) -> Self {
-        engine.cfg.solo.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Self(&engine.cfg.solo)
+        engine.solo.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(&engine.solo)
     }
 }
 
@@ -459,19 +446,13 @@ impl Drop for Solo<'_> {
 impl<S> Engine<S> {
     /// Whether a round's takeovers are waiting to run alone (see [`Solo`]).
     pub(super) fn solo_running(&self) -> bool {
-        self.cfg.solo.load(std::sync::atomic::Ordering::SeqCst) > 0
+        self.solo.load(std::sync::atomic::Ordering::SeqCst) > 0
     }
 }
 
 /// A keyed message of a round (its index and request) with the answer that found its lease
 /// expired.
 type Suspect = ((usize, ClaimRequest), Result<Claim, StoreError>);
-
-/// Records a decided delivery's attempt and outcome on its span.
-pub(super) fn close<T, E>(span: &tracing::Span, attempt: u32, outcome: &Outcome<T, E>) {
-    span.record("attempt", attempt);
-    span.record("outcome", outcome.kind().as_str());
-}
 
 fn truncate_utf8(s: &mut String, max: usize) {
     if s.len() > max {

@@ -18,17 +18,16 @@
 //! with its own mark: a failing message rolls back alone. An inbox handler may therefore run
 //! twice for one delivery; only its writes through the transaction count, and they commit once.
 
-pub(crate) mod decide;
 mod offset;
-mod tx;
+mod one;
+pub(crate) mod tx;
 
 use std::future::Future;
 use std::time::Duration;
 
-use crate::engine::{HandlerError, Outcome};
+use crate::outcome::{HandlerError, Outcome};
 use crate::{Claim, DedupKey, Fingerprint, StoreError};
 
-pub(crate) use offset::decide as decide_offsets;
 pub use offset::{OffsetInbox, Partition, PositionReader, StoredPositions, TxPositions};
 pub use tx::Tx;
 
@@ -124,7 +123,7 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
             let mut claims = self.mark_many(conn, &item).await?;
             match (claims.pop(), claims.is_empty()) {
                 (Some(claim), true) => Ok(claim),
-                _ => Err(StoreError::backend("mark", true, decide::WrongCount)),
+                _ => Err(StoreError::backend("mark", true, WrongCount)),
             }
         }
     }
@@ -232,7 +231,7 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
         F: FnOnce(Tx<Self>) -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        decide::process_one(self, key, fingerprint, writes)
+        one::process_one(self, key, fingerprint, writes)
     }
 }
 
@@ -285,3 +284,8 @@ impl<I> std::ops::Deref for Inbox<I> {
         &self.0
     }
 }
+
+/// An inbox that answered a batch of marks (or positions) with the wrong number of rows.
+#[derive(Debug, thiserror::Error)]
+#[error("the inbox answered with the wrong number of rows")]
+pub(crate) struct WrongCount;

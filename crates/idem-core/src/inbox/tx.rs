@@ -68,12 +68,12 @@ impl<I: TxInbox> Drop for Tx<I> {
 }
 
 /// The transaction of a round, lent to one handler at a time.
-pub(super) struct Lender<I: TxInbox> {
+pub(crate) struct Lender<I: TxInbox> {
     home: Arc<Mutex<Option<I::Transaction>>>,
 }
 
 impl<I: TxInbox> Lender<I> {
-    pub(super) fn new(tx: I::Transaction) -> Self {
+    pub(crate) fn new(tx: I::Transaction) -> Self {
         Self { home: Arc::new(Mutex::new(Some(tx))) }
     }
 
@@ -82,19 +82,29 @@ impl<I: TxInbox> Lender<I> {
     }
 
     /// The transaction as a handler's [`Tx`]; `None` if a handler kept it.
-    pub(super) fn lend(&self, key: Option<DedupKey>) -> Option<Tx<I>> {
+    pub(crate) fn lend(&self, key: Option<DedupKey>) -> Option<Tx<I>> {
         let tx = self.slot().take()?;
         Some(Tx { tx: Some(tx), home: Arc::clone(&self.home), key, produced: 0 })
     }
 
     /// The transaction back, once the handler's future (and with it its `Tx`) is gone; `None`
     /// when a handler kept its `Tx`.
-    pub(super) fn take(&self) -> Option<I::Transaction> {
+    pub(crate) fn take(&self) -> Option<I::Transaction> {
         self.slot().take()
     }
 
     /// Puts the transaction back for the next step.
-    pub(super) fn put(&self, tx: I::Transaction) {
+    pub(crate) fn put(&self, tx: I::Transaction) {
         *self.slot() = Some(tx);
     }
+}
+
+/// A handler kept its `Tx` beyond its future: the transaction cannot be finished (`what`: the
+/// inbox's name in the error).
+pub(crate) fn kept(what: &'static str) -> crate::StoreError {
+    crate::StoreError::backend(
+        what,
+        true,
+        "a handler kept its transaction beyond its future; the batch is rolled back",
+    )
 }

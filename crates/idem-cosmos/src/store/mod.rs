@@ -11,7 +11,7 @@ use azure_data_cosmos::models::{ContainerProperties, TimeToLive};
 use azure_data_cosmos::options::{ItemWriteOptions, Precondition};
 use futures_util::StreamExt as _;
 use futures_util::stream;
-use idem_core::decide::decide_claim;
+use idem_core::claim_rule;
 use idem_core::time::{Clock, SystemClock};
 use idem_core::{
     Claim, ClaimRequest, DedupStore, FailKind, Lease, Record, RecordState, StoreError, Timestamp,
@@ -233,7 +233,7 @@ impl CosmosStore {
             let now = self.now();
             let rec = stored.as_ref().map(RecordDoc::to_record).transpose()?;
             let etag = stored.as_ref().and_then(|d| d.etag.clone());
-            let d = decide_claim(rec.as_ref(), req, now);
+            let d = claim_rule::apply(rec.as_ref(), req, now);
             let Some(write) = d.write else { return Ok(d.claim) };
             match self.write(&write, etag.as_deref(), now).await? {
                 Write::Done => return Ok(d.claim),

@@ -182,7 +182,7 @@ pub struct Rec {
 }
 
 /// The sequential store over `keys` keys: the reference semantics of
-/// [`MemoryStore`](idem_core::MemoryStore) and `idem_core::decide::decide_claim` with no clock.
+/// [`MemoryStore`](idem_core::MemoryStore) and `idem_core::claim_rule::apply` with no clock.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreModel {
     /// How many keys the history uses.

@@ -27,8 +27,6 @@
 //! re-created from offset 0 finds positions past its offsets (delete the rows), and without
 //! markers a producer that retries without idempotence writes a second copy that runs.
 
-mod decide;
-
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
@@ -39,8 +37,6 @@ use crate::StoreError;
 use crate::extract::LogPosition;
 #[cfg(doc)]
 use crate::inbox::Tx;
-
-pub(crate) use decide::decide;
 
 /// A partition of a log: (log name, partition number).
 pub type Partition<'a> = (&'a str, i32);

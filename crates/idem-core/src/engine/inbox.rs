@@ -2,19 +2,22 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::tx::Lender;
-use super::{Inbox, Savepoint, Tx, TxInbox};
-use crate::engine::answer::{Answer, outcome_of};
-use crate::engine::batch::{Decided, Item, Round};
-use crate::engine::{Cause, Engine, FailureKind, HandlerError, Outcome};
+use super::batch::{Decided, Item, Round};
+use super::txn::{backoff, failed_round, transient};
+use super::{Engine, Handler, HandlerError, Outcome};
+use crate::answer::{Answer, outcome_of};
 use crate::extract::Envelope;
-use crate::{Claim, ClaimRequest, DedupKey, Fingerprint, StoreError};
+use crate::inbox::tx::{Lender, kept};
+use crate::inbox::{Inbox, Savepoint, Tx, TxInbox, WrongCount};
+use crate::{Claim, DedupKey, Fingerprint, StoreError};
+
+/// What the transaction is called in errors and logs.
+const WHAT: &str = "inbox";
 
 /// How many times a round is marked before a retryable error fails it (its messages are then
 /// retried by the broker).
@@ -31,27 +34,33 @@ pub(crate) struct InboxRound<'e, 'm, I, H, M> {
     pub(crate) msgs: &'m [M],
 }
 
-impl<I, H, M, Fut, T, E> Round<T, E> for InboxRound<'_, '_, I, H, M>
+impl<I, H, M, T, E> Round<T, E> for InboxRound<'_, '_, I, H, M>
 where
     I: TxInbox,
     M: Envelope + Clone + Send + Sync + 'static,
-    H: Fn(Tx<I>, M) -> Fut + Sync,
-    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+    H: Handler<Tx<I>, M, Value = T, Error = E>,
     T: Serialize + DeserializeOwned + Send,
     E: Display + Send,
 {
+    type Ahead = std::convert::Infallible;
+
     // The trait's future is `Send + '_` over the handler's types; an `async fn` here would
     // need those types to outlive the borrow, which they need not.
     #[allow(clippy::manual_async_fn)]
-    fn decide(&self, round: Vec<Item>) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
+    fn decide(
+        &self,
+        round: Vec<Item>,
+        _: Option<Self::Ahead>,
+    ) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             if !I::ANSWERS_AT_COMMIT {
-                return self.bounded_round(&round).await;
+                return self.engine.bounded_tx(WHAT, &round, self.round(&round)).await;
             }
             // One message per transaction: its marker is written with its effects.
             let mut decided = Vec::with_capacity(round.len());
             for item in round {
-                decided.extend(self.bounded_round(std::slice::from_ref(&item)).await);
+                let one = std::slice::from_ref(&item);
+                decided.extend(self.engine.bounded_tx(WHAT, one, self.round(one)).await);
             }
             decided
         }
@@ -69,31 +78,16 @@ enum Fast<T, E> {
     Serialization(StoreError),
 }
 
-impl<I, H, M, Fut, T, E> InboxRound<'_, '_, I, H, M>
+impl<I, H, M, T, E> InboxRound<'_, '_, I, H, M>
 where
     I: TxInbox,
     M: Envelope + Clone + Send + Sync + 'static,
-    H: Fn(Tx<I>, M) -> Fut + Sync,
-    Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+    H: Handler<Tx<I>, M, Value = T, Error = E>,
     T: Serialize + DeserializeOwned + Send,
     E: Display + Send,
 {
     fn inbox(&self) -> &I {
         self.engine.store().inner()
-    }
-
-    /// [`round`](Self::round) bounded by the store timeout: a transaction on a connection that
-    /// went half-open (a network partition) is given up, its messages failed as transient.
-    /// Safe: had it committed, the redeliveries are duplicates; if not, nothing of it is left.
-    async fn bounded_round(&self, round: &[Item]) -> Vec<Decided<T, E>> {
-        let run = async { Ok::<_, StoreError>(self.round(round).await) };
-        match self.engine.bounded("inbox transaction", run).await {
-            Ok(decided) => decided,
-            Err(e) => {
-                self.engine.observe_store_error("commit", &e);
-                failed_round(round, e)
-            }
-        }
     }
 
     /// The fast path, and after a handler failure the savepoint path for the rest; the whole
@@ -126,12 +120,12 @@ where
             if attempt >= TX_ATTEMPTS {
                 tracing::warn!(target: "idem", error = %e, attempt,
                     "inbox batch transaction aborted by the database again; leaving its messages to the broker's retry");
-                return failed_round(round, e);
+                return failed_round(WHAT, round, e);
             }
             self.engine.count_tx_retry();
             tracing::debug!(target: "idem", error = %e, attempt,
                 "inbox batch transaction aborted to keep it serializable; running the batch again");
-            tokio::time::sleep(mark_backoff(attempt + 2)).await;
+            tokio::time::sleep(backoff(attempt + 2)).await;
         }
     }
 
@@ -139,7 +133,7 @@ where
     /// results, commit.
     async fn fast(&self, round: &[Item]) -> Fast<T, E> {
         let inbox = self.inbox();
-        let all_failed = |e: StoreError| Fast::Done(failed_round(round, e));
+        let all_failed = |e: StoreError| Fast::Done(failed_round(WHAT, round, e));
         let keyed: Vec<(DedupKey, Option<Fingerprint>)> = round
             .iter()
             .filter_map(|(_, r)| r.as_ref().map(|r| (r.key.clone(), r.fingerprint)))
@@ -173,7 +167,7 @@ where
                     if let Err(e) = inbox.rollback(tx).await {
                         tracing::debug!(target: "idem", error = %e, "rollback after a failed mark");
                     }
-                    tokio::time::sleep(mark_backoff(attempt)).await;
+                    tokio::time::sleep(backoff(attempt)).await;
                 }
                 Err(e) => {
                     self.engine.observe_store_error("mark_many", &e);
@@ -206,7 +200,7 @@ where
                     None
                 }
             };
-            let Some(tx) = lender.lend(key.clone()) else { return all_failed(kept()) };
+            let Some(tx) = lender.lend(key.clone()) else { return all_failed(kept(WHAT)) };
             match (self.handler)(tx, self.msgs[*i].clone()).await {
                 Ok(v) => {
                     if let Some(key) = &key {
@@ -231,7 +225,7 @@ where
                 }
             }
         }
-        let Some(mut tx) = lender.take() else { return all_failed(kept()) };
+        let Some(mut tx) = lender.take() else { return all_failed(kept(WHAT)) };
         if !results.is_empty()
             && let Err(e) = inbox.set_results(I::connection(&mut tx), &results).await
         {
@@ -247,7 +241,10 @@ where
             Ok(None) => Fast::Done(decided),
             Ok(Some(answers)) => Fast::Done(answered_at_commit(decided, &ran, answers, round)),
             Err(e) if I::is_serialization_failure(&e) => Fast::Serialization(e),
-            Err(e) => Fast::Done(self.commit_failed(decided, e)),
+            Err(e) => {
+                let permanent = I::is_permanent(&e);
+                Fast::Done(self.engine.commit_failed(WHAT, decided, e, permanent))
+            }
         }
     }
 
@@ -257,7 +254,7 @@ where
     async fn one_by_one(&self, round: &[Item]) -> Result<Vec<Decided<T, E>>, StoreError> {
         let inbox = self.inbox();
         let failed_round = |round: &[Item], e: StoreError| {
-            if I::is_serialization_failure(&e) { Err(e) } else { Ok(failed_round(round, e)) }
+            if I::is_serialization_failure(&e) { Err(e) } else { Ok(failed_round(WHAT, round, e)) }
         };
         let tx = match inbox.begin().await {
             Ok(tx) => tx,
@@ -269,7 +266,7 @@ where
         let mut decided = Vec::with_capacity(round.len());
         let mut open = false;
         for (i, req) in order {
-            let Some(mut tx) = lender.take() else { return failed_round(round, kept()) };
+            let Some(mut tx) = lender.take() else { return failed_round(round, kept(WHAT)) };
             // The previous savepoint is released only now: a message that kept its writes
             // needs no statement of its own after them.
             let step = if open { Savepoint::ReleaseAndSet } else { Savepoint::Set };
@@ -303,7 +300,9 @@ where
                 Ok(o) => o,
                 Err(o) => {
                     // Roll back this message's marker and writes alone.
-                    let Some(mut tx) = lender.take() else { return failed_round(round, kept()) };
+                    let Some(mut tx) = lender.take() else {
+                        return failed_round(round, kept(WHAT));
+                    };
                     let undone = inbox.savepoint(I::connection(&mut tx), Savepoint::RollBack).await;
                     lender.put(tx);
                     if let Err(e) = undone {
@@ -314,14 +313,17 @@ where
             };
             decided.push(Decided { index: *i, outcome, attempt });
         }
-        let Some(tx) = lender.take() else { return failed_round(round, kept()) };
+        let Some(tx) = lender.take() else { return failed_round(round, kept(WHAT)) };
         let started = Instant::now();
         let committed = inbox.commit(tx).await;
         self.engine.observe_complete(started);
         match committed {
             Ok(_) => Ok(decided),
             Err(e) if I::is_serialization_failure(&e) => Err(e),
-            Err(e) => Ok(self.commit_failed(decided, e)),
+            Err(e) => {
+                let permanent = I::is_permanent(&e);
+                Ok(self.engine.commit_failed(WHAT, decided, e, permanent))
+            }
         }
     }
 
@@ -334,7 +336,7 @@ where
         key: Option<&DedupKey>,
     ) -> Result<(Outcome<T, E>, u32), (Outcome<T, E>, u32)> {
         let Some(tx) = lender.lend(key.cloned()) else {
-            return Err((transient(kept()), 1));
+            return Err((transient(kept(WHAT)), 1));
         };
         let v = match (self.handler)(tx, self.msgs[i].clone()).await {
             Ok(v) => v,
@@ -343,7 +345,7 @@ where
         let stored = key.and_then(|k| {
             self.engine.encode_result(k, &v).filter(|b| b != b"null").map(|b| (k.clone(), b))
         });
-        let Some(mut tx) = lender.take() else { return Err((transient(kept()), 1)) };
+        let Some(mut tx) = lender.take() else { return Err((transient(kept(WHAT)), 1)) };
         let kept_result = match &stored {
             Some(item) => {
                 self.inbox().set_results(I::connection(&mut tx), std::slice::from_ref(item)).await
@@ -355,27 +357,6 @@ where
             Ok(()) => Ok((Outcome::Processed(v), 1)),
             Err(e) => Err((transient(e), 1)),
         }
-    }
-
-    /// After a failed commit nothing processed is durable: those become failures (transient,
-    /// or permanent when the inbox says the commit can never succeed). Duplicates and conflicts
-    /// were read from committed markers and stand.
-    fn commit_failed(&self, decided: Vec<Decided<T, E>>, e: StoreError) -> Vec<Decided<T, E>> {
-        self.engine.observe_store_error("commit", &e);
-        tracing::warn!(target: "idem", error = %e, "inbox commit failed; nothing of the batch is committed");
-        let kind =
-            if I::is_permanent(&e) { FailureKind::Permanent } else { FailureKind::Transient };
-        let shared = Arc::new(e);
-        decided
-            .into_iter()
-            .map(|d| match d.outcome {
-                Outcome::Processed(_) => Decided {
-                    outcome: Outcome::failed(kind, Cause::Store(shared_error(&shared))),
-                    ..d
-                },
-                _ => d,
-            })
-            .collect()
     }
 }
 
@@ -399,113 +380,4 @@ fn answered_at_commit<T: DeserializeOwned, E>(
         }
     }
     decided
-}
-
-/// A random pause that grows with the attempt (0.5–2.5 ms at first, at most 160 ms), so that
-/// two batches that deadlocked do not meet again in step.
-fn mark_backoff(attempt: u32) -> Duration {
-    use std::hash::{BuildHasher, RandomState};
-    let ceiling = 1u64 << (attempt.min(7) + 10); // microseconds
-    let draw = RandomState::new().hash_one((attempt, Instant::now()));
-    Duration::from_micros(ceiling / 4 + draw % ceiling)
-}
-
-fn transient<T, E>(e: StoreError) -> Outcome<T, E> {
-    Outcome::failed(FailureKind::Transient, Cause::Store(e))
-}
-
-/// A handler kept its `Tx` beyond its future: the transaction cannot be finished.
-fn kept() -> StoreError {
-    StoreError::backend(
-        "inbox",
-        true,
-        "an inbox handler kept its transaction beyond its future; the batch is rolled back",
-    )
-}
-
-/// Every message of a round whose transaction failed before any outcome was durable.
-fn failed_round<T, E>(round: &[Item], e: StoreError) -> Vec<Decided<T, E>> {
-    tracing::warn!(target: "idem", error = %e, "inbox batch transaction failed; retrying its messages");
-    let shared = Arc::new(e);
-    round
-        .iter()
-        .map(|(i, _)| Decided { index: *i, outcome: transient(shared_error(&shared)), attempt: 0 })
-        .collect()
-}
-
-fn shared_error(e: &Arc<StoreError>) -> StoreError {
-    StoreError::backend("inbox batch", e.is_retryable(), BatchFailed(Arc::clone(e)))
-}
-
-/// The failure shared by every delivery of a batch whose transaction failed.
-#[derive(Debug, thiserror::Error)]
-#[error("the inbox transaction of this delivery's batch failed")]
-struct BatchFailed(#[source] Arc<StoreError>);
-
-#[derive(Debug, thiserror::Error)]
-#[error("the inbox answered with the wrong number of marks")]
-pub(super) struct WrongCount;
-
-/// One message in its own transaction: what [`TxInbox::process`] does.
-pub(super) async fn process_one<I, T, E, F, Fut>(
-    inbox: &I,
-    key: &DedupKey,
-    fingerprint: Option<Fingerprint>,
-    writes: F,
-) -> Outcome<T, E>
-where
-    I: TxInbox,
-    T: Serialize + DeserializeOwned,
-    F: FnOnce(Tx<I>) -> Fut,
-    Fut: Future<Output = Result<T, HandlerError<E>>>,
-{
-    let req = ClaimRequest::new(key.clone(), fingerprint, Duration::ZERO, inbox.retention());
-    let mut tx = match inbox.begin().await {
-        Ok(tx) => tx,
-        Err(e) => return transient(e),
-    };
-    let item = [(key.clone(), fingerprint)];
-    let claim = inbox
-        .mark_many(I::connection(&mut tx), &item)
-        .await
-        .and_then(|mut c| c.pop().ok_or_else(|| StoreError::backend("mark", true, WrongCount)));
-    if let Answer::Settled(outcome, _) = outcome_of(claim, &req) {
-        // Nothing was written: dropping the transaction rolls back its mark.
-        let _ = inbox.rollback(tx).await;
-        return outcome;
-    }
-    let lender = Lender::<I>::new(tx);
-    let Some(lent) = lender.lend(Some(key.clone())) else { return transient(kept()) };
-    let value = match writes(lent).await {
-        Ok(v) => v,
-        Err(e) => {
-            if let Some(tx) = lender.take() {
-                let _ = inbox.rollback(tx).await;
-            }
-            return Outcome::from_handler_error(e);
-        }
-    };
-    let Some(mut tx) = lender.take() else { return transient(kept()) };
-    if let Ok(bytes) = serde_json::to_vec(&value)
-        && bytes != b"null"
-    {
-        match inbox.set_results(I::connection(&mut tx), &[(key.clone(), bytes)]).await {
-            Ok(()) => {}
-            // Too large to keep: committed without it, duplicates carry no result.
-            Err(StoreError::TooLarge { .. }) => {}
-            Err(e) => return transient(e),
-        }
-    }
-    match inbox.commit(tx).await {
-        Ok(None) => Outcome::Processed(value),
-        Ok(Some(mut answers)) => match answers.pop() {
-            Some(Claim::Acquired(_)) | None => Outcome::Processed(value),
-            Some(other) => match outcome_of(Ok(other), &req) {
-                Answer::Settled(outcome, _) => outcome,
-                Answer::Run(_) => Outcome::Processed(value),
-            },
-        },
-        Err(e) if I::is_permanent(&e) => Outcome::failed(FailureKind::Permanent, Cause::Store(e)),
-        Err(e) => transient(e),
-    }
 }

@@ -1,9 +1,9 @@
-//! The claim decision as a pure function, for stores that read a record, decide, and write it
+//! The store's claim rule as a pure function, for stores that read a record, apply it, and write it
 //! back conditionally (a mutex, an ETag `If-Match`, a compare-and-set): given what is stored,
 //! what the claim answers and which record to write.
 //!
-//! [`MemoryStore`](crate::MemoryStore) and the Cosmos DB store both decide with it, so the rules
-//! below exist once. Stores that decide inside the server (SQL upserts, Redis scripts) encode
+//! [`MemoryStore`](crate::MemoryStore) and the Cosmos DB store both apply it, so the rules
+//! below exist once. Stores that apply them inside the server (SQL upserts, Redis scripts) encode
 //! the same rules in their statements, and the conformance suite holds them all to it.
 
 use crate::claim::next_token;
@@ -11,17 +11,17 @@ use crate::{Claim, ClaimRequest, Lease, Record, RecordState, Timestamp};
 
 /// What a claim answers, and the record to write first (none when the answer changes nothing).
 #[derive(Debug)]
-#[must_use = "a decision's record must be written before its claim is answered"]
+#[must_use = "a ruling's record must be written before its claim is answered"]
 #[non_exhaustive]
-pub struct ClaimDecision {
+pub struct Ruling {
     /// The answer, valid once `write` (if any) is stored.
     pub claim: Claim,
     /// The record to store in place of `stored`; a store that writes conditionally and loses
-    /// the race must read again and decide again.
+    /// the race must read again and apply the rule again.
     pub write: Option<Record>,
 }
 
-/// Decides `req` against `stored` at `now`:
+/// The rule for `req` against `stored` at `now`:
 /// - absent or expired → a fresh record at attempt 1 (a new fencing token, above the old one);
 /// - a fingerprint different from the stored one → [`Claim::Conflict`] (when both are known);
 /// - completed or in doubt → [`Claim::Completed`];
@@ -32,18 +32,18 @@ pub struct ClaimDecision {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idem_core::decide::decide_claim;
+/// use idem_core::claim_rule::apply;
 /// use idem_core::{Claim, ClaimRequest, DedupKey, Timestamp};
 ///
 /// let req = ClaimRequest::new(DedupKey::new("billing", "o-1")?, None, Duration::from_secs(30), Duration::from_secs(3600));
 /// let now = Timestamp::from_micros(1_000_000);
-/// let first = decide_claim(None, &req, now);
+/// let first = apply(None, &req, now);
 /// assert!(matches!(first.claim, Claim::Acquired(_)));
-/// let again = decide_claim(first.write.as_ref(), &req, now);
+/// let again = apply(first.write.as_ref(), &req, now);
 /// assert!(matches!(again.claim, Claim::InProgress { .. }) && again.write.is_none());
 /// # Ok::<(), idem_core::KeyError>(())
 /// ```
-pub fn decide_claim(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> ClaimDecision {
+pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Ruling {
     let until = now.plus(req.lease_for);
     let keep = now.plus(req.retain_for.max(req.lease_for));
     let rec = match stored {
@@ -66,19 +66,19 @@ pub fn decide_claim(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp)
                 expires_at: keep,
             };
             let lease = Lease::new(req.key.clone(), req.fingerprint, token, 1, until, None);
-            return ClaimDecision { claim: Claim::Acquired(lease), write: Some(rec) };
+            return Ruling { claim: Claim::Acquired(lease), write: Some(rec) };
         }
     };
     if let (Some(stored), Some(asked)) = (rec.fingerprint, req.fingerprint)
         && stored != asked
     {
-        return ClaimDecision { claim: Claim::Conflict(rec.clone()), write: None };
+        return Ruling { claim: Claim::Conflict(rec.clone()), write: None };
     }
     match rec.state {
         RecordState::Completed | RecordState::InDoubt => {
-            ClaimDecision { claim: Claim::Completed(rec.clone()), write: None }
+            Ruling { claim: Claim::Completed(rec.clone()), write: None }
         }
-        RecordState::InProgress if rec.is_leased_at(now) || !req.takeover => ClaimDecision {
+        RecordState::InProgress if rec.is_leased_at(now) || !req.takeover => Ruling {
             claim: Claim::InProgress {
                 retry_after: rec.lease_until.unwrap_or(now).since(now),
                 attempt: rec.attempt,
@@ -104,7 +104,7 @@ pub fn decide_claim(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp)
                 until,
                 Some(previous),
             );
-            ClaimDecision { claim: Claim::Acquired(lease), write: Some(rec) }
+            Ruling { claim: Claim::Acquired(lease), write: Some(rec) }
         }
     }
 }

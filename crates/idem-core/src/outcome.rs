@@ -260,6 +260,11 @@ impl<T, E> Outcome<T, E> {
         Self::Failed(Failure { kind, cause })
     }
 
+    /// A store failure a retry may clear.
+    pub(crate) fn transient(e: StoreError) -> Self {
+        Self::failed(FailureKind::Transient, Cause::Store(e))
+    }
+
     /// The failure a handler's error calls for: transient (retry) or permanent (dead-letter).
     pub fn from_handler_error(e: HandlerError<E>) -> Self {
         match e {

@@ -2,7 +2,7 @@
 
 use serde::de::DeserializeOwned;
 
-use super::{Cause, Conflict, FailureKind, Outcome};
+use crate::outcome::{Cause, Conflict, FailureKind, Outcome};
 use crate::{Claim, ClaimRequest, Lease, RecordState, StoreError};
 
 /// What a claim (or a mark) means for the delivery that asked.

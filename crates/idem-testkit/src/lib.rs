@@ -33,6 +33,7 @@ pub mod inbox;
 pub mod linearize;
 pub mod netns;
 pub mod outbox;
+pub mod positions;
 #[cfg(feature = "source")]
 pub mod process;
 pub mod proxy;

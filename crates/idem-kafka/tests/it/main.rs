@@ -6,7 +6,6 @@ mod dead_letter_loop;
 mod event_hubs;
 mod modes;
 mod offset_inbox;
-mod offset_store;
 mod pg_inbox;
 mod publish;
 mod retention;

@@ -1,4 +1,5 @@
-//! The transactional-inbox conformance suite (`idem_testkit::tx_inbox_conformance!`) on each
+//! The transactional-inbox and offset-inbox conformance suites
+//! (`idem_testkit::tx_inbox_conformance!`, `idem_testkit::tx_positions_conformance!`) on each
 //! SQL database: SQLite on a file, PostgreSQL in a schema of its own, MariaDB in tables of their
 //! own — all dropped afterwards.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
@@ -93,6 +94,7 @@ mod sqlite {
     }
 
     idem_testkit::tx_inbox_conformance!(harness);
+    idem_testkit::tx_positions_conformance!(harness);
 }
 
 #[cfg(feature = "postgres")]
@@ -179,6 +181,7 @@ mod postgres {
     }
 
     idem_testkit::tx_inbox_conformance!(harness);
+    idem_testkit::tx_positions_conformance!(harness);
 }
 
 #[cfg(feature = "mysql")]
@@ -267,4 +270,5 @@ mod mysql {
     }
 
     idem_testkit::tx_inbox_conformance!(harness);
+    idem_testkit::tx_positions_conformance!(harness);
 }

@@ -286,4 +286,25 @@ mod sqlite {
         other.migrate().await.unwrap();
         build_inbox(other.inbox(DAY)).await.expect("inbox after migrate");
     }
+
+    /// A store migrated before the offset inbox existed has no positions table: the
+    /// consumer's build says which `migrate()` to run instead of failing at the first batch.
+    #[tokio::test]
+    async fn a_store_without_the_positions_table_is_refused_at_build() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+        let drop_it = format!("DROP TABLE {}_positions", store.table());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop_it)).execute(store.pool()).await.unwrap();
+        let built = Consumer::builder(MemoryQueue::new())
+            .offset_inbox(idem_core::inbox::OffsetInbox::new(store.inbox(DAY)))
+            .scope("offsets")
+            .build()
+            .await;
+        match built {
+            Err(BuildError::Store(e @ StoreError::NotMigrated { .. })) => {
+                assert!(e.to_string().contains("migrate()"), "{e}");
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+    }
 }

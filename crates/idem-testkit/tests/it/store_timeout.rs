@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem_core::engine::{FailureKind, HandlerError};
-use idem_core::extract::Message;
-use idem_core::inbox::{Inbox, Tx};
+use idem_core::extract::{Envelope, LogPosition, Message};
+use idem_core::inbox::{Inbox, OffsetInbox, Tx};
 use idem_core::{Engine, MemoryStore, Outcome, OutcomeKind};
 use idem_sqlx::{SqliteInbox, SqliteStore};
 use idem_testkit::faults::{FaultyStore, Op};
@@ -98,6 +98,95 @@ async fn an_inbox_transaction_that_never_answers_is_given_up_and_leaves_nothing(
         sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
     assert_eq!(rows, 0, "the given-up transaction left writes behind");
     // The redelivery runs both, once.
+    let outs: Vec<Out> = engine.decide_batch(&msgs, &handler).await;
+    assert!(outs.iter().all(|o| o.kind() == OutcomeKind::Processed), "{outs:?}");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
+    assert_eq!(rows, 2);
+}
+
+/// A message of partition 0 of log `orders` at `offset`, read right after the one before it
+/// (the first, at 0, from an unknown position).
+#[derive(Clone)]
+struct Logged {
+    msg: Message,
+    offset: i64,
+}
+
+impl Envelope for Logged {
+    fn payload(&self) -> &[u8] {
+        self.msg.payload()
+    }
+    fn message_id(&self) -> Option<&str> {
+        self.msg.message_id()
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.msg.header(name)
+    }
+    fn log_position(&self) -> Option<LogPosition<'_>> {
+        let from = (self.offset > 0).then_some(self.offset);
+        Some(LogPosition::new("orders", 0, self.offset).read_from(from))
+    }
+}
+
+/// The offset inbox under the same bound: a batch whose handler's statement never answers is
+/// given up after the store timeout, its messages are transient failures, and neither the
+/// handler's writes nor a moved position are left (the redelivery processes them).
+#[tokio::test]
+async fn an_offset_inbox_transaction_that_never_answers_is_given_up_and_leaves_nothing() {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let file =
+        std::env::temp_dir().join(format!("idem-offset-timeout-{}.sqlite", nanos.as_nanos()));
+    let _gone = Remove(file.clone());
+    let store = SqliteStore::open(&file).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE ledger (k TEXT NOT NULL)").execute(store.pool()).await.unwrap();
+    let engine: Engine<OffsetInbox<SqliteInbox>> =
+        Engine::builder(OffsetInbox::new(store.inbox(Duration::from_secs(86_400))))
+            .scope("orders")
+            .store_timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+    let msgs = [Logged { msg: order("o-0"), offset: 0 }, Logged { msg: order("o-1"), offset: 1 }];
+    let hang = Arc::new(AtomicU32::new(1));
+    let handler = |mut tx: Tx<SqliteInbox>, m: Logged| {
+        let hang = Arc::clone(&hang);
+        async move {
+            let k = m.message_id().unwrap_or_default().to_owned();
+            sqlx::query("INSERT INTO ledger (k) VALUES (?)")
+                .bind(&k)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            // The second message's statement "never answers": a half-open connection.
+            if k == "o-1"
+                && hang
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, HandlerError<String>>(k)
+        }
+    };
+    let given_up =
+        tokio::time::timeout(Duration::from_secs(30), engine.decide_batch(&msgs, &handler));
+    let outs: Vec<Out> = given_up.await.expect("the transaction was waited on for ever");
+    assert!(outs.iter().all(|o| o.kind() == OutcomeKind::FailedTransient), "{outs:?}");
+    let Outcome::Failed(f) = &outs[0] else { unreachable!() };
+    assert!(
+        f.cause.to_string().contains("no answer within the store timeout (300ms)"),
+        "{}",
+        f.cause
+    );
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
+    assert_eq!(rows, 0, "the given-up transaction left writes behind");
+    let positions: Vec<Option<i64>> =
+        idem_core::inbox::PositionReader::read(engine.store(), "orders", &[("orders".into(), 0)])
+            .await
+            .unwrap();
+    assert_eq!(positions, [None], "the given-up transaction moved the position");
+    // The redelivery runs both, once, and moves the position past them.
     let outs: Vec<Out> = engine.decide_batch(&msgs, &handler).await;
     assert!(outs.iter().all(|o| o.kind() == OutcomeKind::Processed), "{outs:?}");
     let rows: i64 =

@@ -21,6 +21,9 @@ use tokio::io::AsyncBufReadExt;
 
 const SPEC: &str = "IDEM_SKEW_SPEC";
 const LEASE: Duration = Duration::from_secs(30);
+/// How far a lease's time left may exceed its length on a store that stamps leases from an
+/// estimate of its clock (Redis's fast claim).
+const ESTIMATE: Duration = Duration::from_secs(1);
 const RETAIN: Duration = Duration::from_secs(3_600);
 const LIBFAKETIME: [&str; 2] = [
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -201,11 +204,15 @@ async fn leases_follow_the_store_clock<S: DedupStore>(
         let left: u64 = held_answer["in_progress:".len()..].parse().unwrap();
         assert!((25..=30).contains(&left), "{kind} {skew}: {left} s left of a 30 s lease");
         assert_eq!(get("claim fresh "), "acquired", "{kind} {skew}");
-        // The lease the skewed process took is live for its length, here as well.
+        // The lease the skewed process took is live for its length, here as well. Redis's
+        // fast claim stamps a lease's end from its estimate of the server's clock (an anchor
+        // read from `TIME`, ± half that round trip), and answers from one: the time left may
+        // exceed the lease by those few milliseconds (30.0017 s seen with one core busy), never
+        // by anything near the 600 s skew this test is about.
         let fresh = DedupKey::new("skew", spec.fresh.as_str()).unwrap();
         match store.claim(&request(&fresh)).await.unwrap() {
             Claim::InProgress { retry_after, .. } => assert!(
-                (Duration::from_secs(20)..=LEASE).contains(&retry_after),
+                (Duration::from_secs(20)..=LEASE + ESTIMATE).contains(&retry_after),
                 "{kind} {skew}: the skewed process's lease has {retry_after:?} left"
             ),
             other => {

@@ -3,8 +3,8 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use idem_core::StoreError;
-
-use crate::wire::Problem;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// An error the claim API answers with. Each becomes an RFC 9457 problem document whose `type`
 /// is one word (see [`Problem::kind`]).
@@ -180,4 +180,28 @@ impl IntoResponse for ApiError {
         }
         res
     }
+}
+
+/// An RFC 9457 problem document: every error the API answers with.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Problem {
+    /// What went wrong, one word: `invalid`, `unauthorized`, `forbidden`, `not_found`,
+    /// `lease_lost`, `too_large`, `unavailable`, `corrupt`, `not_migrated`, `internal`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// A short summary.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What happened, for a person.
+    pub detail: String,
+    /// The field at fault (`invalid`, `too_large`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The limit it broke, in its unit (`too_large`: bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
+    /// Whether trying again may succeed (`unavailable`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retryable: bool,
 }

@@ -30,26 +30,27 @@
 //! # Ok(()) }
 //! ```
 
-mod api;
 mod auth;
 pub mod config;
 pub mod console;
 mod dynstore;
 mod error;
 pub mod grpc;
+mod http;
 pub mod openapi;
+mod ops;
 mod push;
 mod remote;
 mod server;
 mod tls;
 pub mod wire;
 
-pub use api::{METRICS, MetricsRender, router};
 pub use auth::{Caller, MIN_SECRET_LEN, Scopes, Token, TokenError, Tokens};
 pub use console::router_with_console;
 pub use error::ApiError;
+pub use ops::{METRICS, MetricsRender};
 pub use push::{DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};
 pub use remote::{DEFAULT_TIMEOUT, RemoteError, RemoteStore, RemoteStoreBuilder};
-pub use server::{DRAIN_TIMEOUT, TlsError, serve, tls_acceptor};
+pub use server::{DRAIN_TIMEOUT, TlsError, router, serve, tls_acceptor};
 /// The TLS crate of [`tls_acceptor`]'s answer.
 pub use tokio_rustls;

@@ -4,7 +4,9 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::api;
+use axum::response::{IntoResponse, Response};
+
+use crate::http;
 use crate::wire::*;
 
 /// The claim API's document. `ApiDoc::openapi()` builds it; `idem serve` serves it.
@@ -18,9 +20,9 @@ use crate::wire::*;
         license(name = "MIT OR Apache-2.0")
     ),
     paths(
-        api::claim, api::claim_batch, api::complete, api::complete_batch, api::fail, api::release,
-        api::extend, api::inspect, api::list, api::stats, api::force_release, api::force_fail,
-        api::purge, api::healthz, api::readyz, api::metrics_text, api::openapi
+        http::claim, http::claim_batch, http::complete, http::complete_batch, http::fail,
+        http::release, http::extend, http::inspect, http::list, http::stats, http::force_release,
+        http::force_fail, http::purge, http::healthz, http::readyz, http::metrics_text, document
     ),
     components(schemas(
         ClaimBody, ClaimAnswer, LeaseBody, RecordBody, ClaimBatchBody, ClaimBatchAnswer,
@@ -47,4 +49,12 @@ impl Modify for Bearer {
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         );
     }
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "health",
+    responses((status = 200, description = "OpenAPI 3.1", content_type = "application/json", body = Object)))]
+pub(crate) async fn document() -> Response {
+    ([("content-type", "application/json")], ApiDoc::openapi().to_json().unwrap_or_default())
+        .into_response()
 }

@@ -115,3 +115,37 @@ pub async fn serve(
     }
     Ok(())
 }
+
+/// The claim API over a store: every route of `/v1`, `/healthz`, `/readyz`, `/openapi.json`,
+/// `/metrics` when given a renderer, and the gRPC service `idem.v1.Claims` (HTTP/2, same port). Serve it with [`serve`](crate::serve) or any axum server.
+///
+/// ```
+/// use idem_serve::{Scopes, Token, Tokens};
+///
+/// let tokens = Tokens::new(vec![
+///     Token::new("orders-service", "a-long-random-secret", Scopes::from_list(["orders"]))?,
+/// ])?;
+/// let app: axum::Router = idem_serve::router(idem_core::MemoryStore::new(), tokens, None);
+/// # Ok::<_, Box<dyn std::error::Error>>(())
+/// ```
+pub fn router<S: idem_core::DedupStore + idem_core::InspectStore>(
+    store: S,
+    tokens: crate::Tokens,
+    metrics: Option<crate::MetricsRender>,
+) -> Router {
+    assemble(
+        crate::ops::AppState { store: Arc::new(store), tokens: Arc::new(tokens), metrics },
+        None,
+    )
+}
+
+/// The API's routes, with `extra` routes (the console's) beside them.
+pub(crate) fn assemble(state: crate::ops::AppState, extra: Option<Router>) -> Router {
+    let mut app = crate::http::routes(state.clone())
+        .route("/openapi.json", axum::routing::get(crate::openapi::document));
+    if let Some(extra) = extra {
+        app = app.merge(extra);
+    }
+    app.route_service("/idem.v1.Claims/{*method}", crate::grpc::service(state))
+        .layer(axum::extract::DefaultBodyLimit::max(crate::wire::MAX_BODY_BYTES))
+}

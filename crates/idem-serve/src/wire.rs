@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
+pub use crate::error::Problem;
 
 /// Default lease when a claim names none: 30 s.
 pub const DEFAULT_LEASE_MS: u64 = 30_000;
@@ -295,30 +296,6 @@ pub struct CountsBody {
 pub struct RecordList {
     /// The records.
     pub records: Vec<RecordBody>,
-}
-
-/// An RFC 9457 problem document: every error the API answers with.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct Problem {
-    /// What went wrong, one word: `invalid`, `unauthorized`, `forbidden`, `not_found`,
-    /// `lease_lost`, `too_large`, `unavailable`, `corrupt`, `not_migrated`, `internal`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// A short summary.
-    pub title: String,
-    /// The HTTP status.
-    pub status: u16,
-    /// What happened, for a person.
-    pub detail: String,
-    /// The field at fault (`invalid`, `too_large`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub field: Option<String>,
-    /// The limit it broke, in its unit (`too_large`: bytes).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub limit: Option<u64>,
-    /// Whether trying again may succeed (`unavailable`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub retryable: bool,
 }
 
 // ---- conversions -------------------------------------------------------------------------

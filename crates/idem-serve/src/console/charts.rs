@@ -12,7 +12,8 @@ use idem_core::telemetry::{DEAD_LETTERS_TOTAL, OUTCOMES_TOTAL};
 use serde::Serialize;
 
 use super::ConsoleState;
-use super::html::{self, Nav, esc};
+use super::html::esc;
+use super::layout::{self, Nav};
 use super::session::Viewer;
 use crate::auth::Caller;
 
@@ -139,7 +140,7 @@ pub(crate) async fn page(State(s): State<ConsoleState>, viewer: Viewer) -> Respo
         body.push_str(
             "<p class=\"empty\">This server renders no metrics (<code>metrics = false</code>).</p>",
         );
-        return html::page(&s, &viewer, Nav::Charts, "Charts", &body, &[]);
+        return layout::page(&s, &viewer, Nav::Charts, "Charts", &body, &[]);
     }
     body.push_str(
         "<p class=\"hint\">Messages per second, per scope, from this process's consumers \
@@ -164,7 +165,7 @@ pub(crate) async fn page(State(s): State<ConsoleState>, viewer: Viewer) -> Respo
     body.push_str(
         "</tbody></table><div id=\"charts\" data-src=\"/console/metrics.json\" aria-live=\"polite\"></div>",
     );
-    html::page(&s, &viewer, Nav::Charts, "Charts", &body, &["charts.js"])
+    layout::page(&s, &viewer, Nav::Charts, "Charts", &body, &["charts.js"])
 }
 
 #[cfg(test)]

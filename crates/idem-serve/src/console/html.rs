@@ -7,8 +7,6 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use idem_core::dlq::DlqError;
 
-use super::ConsoleState;
-use super::session::Viewer;
 use crate::error::ApiError;
 
 const CSS: &str = include_str!("assets/console.css");
@@ -125,16 +123,7 @@ impl IntoResponse for ConsoleError {
     }
 }
 
-/// The sections of the navigation.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Nav {
-    Store,
-    DeadLetters,
-    Outbox,
-    Charts,
-}
-
-fn secured(mut res: Response) -> Response {
+pub(super) fn secured(mut res: Response) -> Response {
     let h = res.headers_mut();
     // No inline script or style anywhere: the policy can forbid both.
     h.insert(
@@ -150,7 +139,7 @@ fn secured(mut res: Response) -> Response {
     res
 }
 
-fn document(title: &str, body: &str) -> String {
+pub(super) fn document(title: &str, body: &str) -> String {
     format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
@@ -163,82 +152,6 @@ fn document(title: &str, body: &str) -> String {
 /// A page without navigation (login, errors).
 pub(crate) fn bare_page(status: StatusCode, title: &str, body: &str) -> Response {
     secured((status, Html(document(title, body))).into_response())
-}
-
-/// A page of the console, with its navigation, the operator's name, the flash message and
-/// `scripts` (asset names) at the end.
-pub(crate) fn page(
-    s: &ConsoleState,
-    viewer: &Viewer,
-    active: Nav,
-    title: &str,
-    body: &str,
-    scripts: &[&str],
-) -> Response {
-    let mut nav = String::new();
-    let mut items = vec![
-        (Nav::Store, "/console", "Store"),
-        (Nav::DeadLetters, "/console/dead-letters", "Dead letters"),
-    ];
-    if s.console.outbox.is_some() {
-        items.push((Nav::Outbox, "/console/outbox", "Outbox"));
-    }
-    items.push((Nav::Charts, "/console/charts", "Charts"));
-    for (n, href, label) in items {
-        let current = if n == active { " aria-current=\"page\"" } else { "" };
-        let _ = write!(nav, "<a href=\"{href}\"{current}>{label}</a>");
-    }
-    let mode = if s.console.read_only {
-        "<span class=\"badge\" title=\"No action is possible\">read-only</span>"
-    } else {
-        ""
-    };
-    let flash = viewer
-        .flash
-        .as_deref()
-        .map(|f| format!("<section class=\"flash\" role=\"status\" id=\"flash\">{f}</section>"))
-        .unwrap_or_default();
-    let scripts: String = scripts
-        .iter()
-        .map(|f| format!("<script src=\"/console/assets/{f}\" defer></script>"))
-        .collect();
-    let body = format!(
-        "<header><span class=\"brand\">idem</span><nav>{nav}</nav>{mode}\
-         <form method=\"post\" action=\"/console/logout\" class=\"logout\">\
-         <input type=\"hidden\" name=\"csrf\" value=\"{csrf}\">\
-         <span class=\"who\">{who}</span><button type=\"submit\" class=\"link\">Log out</button>\
-         </form></header><main>{flash}<h1>{title}</h1>{body}</main>{scripts}",
-        csrf = esc(&viewer.csrf),
-        who = esc(viewer.caller.name()),
-        title = esc(title),
-    );
-    secured(Html(document(title, &body)).into_response())
-}
-
-/// A POST form of one button, with the session's CSRF token and hidden `fields`.
-pub(crate) fn button(
-    viewer: &Viewer,
-    action: &str,
-    fields: &[(&str, &str)],
-    label: &str,
-    class: &str,
-) -> String {
-    let mut out = format!(
-        "<form method=\"post\" action=\"{}\" class=\"inline\">\
-         <input type=\"hidden\" name=\"csrf\" value=\"{}\">",
-        esc(action),
-        esc(&viewer.csrf)
-    );
-    for (k, v) in fields {
-        let _ = write!(out, "<input type=\"hidden\" name=\"{}\" value=\"{}\">", esc(k), esc(v));
-    }
-    let _ = write!(
-        out,
-        "<button type=\"submit\" class=\"{}\">{}</button></form>",
-        esc(class),
-        esc(label)
-    );
-    out
 }
 
 /// `GET /console/assets/{file}`: the stylesheet and the charts' script.

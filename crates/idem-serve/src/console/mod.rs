@@ -45,11 +45,12 @@ use idem_core::dlq::{DeadLetterQueue, MAX_LETTERS};
 use idem_core::outbox::{OutboxCounts, OutboxStore, UnsentRow};
 use idem_core::{DedupStore, InspectStore, StoreError};
 
-use crate::api::{AppState, MetricsRender};
 use crate::auth::Tokens;
+use crate::ops::{AppState, MetricsRender};
 
 mod charts;
 mod html;
+mod layout;
 mod letters;
 mod outbox;
 mod session;
@@ -212,7 +213,7 @@ pub fn router_with_console<S: DedupStore + InspectStore>(
     console: Console,
 ) -> Router {
     let app = AppState { store: Arc::new(store), tokens: Arc::new(tokens), metrics };
-    crate::api::assemble(app.clone(), Some(routes(app, console)))
+    crate::server::assemble(app.clone(), Some(routes(app, console)))
 }
 
 /// What every console handler gets.

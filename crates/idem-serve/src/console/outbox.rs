@@ -7,7 +7,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse as _, Redirect, Response};
 
 use super::ConsoleState;
-use super::html::{self, ConsoleError, Nav, esc};
+use super::html::{ConsoleError, esc};
+use super::layout::{self, Nav};
 use super::session::{Action, Viewer};
 
 /// The most parked rows one retry makes due again.
@@ -71,7 +72,7 @@ pub(crate) async fn page(
             esc(&viewer.csrf)
         );
     }
-    Ok(html::page(&s, &viewer, Nav::Outbox, "Outbox", &body, &[]))
+    Ok(layout::page(&s, &viewer, Nav::Outbox, "Outbox", &body, &[]))
 }
 
 /// `POST /console/outbox/retry`: makes up to `limit` parked rows due again.

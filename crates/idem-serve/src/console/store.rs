@@ -10,7 +10,8 @@ use idem_core::{Counts, ListFilter, Record, RecordState};
 use serde::Deserialize;
 
 use super::ConsoleState;
-use super::html::{self, ConsoleError, Nav, enc, esc};
+use super::html::{self, ConsoleError, enc, esc};
+use super::layout::{self, Nav};
 use super::session::{Action, Viewer};
 use crate::auth::Scopes;
 use crate::wire;
@@ -127,7 +128,7 @@ fn records_table(s: &ConsoleState, viewer: &Viewer, records: &[Record], actions:
         if actions {
             let fields = [("scope", r.scope.as_str()), ("key", r.id.as_str())];
             let release =
-                html::button(viewer, "/console/store/release", &fields, "Release", "secondary");
+                layout::button(viewer, "/console/store/release", &fields, "Release", "secondary");
             let _ = write!(
                 out,
                 "<td class=\"actions\">{release}\
@@ -210,7 +211,7 @@ pub(crate) async fn overview(
             records_table(&s, &viewer, &records, false)
         );
     }
-    Ok(html::page(&s, &viewer, Nav::Store, "Store", &body, &[]))
+    Ok(layout::page(&s, &viewer, Nav::Store, "Store", &body, &[]))
 }
 
 fn record_key(a: &Action) -> Result<idem_core::DedupKey, ConsoleError> {

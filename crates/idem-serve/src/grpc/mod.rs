@@ -4,9 +4,9 @@
 use idem_core::Fingerprint;
 use tonic::{Code, Request, Response, Status};
 
-use crate::api::{self, AppState, RecordPath, StatsQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::ops::{self, AppState, RecordPath, StatsQuery};
 use crate::wire;
 
 #[allow(
@@ -161,7 +161,7 @@ impl Claims for Service {
     ) -> Result<Response<pb::ClaimAnswer>, Status> {
         let caller = self.caller(&req)?;
         let body = claim_body(req.into_inner())?;
-        let a = api::op_claim(&self.state, &caller, body).await.map_err(status)?;
+        let a = ops::op_claim(&self.state, &caller, body).await.map_err(status)?;
         Ok(Response::new(answer_out(a)?))
     }
 
@@ -172,7 +172,7 @@ impl Claims for Service {
         let caller = self.caller(&req)?;
         let claims =
             req.into_inner().claims.into_iter().map(claim_body).collect::<Result<Vec<_>, _>>()?;
-        let a = api::op_claim_batch(&self.state, &caller, wire::ClaimBatchBody { claims })
+        let a = ops::op_claim_batch(&self.state, &caller, wire::ClaimBatchBody { claims })
             .await
             .map_err(status)?;
         let answers = a.answers.into_iter().map(answer_out).collect::<Result<Vec<_>, _>>()?;
@@ -192,7 +192,7 @@ impl Claims for Service {
             result_base64,
             retain_ms: c.retain_ms,
         };
-        api::op_complete(&self.state, &caller, body).await.map_err(status)?;
+        ops::op_complete(&self.state, &caller, body).await.map_err(status)?;
         Ok(Response::new(pb::Done {}))
     }
 
@@ -205,7 +205,7 @@ impl Claims for Service {
             reason: f.reason,
             retain_ms: f.retain_ms,
         };
-        api::op_fail(&self.state, &caller, body).await.map_err(status)?;
+        ops::op_fail(&self.state, &caller, body).await.map_err(status)?;
         Ok(Response::new(pb::Done {}))
     }
 
@@ -215,7 +215,7 @@ impl Claims for Service {
     ) -> Result<Response<pb::Done>, Status> {
         let caller = self.caller(&req)?;
         let body = wire::ReleaseBody { lease: lease_in(req.into_inner().lease)? };
-        api::op_release(&self.state, &caller, body).await.map_err(status)?;
+        ops::op_release(&self.state, &caller, body).await.map_err(status)?;
         Ok(Response::new(pb::Done {}))
     }
 
@@ -223,7 +223,7 @@ impl Claims for Service {
         let caller = self.caller(&req)?;
         let e = req.into_inner();
         let body = wire::ExtendBody { lease: lease_in(e.lease)?, by_ms: e.by_ms };
-        let a = api::op_extend(&self.state, &caller, body).await.map_err(status)?;
+        let a = ops::op_extend(&self.state, &caller, body).await.map_err(status)?;
         Ok(Response::new(lease_out(a.lease)?))
     }
 
@@ -233,7 +233,7 @@ impl Claims for Service {
     ) -> Result<Response<pb::Record>, Status> {
         let caller = self.caller(&req)?;
         let i = req.into_inner();
-        let r = api::op_inspect(&self.state, &caller, RecordPath { scope: i.scope, key: i.key })
+        let r = ops::op_inspect(&self.state, &caller, RecordPath { scope: i.scope, key: i.key })
             .await
             .map_err(status)?;
         Ok(Response::new(record_out(r)?))
@@ -242,7 +242,7 @@ impl Claims for Service {
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::Counts>, Status> {
         let caller = self.caller(&req)?;
         let scope = req.into_inner().scope;
-        let c = api::op_stats(&self.state, &caller, StatsQuery { scope }).await.map_err(status)?;
+        let c = ops::op_stats(&self.state, &caller, StatsQuery { scope }).await.map_err(status)?;
         Ok(Response::new(pb::Counts {
             in_progress: c.in_progress,
             completed: c.completed,

@@ -2,20 +2,23 @@
 //! with the store's record for its key; replay, accept as new, discard and purge by the rules of
 //! [`Workbench`].
 
-use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
-use axum::response::{IntoResponse as _, Redirect, Response};
-use idem_core::dlq::{DeadLetterQueue, Letter, OnConflict, ReplayReport, Workbench, group};
+use axum::response::Response;
+use idem_core::dlq::{DeadLetterQueue, Letter, Workbench, group};
 use idem_core::{Fingerprint, consumer::headers};
 use serde::Deserialize;
 
-use super::html::{self, ConsoleError, Nav, enc, esc};
-use super::session::{Action, Viewer};
-use super::{ConsoleState, MAX_SELECTED};
+use super::ConsoleState;
+use super::html::{self, ConsoleError, enc, esc};
+use super::layout::{self, Nav};
+use super::session::Viewer;
 use crate::auth::Caller;
+
+mod act;
+pub(crate) use act::act;
 
 /// Sample letters linked from a group's row.
 const SAMPLES: usize = 3;
@@ -84,7 +87,7 @@ fn group_actions(
     }
     let url = group_url(name, gid);
     let act = |action: &str, label: &str, class: &str| {
-        html::button(viewer, &url, &[("target", "group"), ("action", action)], label, class)
+        layout::button(viewer, &url, &[("target", "group"), ("action", action)], label, class)
     };
     if conflict {
         // A conflict is never replayed under its key: only these two.
@@ -193,7 +196,7 @@ pub(crate) async fn index(State(s): State<ConsoleState>, viewer: Viewer) -> Resp
     for (name, q) in &s.console.queues {
         body.push_str(&queue_section(&s, &viewer, name, q).await);
     }
-    html::page(&s, &viewer, Nav::DeadLetters, "Dead letters", &body, &[])
+    layout::page(&s, &viewer, Nav::DeadLetters, "Dead letters", &body, &[])
 }
 
 fn find_queue<'a>(s: &'a ConsoleState, name: &str) -> Result<&'a Queue, ConsoleError> {
@@ -208,7 +211,7 @@ pub(crate) async fn queue(
 ) -> Result<Response, ConsoleError> {
     let q = find_queue(&s, &name)?;
     let body = queue_section(&s, &viewer, &name, q).await;
-    Ok(html::page(&s, &viewer, Nav::DeadLetters, &format!("Dead letters: {name}"), &body, &[]))
+    Ok(layout::page(&s, &viewer, Nav::DeadLetters, &format!("Dead letters: {name}"), &body, &[]))
 }
 
 /// `GET /console/dead-letters/{queue}/groups/{group}`: a group's letters, to select from.
@@ -223,7 +226,7 @@ pub(crate) async fn group_page(
     let mut body = format!("<p><a href=\"{}\">← {}</a></p>", esc(&queue_url(&name)), esc(&name));
     let Some(first) = letters.first() else {
         body.push_str("<p class=\"empty\">This group has no dead letters (any more).</p>");
-        return Ok(html::page(&s, &viewer, Nav::DeadLetters, "Dead-letter group", &body, &[]));
+        return Ok(layout::page(&s, &viewer, Nav::DeadLetters, "Dead-letter group", &body, &[]));
     };
     let key = first.group();
     let conflict = first.is_conflict();
@@ -299,7 +302,7 @@ pub(crate) async fn group_page(
         );
     }
     let title = format!("Dead letters: {name} · {}", key.outcome);
-    Ok(html::page(&s, &viewer, Nav::DeadLetters, &title, &body, &[]))
+    Ok(layout::page(&s, &viewer, Nav::DeadLetters, &title, &body, &[]))
 }
 
 /// The query of a letter's page.
@@ -431,7 +434,7 @@ pub(crate) async fn letter(
     if !s.console.read_only {
         let url = group_url(&name, &gid);
         let one = |action: &str, label: &str, class: &str| {
-            html::button(
+            layout::button(
                 &viewer,
                 &url,
                 &[("target", "selected"), ("id", &l.id), ("action", action)],
@@ -450,201 +453,5 @@ pub(crate) async fn letter(
         };
         let _ = write!(body, "<p class=\"actions\">This letter: {buttons}</p>");
     }
-    Ok(html::page(&s, &viewer, Nav::DeadLetters, "Dead letter", &body, &[]))
-}
-
-/// What an action does.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Verb {
-    /// Send again under the key (conflicts are refused by the rules).
-    Replay,
-    /// Conflicts only: send again under a derived message id.
-    Accept,
-    /// Remove without sending (conflicts).
-    Discard,
-    /// Remove without sending.
-    Purge,
-}
-
-impl Verb {
-    fn parse(s: &str) -> Result<Self, ConsoleError> {
-        Ok(match s {
-            "replay" => Self::Replay,
-            "accept" => Self::Accept,
-            "discard" => Self::Discard,
-            "purge" => Self::Purge,
-            other => {
-                return Err(ConsoleError::bad_request(format!(
-                    "action: {:?} is not replay, accept, discard or purge",
-                    other.escape_debug().to_string()
-                )));
-            }
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Replay => "replay",
-            Self::Accept => "accept as new",
-            Self::Discard => "discard",
-            Self::Purge => "purge",
-        }
-    }
-}
-
-fn id_list(ids: &[String]) -> String {
-    let shown: Vec<String> =
-        ids.iter().take(20).map(|i| format!("<code>{}</code>", esc(i))).collect();
-    let more = if ids.len() > 20 { format!(" and {} more", ids.len() - 20) } else { String::new() };
-    format!("{}{more}", shown.join(", "))
-}
-
-/// The report of an action, as the flash message.
-fn report_html(queue: &str, verb: Verb, r: &ReplayReport, missing: &[String]) -> String {
-    let mut out = format!(
-        "<h2>Done: {} on {}</h2><p class=\"summary\">{}; {} removed from the dead letters.</p><ul class=\"report\">",
-        verb.name(),
-        esc(queue),
-        esc(&r.to_string()),
-        r.removed
-    );
-    if !r.replayed.is_empty() {
-        let _ = write!(
-            out,
-            "<li data-kind=\"replayed\">Replayed under their key ({}): {}</li>",
-            r.replayed.len(),
-            id_list(&r.replayed)
-        );
-    }
-    if !r.accepted_as_new.is_empty() {
-        let items: Vec<String> = r
-            .accepted_as_new
-            .iter()
-            .take(20)
-            .map(|(l, m)| format!("<code>{}</code> → message id <code>{}</code>", esc(l), esc(m)))
-            .collect();
-        let _ = write!(
-            out,
-            "<li data-kind=\"accepted\">Accepted as new messages ({}): {}</li>",
-            r.accepted_as_new.len(),
-            items.join(", ")
-        );
-    }
-    if !r.discarded.is_empty() {
-        let _ = write!(
-            out,
-            "<li data-kind=\"removed\">Removed without being sent ({}): {}</li>",
-            r.discarded.len(),
-            id_list(&r.discarded)
-        );
-    }
-    for (id, why) in r.refused.iter().take(20) {
-        let _ = write!(
-            out,
-            "<li data-kind=\"refused\">Left dead-lettered: <code>{}</code>: {}</li>",
-            esc(id),
-            esc(why)
-        );
-    }
-    if !missing.is_empty() {
-        let _ = write!(
-            out,
-            "<li data-kind=\"missing\">Not in this group (or already gone): {}</li>",
-            id_list(missing)
-        );
-    }
-    out.push_str("</ul>");
-    out
-}
-
-/// `POST /console/dead-letters/{queue}/groups/{group}`: act on the group, or on letters of it
-/// (`target=selected`, `id` repeated).
-pub(crate) async fn act(
-    State(s): State<ConsoleState>,
-    Path((name, gid)): Path<(String, String)>,
-    a: Action,
-) -> Result<Response, ConsoleError> {
-    let q = find_queue(&s, &name)?.clone();
-    let verb = Verb::parse(a.form.required("action", 16)?)?;
-    let selected: Option<BTreeSet<&str>> = match a.form.get("target").unwrap_or("group") {
-        "group" => None,
-        "selected" => {
-            let ids: BTreeSet<&str> = a.form.all("id").filter(|i| !i.is_empty()).collect();
-            if ids.is_empty() {
-                return Err(ConsoleError::bad_request("select at least one letter"));
-            }
-            if ids.len() > MAX_SELECTED {
-                return Err(ConsoleError::bad_request(format!(
-                    "{} letters selected, more than the limit of {MAX_SELECTED}: act on the whole group",
-                    ids.len()
-                )));
-            }
-            if let Some(long) = ids.iter().find(|i| i.len() > MAX_ID) {
-                return Err(ConsoleError::bad_request(format!(
-                    "id: {} bytes, more than the limit of {MAX_ID}",
-                    long.len()
-                )));
-            }
-            Some(ids)
-        }
-        other => {
-            return Err(ConsoleError::bad_request(format!(
-                "target: {:?} is not group or selected",
-                other.escape_debug().to_string()
-            )));
-        }
-    };
-    let bench = Workbench::new(q);
-    let in_group: Vec<Letter> =
-        bench.list(s.console.read_limit).await?.into_iter().filter(|l| l.in_group(&gid)).collect();
-    // One group is one scope: its key includes it.
-    if let Some(first) = in_group.first() {
-        check_scope(&a.viewer.caller, first)?;
-    }
-    let (chosen, missing): (Vec<Letter>, Vec<String>) = match &selected {
-        None => (in_group, Vec::new()),
-        Some(ids) => {
-            let found: Vec<Letter> =
-                in_group.into_iter().filter(|l| ids.contains(l.id.as_str())).collect();
-            let missing = ids
-                .iter()
-                .filter(|i| !found.iter().any(|l| l.id == **i))
-                .map(|i| (*i).to_owned())
-                .collect();
-            (found, missing)
-        }
-    };
-    let conflict = chosen.first().is_some_and(Letter::is_conflict);
-    if matches!(verb, Verb::Accept | Verb::Discard) && !chosen.is_empty() && !conflict {
-        return Err(ConsoleError::bad_request(format!(
-            "{} is for conflicts; this group's letters failed: replay or purge them",
-            verb.name()
-        )));
-    }
-    let report = match verb {
-        _ if chosen.is_empty() => ReplayReport::default(),
-        // A conflict selected for a replay is refused by the rules and stays.
-        Verb::Replay => bench.replay(&chosen, OnConflict::Refuse).await?,
-        Verb::Accept => bench.replay(&chosen, OnConflict::AcceptAsNew).await?,
-        Verb::Discard | Verb::Purge => {
-            let removed = bench.purge(&chosen).await?;
-            let mut r = ReplayReport::default();
-            r.discarded = chosen.iter().map(|l| l.id.clone()).collect();
-            r.removed = removed;
-            r
-        }
-    };
-    tracing::info!(target: "idem::console", token = a.viewer.caller.name(), queue = %name,
-        group = %gid, action = verb.name(), replayed = report.replayed.len(),
-        accepted = report.accepted_as_new.len(), removed = report.removed,
-        refused = report.refused.len(), "console: dead letters");
-    let mut flash = report_html(&name, verb, &report, &missing);
-    if chosen.is_empty() && missing.is_empty() {
-        flash = format!(
-            "<p>Nothing to do: the group on {} has no dead letters any more.</p>",
-            esc(&name)
-        );
-    }
-    a.viewer.flash(&s, flash);
-    Ok(Redirect::to(&queue_url(&name)).into_response())
+    Ok(layout::page(&s, &viewer, Nav::DeadLetters, "Dead letter", &body, &[]))
 }

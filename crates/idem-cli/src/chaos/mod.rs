@@ -16,16 +16,14 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use idem::outbox::{OutboxId, OutboxMessage, Outgoing};
-use idem::redact::Redacted;
 use rand::Rng;
 use rand::seq::SliceRandom;
 use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
-use tokio::time::Instant;
 
 use broker::{Admin, BrokerUrl};
 use store::{Ledger, Names, StoreUrl};
-use verdict::{Effect, Events, ORIGINAL, POISON, Published, REUSED, Table, Tally};
+use verdict::{Effect, Events, ORIGINAL, POISON, REUSED};
 
 /// `idem chaos --help`: what it does and what the table's columns mean.
 pub(crate) const ABOUT: &str = "\

@@ -2,17 +2,13 @@
 
 use super::broker::{Admin, BrokerUrl};
 use super::store::{Ledger, Names, StoreUrl};
-use super::verdict::{Effect, Events, ORIGINAL, POISON, Published, REUSED, Table, Tally};
-use anyhow::{Context as _, bail};
-use idem::outbox::{OutboxId, OutboxMessage, Outgoing};
+use super::verdict::{Events, Published, REUSED, Table, Tally};
+use anyhow::Context as _;
+use idem::outbox::OutboxMessage;
 use idem::redact::Redacted;
 use rand::Rng;
-use rand::seq::SliceRandom;
 use std::collections::HashSet;
-use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::AsyncBufReadExt;
-use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 use super::*;

@@ -1,5 +1,7 @@
 //! A dead letter as read back, and how letters group by cause.
 
+#[cfg(doc)]
+use super::DeadLetterQueue;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::SystemTime;

@@ -15,6 +15,7 @@ use idem_sqlx::{SqliteInbox, SqliteStore};
 use idem_testkit::faults::{FaultyStore, Op};
 
 type Out = Outcome<String, String>;
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 fn order(id: &str) -> Message {
     Message::new(format!(r#"{{"order_id":"{id}"}}"#)).with_message_id(id)
@@ -69,27 +70,7 @@ async fn an_inbox_transaction_that_never_answers_is_given_up_and_leaves_nothing(
             .build()
             .unwrap();
     let msgs = [order("o-1"), order("o-2")];
-    let hang = Arc::new(AtomicU32::new(1));
-    let handler = |mut tx: Tx<SqliteInbox>, m: Message| {
-        let hang = Arc::clone(&hang);
-        async move {
-            let k = m.message_id.clone().unwrap_or_default();
-            sqlx::query("INSERT INTO ledger (k) VALUES (?)")
-                .bind(&k)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            // The second message's statement "never answers": a half-open connection.
-            if k == "o-2"
-                && hang
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                    .is_ok()
-            {
-                std::future::pending::<()>().await;
-            }
-            Ok::<_, HandlerError<String>>(k)
-        }
-    };
+    let handler = ledger_writer("o-2");
     let given_up =
         tokio::time::timeout(Duration::from_secs(30), engine.decide_batch(&msgs, &handler));
     let outs: Vec<Out> = given_up.await.expect("the transaction was waited on for ever");
@@ -147,27 +128,7 @@ async fn an_offset_inbox_transaction_that_never_answers_is_given_up_and_leaves_n
             .build()
             .unwrap();
     let msgs = [Logged { msg: order("o-0"), offset: 0 }, Logged { msg: order("o-1"), offset: 1 }];
-    let hang = Arc::new(AtomicU32::new(1));
-    let handler = |mut tx: Tx<SqliteInbox>, m: Logged| {
-        let hang = Arc::clone(&hang);
-        async move {
-            let k = m.message_id().unwrap_or_default().to_owned();
-            sqlx::query("INSERT INTO ledger (k) VALUES (?)")
-                .bind(&k)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| HandlerError::Transient(e.to_string()))?;
-            // The second message's statement "never answers": a half-open connection.
-            if k == "o-1"
-                && hang
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                    .is_ok()
-            {
-                std::future::pending::<()>().await;
-            }
-            Ok::<_, HandlerError<String>>(k)
-        }
-    };
+    let handler = ledger_writer("o-1");
     let given_up =
         tokio::time::timeout(Duration::from_secs(30), engine.decide_batch(&msgs, &handler));
     let outs: Vec<Out> = given_up.await.expect("the transaction was waited on for ever");
@@ -192,6 +153,34 @@ async fn an_offset_inbox_transaction_that_never_answers_is_given_up_and_leaves_n
     let rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM ledger").fetch_one(store.pool()).await.unwrap();
     assert_eq!(rows, 2);
+}
+
+/// The inbox handler of both transaction tests: writes a ledger row for the message's id;
+/// the first time it sees `hangs`, its statement "never answers" (a half-open connection).
+fn ledger_writer<M: Envelope + Send + 'static>(
+    hangs: &'static str,
+) -> impl Fn(Tx<SqliteInbox>, M) -> BoxFuture<'static, Result<String, HandlerError<String>>> + Sync
+{
+    let hang = Arc::new(AtomicU32::new(1));
+    move |mut tx, m| {
+        let hang = Arc::clone(&hang);
+        Box::pin(async move {
+            let k = m.message_id().unwrap_or_default().to_owned();
+            sqlx::query("INSERT INTO ledger (k) VALUES (?)")
+                .bind(&k)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| HandlerError::Transient(e.to_string()))?;
+            if k == hangs
+                && hang
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok()
+            {
+                std::future::pending::<()>().await;
+            }
+            Ok(k)
+        })
+    }
 }
 
 /// Removes the test's SQLite file (and its journal files) when dropped.

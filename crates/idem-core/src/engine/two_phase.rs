@@ -78,17 +78,14 @@ impl<S: DedupStore> Engine<S> {
     ///
     /// # Cancel safety
     /// Not cancel safe: dropped midway, claims stay in progress until their leases run out.
-    pub async fn process_batch<'m, M, T, E, F, Fut>(
+    pub async fn process_batch<'m, M, H>(
         &self,
         msgs: &'m [M],
-        handler: F,
-    ) -> Vec<Outcome<T, E>>
+        handler: H,
+    ) -> Vec<Outcome<H::Value, H::Error>>
     where
         M: Envelope + Sync,
-        T: Serialize + DeserializeOwned + Send,
-        E: Display + Send,
-        F: Fn(Context, &'m M) -> Fut + Sync,
-        Fut: Future<Output = Result<T, HandlerError<E>>> + Send,
+        H: Handler<Context, &'m M>,
     {
         let by_index = |ctx: Context, i: usize| handler(ctx, &msgs[i]);
         self.decide_in_rounds(msgs, &TwoPhase::new(self, &by_index, msgs), Vec::new(), None).await

@@ -242,11 +242,19 @@ async fn kill_one(
     tag: &str,
 ) -> anyhow::Result<()> {
     let candidates: Vec<usize> = (0..workers.len()).filter(|i| !workers[*i].stalled).collect();
-    // Push mode: the second kill is always the application's, so every run kills both kinds.
-    let app = candidates.iter().copied().find(|i| matches!(workers[*i].role, Role::App(_)));
-    let pick = match app {
-        Some(a) if events.kills == 1 && events.app_kills == 0 => Some(a),
-        _ => candidates.get(rng.random_range(0..candidates.len().max(1))).copied(),
+    // Push mode kills both kinds in every run: a sidecar first, then the application at the
+    // first kill that finds it running (it may be the one stalled), then any of them. (The
+    // application's kill was the second kill only: when it was stalled then, a run could end
+    // without killing it, 0 of 18 kills once.)
+    let is_app = |i: &usize| matches!(workers[*i].role, Role::App(_));
+    let app = candidates.iter().copied().find(is_app);
+    let sidecars: Vec<usize> = candidates.iter().copied().filter(|i| !is_app(i)).collect();
+    let pick = if events.kills == events.app_kills && !sidecars.is_empty() {
+        sidecars.get(rng.random_range(0..sidecars.len())).copied()
+    } else if let Some(a) = app.filter(|_| events.app_kills == 0) {
+        Some(a)
+    } else {
+        candidates.get(rng.random_range(0..candidates.len().max(1))).copied()
     };
     if let Some(i) = pick {
         workers[i].child.kill().await.context("killing a worker")?;

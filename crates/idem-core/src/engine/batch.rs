@@ -6,7 +6,7 @@ use std::fmt::Display;
 use std::future::Future;
 
 use super::prepare::Prepared;
-use super::{Cause, Engine, FailureKind, Outcome};
+use super::{Engine, Outcome};
 use crate::extract::Envelope;
 use crate::{ClaimRequest, DedupKey, StoreError};
 
@@ -126,9 +126,7 @@ impl<B> Engine<B> {
         }
         if R::ORDERED {
             // Each partition's messages in offset order, so a key's first copy is its earliest.
-            todo.sort_by_key(|(i, _)| {
-                msgs[*i].log_position().map(|p| (p.log.to_owned(), p.partition, p.offset))
-            });
+            todo.sort_by_key(|(i, _)| in_log_order(&msgs[*i]));
         }
         while !todo.is_empty() {
             if R::ORDERED {
@@ -137,10 +135,7 @@ impl<B> Engine<B> {
                 for (i, _) in held {
                     let (log, partition) =
                         stopped_at(&stopped, &msgs[i]).expect("held: its partition stopped");
-                    let o = Outcome::failed(
-                        FailureKind::Transient,
-                        Cause::Store(waiting(&log, partition)),
-                    );
+                    let o = Outcome::transient(waiting(&log, partition));
                     self.observe(keys[i].as_ref(), msgs[i].correlation_id(), &o, 0);
                     out[i] = Some(o);
                 }
@@ -154,11 +149,7 @@ impl<B> Engine<B> {
                 // What follows a message held back in its partition waits with it.
                 let mut first_later: HashMap<Lane, i64> = HashMap::new();
                 for (i, _) in &later {
-                    if let Some(p) = msgs[*i].log_position() {
-                        let at =
-                            first_later.entry((p.log.to_owned(), p.partition)).or_insert(p.offset);
-                        *at = (*at).min(p.offset);
-                    }
+                    lowest(&mut first_later, &msgs[*i]);
                 }
                 let (now, after): (Vec<Item>, Vec<Item>) = round.into_iter().partition(|(i, _)| {
                     msgs[*i].log_position().is_none_or(|p| {
@@ -169,9 +160,7 @@ impl<B> Engine<B> {
                 });
                 round = now;
                 later.extend(after);
-                later.sort_by_key(|(i, _)| {
-                    msgs[*i].log_position().map(|p| (p.log.to_owned(), p.partition, p.offset))
-                });
+                later.sort_by_key(|(i, _)| in_log_order(&msgs[*i]));
             }
             for d in mode.decide(round, ahead.take()).await {
                 let m = &msgs[d.index];
@@ -195,13 +184,22 @@ impl<B> Engine<B> {
 /// Notes that `m` did not settle when its outcome leaves it unacknowledged or to be
 /// dead-lettered: its partition stops at its offset.
 fn stop<M: Envelope, T, E>(stopped: &mut HashMap<Lane, i64>, m: &M, o: &Outcome<T, E>) {
-    if matches!(o, Outcome::Processed(_) | Outcome::Duplicate(_)) {
-        return;
+    if !matches!(o, Outcome::Processed(_) | Outcome::Duplicate(_)) {
+        lowest(stopped, m);
     }
+}
+
+/// Keeps in `at` the lowest offset seen in `m`'s partition.
+fn lowest<M: Envelope>(at: &mut HashMap<Lane, i64>, m: &M) {
     if let Some(p) = m.log_position() {
-        let at = stopped.entry((p.log.to_owned(), p.partition)).or_insert(p.offset);
-        *at = (*at).min(p.offset);
+        let low = at.entry((p.log.to_owned(), p.partition)).or_insert(p.offset);
+        *low = (*low).min(p.offset);
     }
+}
+
+/// The sort key of log order: partition, then offset (messages without a position first).
+fn in_log_order<M: Envelope>(m: &M) -> Option<(String, i32, i64)> {
+    m.log_position().map(|p| (p.log.to_owned(), p.partition, p.offset))
 }
 
 /// The partition `m` waits in, when a message before it there did not settle.

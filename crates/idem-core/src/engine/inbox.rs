@@ -8,7 +8,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::batch::{Decided, Item, Round};
-use super::txn::{backoff, failed_round, transient};
+use super::txn::{backoff, failed_round};
 use super::{Engine, Handler, HandlerError, Outcome};
 use crate::answer::{Answer, outcome_of};
 use crate::extract::Envelope;
@@ -336,7 +336,7 @@ where
         key: Option<&DedupKey>,
     ) -> Result<(Outcome<T, E>, u32), (Outcome<T, E>, u32)> {
         let Some(tx) = lender.lend(key.cloned()) else {
-            return Err((transient(kept(WHAT)), 1));
+            return Err((Outcome::transient(kept(WHAT)), 1));
         };
         let v = match (self.handler)(tx, self.msgs[i].clone()).await {
             Ok(v) => v,
@@ -345,7 +345,7 @@ where
         let stored = key.and_then(|k| {
             self.engine.encode_result(k, &v).filter(|b| b != b"null").map(|b| (k.clone(), b))
         });
-        let Some(mut tx) = lender.take() else { return Err((transient(kept(WHAT)), 1)) };
+        let Some(mut tx) = lender.take() else { return Err((Outcome::transient(kept(WHAT)), 1)) };
         let kept_result = match &stored {
             Some(item) => {
                 self.inbox().set_results(I::connection(&mut tx), std::slice::from_ref(item)).await
@@ -355,7 +355,7 @@ where
         lender.put(tx);
         match kept_result {
             Ok(()) => Ok((Outcome::Processed(v), 1)),
-            Err(e) => Err((transient(e), 1)),
+            Err(e) => Err((Outcome::transient(e), 1)),
         }
     }
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::batch::{Decided, Item, Round, waiting};
-use super::txn::{backoff, transient};
+use super::txn::backoff;
 use super::{Cause, Engine, FailureKind, Handler, Outcome};
 use crate::answer::{Answer, outcome_of};
 use crate::extract::{Envelope, LogPosition};
@@ -212,7 +212,7 @@ where
                     continue;
                 }
                 Plan::Waits => {
-                    let outcome = transient(waiting(p.log, p.partition));
+                    let outcome = Outcome::transient(waiting(p.log, p.partition));
                     decided.push(Decided { index: i, outcome, attempt: 0 });
                     continue;
                 }
@@ -279,7 +279,7 @@ where
     ) -> Result<Outcome<T, E>, Outcome<T, E>> {
         let msg = &self.msgs[i];
         let Some(tx) = lender.lend(self.engine.key_of(msg).ok()) else {
-            return Err(transient(kept(WHAT)));
+            return Err(Outcome::transient(kept(WHAT)));
         };
         if !keyed && self.engine.store().markers() {
             self.engine.count_unkeyed();

@@ -68,14 +68,10 @@ pub(crate) fn failed_round<T, E>(
         .iter()
         .map(|(i, _)| Decided {
             index: *i,
-            outcome: transient(shared_error(what, &shared)),
+            outcome: Outcome::transient(shared_error(what, &shared)),
             attempt: 0,
         })
         .collect()
-}
-
-pub(crate) fn transient<T, E>(e: StoreError) -> Outcome<T, E> {
-    Outcome::transient(e)
 }
 
 /// One delivery's share of a failure of its batch's transaction.

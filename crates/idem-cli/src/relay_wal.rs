@@ -46,7 +46,7 @@ impl Source for Wal {
         let report = if args.once {
             relay.run_until_empty().await?
         } else {
-            eprintln!("relaying slot {} until Ctrl-C", relay.outbox().slot());
+            eprintln!("relaying slot {} until Ctrl-C", relay.store().slot());
             relay
                 .run(async {
                     let _ = tokio::signal::ctrl_c().await;
@@ -58,7 +58,7 @@ impl Source for Wal {
             "{report} in {secs:.1} s ({:.0} msgs/s)",
             report.published as f64 / secs.max(1e-9)
         );
-        print_lag(relay.outbox()).await
+        print_lag(relay.store()).await
     }
 }
 

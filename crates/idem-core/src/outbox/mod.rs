@@ -35,5 +35,5 @@ pub use message::{
     encode_headers,
 };
 pub use publish::{PublishError, Publisher};
-pub use relay::{Builder, Relay, RelayError, RelayReport};
+pub use relay::{Builder, Feed, FeedKind, Read, Relay, RelayError, RelayReport, Settled, Tickets};
 pub use store::{OutboxCounts, OutboxStore, Pending, PublishFailure, Ticket, UnsentRow};

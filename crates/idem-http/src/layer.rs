@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, StatusCode};
-use idem_core::FingerprintSpec;
+use idem_core::{DedupStore, Engine, FingerprintSpec};
 use tower_layer::Layer;
 
 use crate::store_rule::StoreRule;
@@ -48,6 +48,15 @@ pub(crate) struct Config {
     pub(crate) principal_key: Option<PrincipalKey>,
     pub(crate) store_rule: StoreRule,
     pub(crate) key_format: Option<KeyFormat>,
+}
+
+impl Config {
+    /// Counts one guarded request's outcome: `idem_http_requests_total{scope_prefix, outcome}`.
+    pub(crate) fn count(&self, outcome: &'static str) {
+        metrics::counter!(idem_core::telemetry::HTTP_REQUESTS_TOTAL,
+            "scope_prefix" => self.scope_prefix.clone(), "outcome" => outcome)
+        .increment(1);
+    }
 }
 
 /// Makes `POST` and `PATCH` requests that carry an `Idempotency-Key` idempotent, over any
@@ -113,9 +122,23 @@ pub(crate) struct Config {
 /// still running when its lease ends may be taken over by a retry (the stale run is then fenced
 /// out and cannot overwrite the retry's stored response).
 ///
+/// # On the engine's rules
+///
+/// A keyed request is decided by an idem [`Engine`] ([`Engine::guard`]), so the rules of every
+/// other mode hold here too: each store call is bounded by the engine's
+/// [store timeout](idem_core::engine::EngineBuilder::store_timeout) (a claim that never answers is a
+/// `503`, a completion that never answers is retried for the
+/// [completion retry](idem_core::engine::EngineBuilder::complete_retry)); a request whose earlier
+/// attempts ended with the server dying or hanging past their lease (a takeover) more than
+/// the [crash-loop limit](idem_core::engine::EngineBuilder::crash_loop_limit) is refused with a `500`
+/// ([`ProblemKind::CrashLoop`](crate::ProblemKind::CrashLoop)) instead of run again; a
+/// [heartbeat](idem_core::engine::EngineBuilder::heartbeat) extends the lease while the handler runs.
+/// [`new`](Self::new) uses the engine's defaults; [`with_engine`](Self::with_engine) takes an
+/// engine you configured.
+///
 /// Each guarded request emits a `tracing` span `idem.http` (scope, key, outcome) and counts
 /// `idem_http_requests_total{scope_prefix, outcome}`, with `outcome` one of `stored`,
-/// `replayed`, `in_progress`, `reused`, `released` (not stored by the
+/// `replayed`, `in_progress`, `reused`, `crash_loop`, `in_doubt`, `released` (not stored by the
 /// [rule](Self::store_response_if), error or panic), `not_stored` (too large),
 /// `response_not_stored`, `store_failed`, `store_unavailable`, `stored_response_corrupt`,
 /// `missing_key`, `malformed_key`, `no_key` (passed through without dedup), `no_principal`,
@@ -139,25 +162,65 @@ pub(crate) struct Config {
 #[derive(Debug)]
 #[must_use]
 pub struct IdempotencyKeyLayer<St> {
-    store: Arc<St>,
+    engine: Arc<Engine<St>>,
     cfg: Config,
 }
 
 impl<St> Clone for IdempotencyKeyLayer<St> {
     fn clone(&self) -> Self {
-        Self { store: Arc::clone(&self.store), cfg: self.cfg.clone() }
+        Self { engine: Arc::clone(&self.engine), cfg: self.cfg.clone() }
     }
 }
 
-impl<St> IdempotencyKeyLayer<St> {
+impl<St: DedupStore> IdempotencyKeyLayer<St> {
     /// A layer over `store`, with the defaults: header `Idempotency-Key`, methods `POST` and
     /// `PATCH`, key optional and of any format, a [`Principal`](crate::Principal) required with
     /// a key (and then a [`principal_key`](Self::principal_key)), keys up to 255 bytes, bodies
     /// up to 256 KiB, lease 30 s, retention 24 h, scope prefix `http`, fingerprint of the raw
-    /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default).
+    /// body bytes, responses stored by [`stored_by_default`](crate::stored_by_default), and
+    /// the engine's defaults for the store timeout (2 min), completion retry and crash-loop
+    /// limit (5).
     pub fn new(store: St) -> Self {
+        let engine = match Engine::builder(store).scope("http").build() {
+            Ok(engine) => engine,
+            // Only a missing or invalid scope, a zero duration or a zero limit fail, and the
+            // scope is set to a valid one and every other setting is the default.
+            Err(e) => unreachable!("the default engine settings are valid: {e}"),
+        };
+        Self::defaults(engine)
+    }
+
+    /// A layer deciding through `engine` (see [On the engine's rules](Self#on-the-engines-rules)):
+    /// its store, store timeout, completion retry, crash-loop limit, expired-lease policy and
+    /// heartbeat; its lease and retention are this layer's starting [`lease`](Self::lease)
+    /// and [`retain`](Self::retain), and its scope labels its metrics. The other settings are
+    /// [`new`](Self::new)'s defaults.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idem_core::{Engine, MemoryStore};
+    /// use idem_http::IdempotencyKeyLayer;
+    ///
+    /// let engine = Engine::builder(MemoryStore::new())
+    ///     .scope("http")
+    ///     .store_timeout(Duration::from_secs(2)) // a hung store answers 503 within 2 s
+    ///     .crash_loop_limit(3)
+    ///     .build()?;
+    /// let layer = IdempotencyKeyLayer::with_engine(engine).allow_anonymous();
+    /// # let _ = layer;
+    /// # Ok::<(), idem_core::engine::ConfigError>(())
+    /// ```
+    pub fn with_engine(engine: Engine<St>) -> Self {
+        let (lease, retain) = (engine.lease(), engine.retain());
+        let mut layer = Self::defaults(engine);
+        layer.cfg.lease = lease;
+        layer.cfg.retain = retain;
+        layer
+    }
+
+    fn defaults(engine: Engine<St>) -> Self {
         Self {
-            store: Arc::new(store),
+            engine: Arc::new(engine),
             cfg: Config {
                 header: IDEMPOTENCY_KEY,
                 methods: vec![Method::POST, Method::PATCH],
@@ -342,6 +405,6 @@ impl<S, St> Layer<S> for IdempotencyKeyLayer<St> {
     type Service = IdempotencyKey<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyKey::new(inner, Arc::clone(&self.store), Arc::new(self.cfg.clone()))
+        IdempotencyKey::new(inner, Arc::clone(&self.engine), Arc::new(self.cfg.clone()))
     }
 }

@@ -33,8 +33,14 @@ pub enum ProblemKind {
     /// `500`: the stored response for this key does not decode.
     StoredResponseCorrupt,
     /// `409`: a request with this key was processed, but its response was larger than the layer
-    /// stores; the handler is not run again. An operator may release the key.
+    /// stores (or, with the engine's expired-lease policy set to park, an earlier attempt ran
+    /// out of time and its effect is unknown); the handler is not run again. An operator may
+    /// release the key.
     ResponseNotStored,
+    /// `500`: earlier attempts of a request with this key ended without an answer (the server
+    /// died or hung past the lease) more times than the engine's crash-loop limit; the handler
+    /// is not run for this attempt, and the key is failed (a later retry runs it again).
+    CrashLoop,
     /// `500`: a request with a key reached the layer without a
     /// [`Principal`](crate::Principal): the authentication runs after the layer instead of
     /// before it (or lets the caller through without one). The handler does not run. See
@@ -62,7 +68,8 @@ impl ProblemKind {
             Self::StoredResponseCorrupt
             | Self::NoPrincipal
             | Self::NoPrincipalKey
-            | Self::ResponseUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            | Self::ResponseUnreadable
+            | Self::CrashLoop => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -80,6 +87,7 @@ impl ProblemKind {
             Self::ResponseNotStored => "Request was processed; its response was not stored",
             Self::NoPrincipal | Self::NoPrincipalKey => "Internal Server Error",
             Self::ResponseUnreadable => "Response body failed",
+            Self::CrashLoop => "Request failed the server repeatedly",
         }
     }
 
@@ -107,6 +115,7 @@ impl ProblemKind {
             // RFC 9457: `about:blank` when the problem has no semantics beyond the status.
             Self::NoPrincipal | Self::NoPrincipalKey => "about:blank",
             Self::ResponseUnreadable => anchor!("ResponseUnreadable"),
+            Self::CrashLoop => anchor!("CrashLoop"),
         }
     }
 }

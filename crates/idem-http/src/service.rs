@@ -10,6 +10,7 @@ use bytes::Bytes;
 use futures_util::TryFutureExt as _;
 use http::{Request, Response};
 use http_body::Body;
+use idem_core::Engine;
 use tower_service::Service;
 
 use crate::body::BoxError;
@@ -27,7 +28,7 @@ pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send
 #[derive(Debug)]
 pub struct IdempotencyKey<S, St> {
     inner: S,
-    store: Arc<St>,
+    engine: Arc<Engine<St>>,
     cfg: Arc<Config>,
 }
 
@@ -35,15 +36,15 @@ impl<S: Clone, St> Clone for IdempotencyKey<S, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            store: Arc::clone(&self.store),
+            engine: Arc::clone(&self.engine),
             cfg: Arc::clone(&self.cfg),
         }
     }
 }
 
 impl<S, St> IdempotencyKey<S, St> {
-    pub(crate) fn new(inner: S, store: Arc<St>, cfg: Arc<Config>) -> Self {
-        Self { inner, store, cfg }
+    pub(crate) fn new(inner: S, engine: Arc<Engine<St>>, cfg: Arc<Config>) -> Self {
+        Self { inner, engine, cfg }
     }
 }
 
@@ -82,11 +83,11 @@ where
         let key = match key::read(req.headers(), &cfg.header, cfg.max_key_len) {
             Ok(Some(key)) => key,
             Ok(None) if !cfg.required => {
-                count(cfg, "no_key");
+                cfg.count("no_key");
                 return pass(inner.call(req));
             }
             Ok(None) => {
-                count(cfg, "missing_key");
+                cfg.count("missing_key");
                 let detail = format!(
                     "{} {} requires an {} header",
                     req.method(),
@@ -96,12 +97,12 @@ where
                 return ready(Problem::new(ProblemKind::Missing, detail));
             }
             Err(problem) => {
-                count(cfg, "malformed_key");
+                cfg.count("malformed_key");
                 return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
             }
         };
         if let Some(format) = cfg.key_format.as_ref().filter(|f| !f.accepts(&key)) {
-            count(cfg, "malformed_key");
+            cfg.count("malformed_key");
             let rule = format.to_string();
             let problem = KeyProblem::WrongFormat { header: cfg.header.clone(), rule };
             return ready(Problem::new(ProblemKind::Malformed, problem.to_string()));
@@ -110,18 +111,18 @@ where
             (Some(p), Some(k)) => Some(k.tag(p)),
             (None, _) if cfg.allow_anonymous => None,
             (None, _) => {
-                count(cfg, "no_principal");
+                cfg.count("no_principal");
                 log_setup_once(&LOGGED_NO_PRINCIPAL, cfg, &req, NO_PRINCIPAL);
                 return ready(setup_problem(ProblemKind::NoPrincipal));
             }
             (Some(_), None) => {
-                count(cfg, "no_principal_key");
+                cfg.count("no_principal_key");
                 log_setup_once(&LOGGED_NO_PRINCIPAL_KEY, cfg, &req, NO_PRINCIPAL_KEY);
                 return ready(setup_problem(ProblemKind::NoPrincipalKey));
             }
         };
-        let store = Arc::clone(&self.store);
-        Box::pin(crate::guarded::guarded(inner, store, Arc::clone(cfg), key, principal_tag, req))
+        let engine = Arc::clone(&self.engine);
+        Box::pin(crate::guarded::guarded(inner, engine, Arc::clone(cfg), key, principal_tag, req))
     }
 }
 
@@ -162,11 +163,4 @@ where
     E: Send + 'static,
 {
     Box::pin(std::future::ready(Ok(p.into_response())))
-}
-
-/// Counts one guarded request's outcome: `idem_http_requests_total{scope_prefix, outcome}`.
-pub(crate) fn count(cfg: &Config, outcome: &'static str) {
-    metrics::counter!(idem_core::telemetry::HTTP_REQUESTS_TOTAL, "scope_prefix" => cfg.scope_prefix.clone(),
-        "outcome" => outcome)
-    .increment(1);
 }

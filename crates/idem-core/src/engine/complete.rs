@@ -39,13 +39,13 @@ impl<S: DedupStore> Engine<S> {
         &self,
         mut lease: Lease,
         stored: Option<&[u8]>,
+        retain: Duration,
     ) -> Result<(), StoreError> {
         let mut pauses = RetryPauses::new(self.cfg.complete_retry);
         loop {
             let again = lease.retry_copy();
             let started = Instant::now();
-            let done =
-                self.bounded("complete", self.store.complete(lease, stored, self.cfg.retain)).await;
+            let done = self.bounded("complete", self.store.complete(lease, stored, retain)).await;
             self.observe_complete(started);
             if let Err(e) = &done {
                 telemetry::store_error(&self.cfg.scope, "complete", e);

@@ -18,6 +18,17 @@ impl Context {
         Self { key: None, downstream_key: None, attempt: 1, token: 0, took_over: false }
     }
 
+    /// The context of a delivery holding `lease`.
+    pub(crate) fn of(lease: &crate::Lease) -> Self {
+        Self {
+            downstream_key: Some(lease.key().downstream_key()),
+            key: Some(lease.key().clone()),
+            attempt: lease.attempt(),
+            token: lease.token(),
+            took_over: lease.took_over_expired(),
+        }
+    }
+
     /// The dedup key; `None` when the message had none and the policy processes it anyway.
     pub fn key(&self) -> Option<&DedupKey> {
         self.key.as_ref()

@@ -13,6 +13,7 @@ pub(crate) mod batch;
 mod builder;
 mod complete;
 mod context;
+mod guard;
 mod handler;
 pub(crate) mod inbox;
 mod observe;
@@ -37,6 +38,7 @@ pub use builder::{
 };
 pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;
+pub use guard::{Finish, Guarded};
 pub use handler::Handler;
 pub use prepare::KeyFailure;
 

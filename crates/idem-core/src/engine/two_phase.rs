@@ -3,7 +3,7 @@
 
 use std::fmt::Display;
 use std::future::Future;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -61,7 +61,7 @@ impl<S: DedupStore> Engine<S> {
         let outcome = match ran {
             Ran::Done(o) => o,
             Ran::Complete { lease, value, stored } => {
-                let done = self.complete_retrying(lease, stored.as_deref()).await;
+                let done = self.complete_retrying(lease, stored.as_deref(), self.cfg.retain).await;
                 completed(value, done)
             }
         };
@@ -155,7 +155,7 @@ impl<S: DedupStore> Engine<S> {
         Decision { span, attempt, ran }
     }
 
-    async fn run<T, E, F, Fut>(&self, mut lease: Lease, handler: F) -> Ran<T, E>
+    async fn run<T, E, F, Fut>(&self, lease: Lease, handler: F) -> Ran<T, E>
     where
         T: Serialize + DeserializeOwned,
         E: Display,
@@ -163,73 +163,92 @@ impl<S: DedupStore> Engine<S> {
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
         let cfg = &self.cfg;
-        let attempt = lease.attempt();
-        let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
-        let crash_loop = lease.took_over_expired() && !park && attempt > cfg.crash_loop_limit;
-        if lease.took_over_expired() {
-            let policy = match (park, crash_loop) {
-                (true, _) => "park",
-                (false, true) => "crash_loop",
-                (false, false) => "run",
-            };
-            metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
-                .increment(1);
-        }
-        if lease.took_over_expired() && (park || crash_loop) {
-            let (kind, cause) = if park {
-                (FailKind::InDoubt, Cause::InDoubt { attempt })
-            } else {
-                let limit = cfg.crash_loop_limit;
-                (FailKind::Permanent, Cause::CrashLoop { attempts: attempt - 1, limit })
-            };
-            let reason = cause.to_string();
-            if let Err(e) =
-                self.bounded("fail", self.store.fail(lease, kind, &reason, cfg.retain)).await
-            {
-                self.observe_store_error("fail", &e);
-                return Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Store(e)));
-            }
-            return Ran::Done(Outcome::failed(FailureKind::Permanent, cause));
-        }
-        let ctx = Context {
-            downstream_key: Some(lease.key().downstream_key()),
-            key: Some(lease.key().clone()),
-            attempt,
-            token: lease.token(),
-            took_over: lease.took_over_expired(),
+        let mut lease = match self.admit(lease, cfg.retain).await {
+            Ok(lease) => lease,
+            Err(refusal) => return Ran::Done(refusal.outcome()),
         };
-        let result = self.drive(&mut lease, handler(ctx)).await;
+        let ctx = Context::of(&lease);
+        let result = self.drive(&mut lease, cfg.lease, handler(ctx)).await;
         match result {
             Ok(value) => {
                 let stored = self.encode_result(lease.key(), &value);
                 Ran::Complete { lease, value, stored }
             }
             Err(HandlerError::Transient(e)) => {
-                let key = lease.key().to_string();
-                if let Err(re) = self.bounded("release", self.store.release(lease)).await {
-                    self.observe_store_error("release", &re);
-                    tracing::warn!(target: "idem", %key, error = %re,
-                        "could not release the claim after a transient failure; it frees itself when the lease ends");
-                }
+                self.release_quietly(lease, "after a transient failure").await;
                 Ran::Done(Outcome::failed(FailureKind::Transient, Cause::Handler(e)))
             }
             Err(HandlerError::Permanent(e)) => {
-                let key = lease.key().to_string();
                 let mut reason = e.to_string();
                 truncate_utf8(&mut reason, 4096);
-                if let Err(fe) = self
-                    .bounded(
-                        "fail",
-                        self.store.fail(lease, FailKind::Permanent, &reason, cfg.retain),
-                    )
-                    .await
-                {
-                    self.observe_store_error("fail", &fe);
-                    tracing::warn!(target: "idem", %key, error = %fe,
-                        "could not record the permanent failure; the key frees itself when the lease ends");
-                }
+                self.fail_quietly(lease, FailKind::Permanent, &reason, cfg.retain).await;
                 Ran::Done(Outcome::failed(FailureKind::Permanent, Cause::Handler(e)))
             }
+        }
+    }
+
+    /// The takeover rule, for every acquired lease: one taken over from an expired lease runs
+    /// again, unless the expired-lease policy parks it in doubt or its attempts passed the
+    /// crash-loop limit; then the key is failed (for `retain`) and the lease given back as the
+    /// refusal's cause.
+    pub(super) async fn admit(&self, lease: Lease, retain: Duration) -> Result<Lease, Refusal> {
+        let cfg = &self.cfg;
+        if !lease.took_over_expired() {
+            return Ok(lease);
+        }
+        let attempt = lease.attempt();
+        let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
+        let crash_loop = !park && attempt > cfg.crash_loop_limit;
+        let policy = match (park, crash_loop) {
+            (true, _) => "park",
+            (false, true) => "crash_loop",
+            (false, false) => "run",
+        };
+        metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
+            .increment(1);
+        if !park && !crash_loop {
+            return Ok(lease);
+        }
+        let (kind, cause, refusal) = if park {
+            (FailKind::InDoubt, Cause::<String>::InDoubt { attempt }, Refusal::InDoubt { attempt })
+        } else {
+            let (attempts, limit) = (attempt - 1, cfg.crash_loop_limit);
+            let cause = Cause::<String>::CrashLoop { attempts, limit };
+            (FailKind::Permanent, cause, Refusal::CrashLoop { attempts, limit })
+        };
+        let reason = cause.to_string();
+        if let Err(e) = self.bounded("fail", self.store.fail(lease, kind, &reason, retain)).await {
+            self.observe_store_error("fail", &e);
+            return Err(Refusal::Store(e));
+        }
+        Err(refusal)
+    }
+
+    /// Gives a lease back (bounded); a failure is logged: the key frees itself when the lease
+    /// runs out.
+    pub(super) async fn release_quietly(&self, lease: Lease, when: &'static str) {
+        let key = lease.key().to_string();
+        if let Err(e) = self.bounded("release", self.store.release(lease)).await {
+            self.observe_store_error("release", &e);
+            tracing::warn!(target: "idem", %key, error = %e, when,
+                "could not release the claim; it frees itself when the lease ends");
+        }
+    }
+
+    /// Records a failure (bounded); a failure to record it is logged: the key frees itself
+    /// when the lease runs out.
+    pub(super) async fn fail_quietly(
+        &self,
+        lease: Lease,
+        kind: FailKind,
+        reason: &str,
+        retain: Duration,
+    ) {
+        let key = lease.key().to_string();
+        if let Err(e) = self.bounded("fail", self.store.fail(lease, kind, reason, retain)).await {
+            self.observe_store_error("fail", &e);
+            tracing::warn!(target: "idem", %key, error = %e,
+                "could not record the failure; the key frees itself when the lease ends");
         }
     }
 
@@ -238,13 +257,18 @@ impl<S: DedupStore> Engine<S> {
     /// The heartbeat runs beside the handler, never instead of it: awaiting `extend` while the
     /// handler is not polled would deadlock a handler that holds what `extend` needs (the one
     /// connection of a SQLite pool, say) until the pool's acquire timeout.
-    async fn drive<Fut: Future>(&self, lease: &mut Lease, fut: Fut) -> Fut::Output {
+    pub(super) async fn drive<Fut: Future>(
+        &self,
+        lease: &mut Lease,
+        lease_for: Duration,
+        fut: Fut,
+    ) -> Fut::Output {
         let Some(every) = self.cfg.heartbeat else { return fut.await };
         let beat = async {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             loop {
                 tick.tick().await;
-                if let Err(e) = self.store.extend(lease, self.cfg.lease).await {
+                if let Err(e) = self.store.extend(lease, lease_for).await {
                     self.observe_store_error("extend", &e);
                     tracing::warn!(target: "idem", key = %lease.key(), error = %e, "lease heartbeat failed");
                 }
@@ -444,6 +468,31 @@ impl<S> Engine<S> {
     /// Whether a round's takeovers are waiting to run alone (see [`Solo`]).
     pub(super) fn solo_running(&self) -> bool {
         self.solo.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+}
+
+/// Why an acquired lease does not run.
+pub(super) enum Refusal {
+    /// The takeover rule failed the key: past the crash-loop limit.
+    CrashLoop { attempts: u32, limit: u32 },
+    /// The takeover rule parked the key in doubt.
+    InDoubt { attempt: u32 },
+    /// Recording either failed.
+    Store(StoreError),
+}
+
+impl Refusal {
+    /// The outcome of a delivery refused this way.
+    fn outcome<T, E>(self) -> Outcome<T, E> {
+        match self {
+            Self::CrashLoop { attempts, limit } => {
+                Outcome::failed(FailureKind::Permanent, Cause::CrashLoop { attempts, limit })
+            }
+            Self::InDoubt { attempt } => {
+                Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt })
+            }
+            Self::Store(e) => Outcome::failed(FailureKind::Transient, Cause::Store(e)),
+        }
     }
 }
 

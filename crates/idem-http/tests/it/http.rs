@@ -448,3 +448,73 @@ async fn expired_lease_is_taken_over_and_the_stale_run_is_fenced() {
     assert_ne!(replay.body, stale.body);
     assert_eq!(app.calls(), 2);
 }
+
+/// A layer deciding through `engine`, configured as [`layer`] is.
+fn layer_on<St: DedupStore>(engine: idem_core::Engine<St>) -> IdempotencyKeyLayer<St> {
+    IdempotencyKeyLayer::with_engine(engine)
+        .max_body(1024)
+        .allow_anonymous()
+        .principal_key(common::principal_key())
+}
+
+// The engine's store timeout reaches HTTP: a claim that never answers (a half-open connection)
+// is a 503 once the timeout passes, and the handler does not run; a completion that never
+// answers is given up after the timeout and tried again within the completion retry, so the
+// response is stored and the retry is a replay. Without the timeout, the first request would
+// wait for ever (and the test's WAIT would fail it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_store_call_is_bounded_by_the_store_timeout() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let engine = idem_core::Engine::builder(store.clone())
+        .scope("http")
+        .store_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let app = serve(layer_on(engine)).await;
+    store.hang_next(Op::Claim, 1);
+    let send =
+        |key| tokio::time::timeout(common::WAIT, app.send(Req::post("/payments", key, BODY)));
+    let res = send("k").await.expect("the hung claim was not bounded");
+    assert_eq!(res.status, 503, "{}", res.text());
+    assert_eq!(res.problem()["title"], "Idempotency store is unavailable");
+    assert_eq!(app.calls(), 0, "the handler ran without a claim");
+    store.hang_next(Op::Complete, 1);
+    let res = send("k").await.expect("the hung completion was not bounded");
+    assert_eq!(res.status, 201, "{}", res.text());
+    assert_eq!(app.calls(), 1);
+    let retry = send("k").await.unwrap();
+    assert!(retry.replayed(), "the completion was not retried: {}", retry.text());
+    assert_eq!(retry.body, res.body);
+    assert_eq!(app.calls(), 1, "the handler ran again");
+}
+
+// The engine's crash-loop limit reaches HTTP: once a request's earlier attempts ended with
+// their lease running out (the server died or hung) more times than the limit, the next
+// attempt is refused with a 500 instead of running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_the_crash_loop_limit_is_refused() {
+    let clock = idem_core::time::ManualClock::new();
+    let engine = idem_core::Engine::builder(MemoryStore::with_clock(clock.clone()))
+        .scope("http")
+        .lease(Duration::from_secs(5))
+        .crash_loop_limit(1)
+        .build()
+        .unwrap();
+    let app = serve(layer_on(engine)).await;
+    let addr = app.addr;
+    let hung = tokio::spawn(async move { common::send(addr, Req::post("/slow", "k", BODY)).await });
+    app.wait_calls(1).await;
+    clock.advance(Duration::from_secs(6));
+    let refused = app.send(Req::post("/slow", "k", BODY)).await;
+    assert_eq!(refused.status, 500, "{}", refused.text());
+    assert_eq!(refused.problem()["title"], "Request failed the server repeatedly");
+    assert_eq!(app.calls(), 1, "the request ran again past the crash-loop limit");
+    // The hung run ends; fenced out, it stores nothing over the failed key.
+    app.h.gate.add_permits(1);
+    assert_eq!(hung.await.unwrap().status, 200);
+    // A later retry runs again (the key was failed, not kept).
+    app.h.retry_gate.add_permits(1);
+    let after = app.send(Req::post("/slow", "k", BODY)).await;
+    assert!(!after.replayed(), "the fenced-out run stored its response");
+    assert_eq!(app.calls(), 2);
+}

@@ -33,7 +33,9 @@ pub struct Read<B> {
     pub failed_before: Vec<u32>,
     /// What [`Feed::acknowledge`] needs to acknowledge these messages.
     pub batch: B,
-    /// More may be waiting: read again without waiting for work.
+    /// More may be waiting: read again without waiting for work. `false` after a read that
+    /// took everything there was (a draining relay then stops; a running one still reads
+    /// again at once after a read that returned messages).
     pub more: bool,
 }
 

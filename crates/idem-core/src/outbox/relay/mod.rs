@@ -63,8 +63,11 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// What a round leaves the loop to do.
 enum Next {
-    /// Read again at once.
+    /// Read again at once: the feed says more may be waiting.
     More,
+    /// Messages were read, and the feed says nothing more was waiting then: a running relay
+    /// reads again at once, one draining the feed stops.
+    Drained,
     /// Wait for work.
     Idle,
     /// A position feed's oldest message failed: try again after this long.
@@ -147,7 +150,7 @@ impl<F: Feed, P: Publisher> Relay<F, P> {
                 match self.round(&mut hold, &mut oldest, &mut report).await {
                     Err(e) => break Err(RelayError::Store(e)),
                     Ok(Next::More) => {}
-                    Ok(Next::Idle) => break Ok(report),
+                    Ok(Next::Drained | Next::Idle) => break Ok(report),
                     Ok(Next::Backoff(d)) => tokio::time::sleep(d).await,
                     Ok(Next::Stuck(e)) => break Err(e),
                 }
@@ -206,7 +209,7 @@ impl<F: Feed, P: Publisher> Relay<F, P> {
                 },
             };
             let stopped = match next {
-                Next::More => shutdown.peek().is_some(),
+                Next::More | Next::Drained => shutdown.peek().is_some(),
                 Next::Idle => tokio::select! {
                     () = self.feed.wait(s.poll) => false,
                     () = shutdown.clone() => true,
@@ -290,7 +293,11 @@ impl<F: Feed, P: Publisher> Relay<F, P> {
         } else {
             *oldest = 0;
         }
-        Ok(if read.more { Next::More } else { Next::Idle })
+        Ok(match (read.more, n) {
+            (true, _) => Next::More,
+            (false, 0) => Next::Idle,
+            (false, _) => Next::Drained,
+        })
     }
 
     /// Publishes `messages` and waits for the confirmations, at most the publish timeout: one

@@ -133,9 +133,9 @@ impl Feed for PostgresWalOutbox {
                 messages.push(frame::decode(m)?);
             }
         }
-        let more = full || !messages.is_empty();
         let txns = txns.iter().map(|t| (t.end_lsn, t.messages.len())).collect();
-        Ok(Read::new(messages, WalBatch { txns, flushed, full }, more))
+        // Not full: every transaction committed before the flush position was read.
+        Ok(Read::new(messages, WalBatch { txns, flushed, full }, full))
     }
 
     /// Advances the slot past every transaction whose messages, and all before them, were

@@ -361,7 +361,8 @@ impl<I: TxPositions> Engine<OffsetInbox<I>> {
     /// failure is logged (the dead letter may then be copied again: dead letters are at least
     /// once).
     pub(super) async fn pass_dead_letters<M: Envelope + Sync>(&self, dead: &[&M]) {
-        let mut places: Vec<LogPosition<'_>> = dead.iter().filter_map(|m| m.log_position()).collect();
+        let mut places: Vec<LogPosition<'_>> =
+            dead.iter().filter_map(|m| m.log_position()).collect();
         if places.is_empty() {
             return;
         }

@@ -157,9 +157,8 @@ async fn messages_in(brokers: &str, topic: &str) -> i64 {
     let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
-        let c: BaseConsumer = common::config(&brokers, &format!("count-{}", common::suffix()))
-            .create()
-            .unwrap();
+        let c: BaseConsumer =
+            common::config(&brokers, &format!("count-{}", common::suffix())).create().unwrap();
         let (low, high) = c.fetch_watermarks(&topic, 0, Duration::from_secs(10)).unwrap();
         high - low
     })

@@ -49,7 +49,7 @@ pub use auth::{Caller, MIN_SECRET_LEN, Scopes, Token, TokenError, Tokens};
 pub use console::router_with_console;
 pub use error::ApiError;
 pub use ops::{METRICS, MetricsRender};
-pub use push::{DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};
+pub use push::{DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};
 pub use remote::{DEFAULT_TIMEOUT, RemoteError, RemoteStore, RemoteStoreBuilder};
 pub use server::{DRAIN_TIMEOUT, TlsError, router, serve, tls_acceptor};
 /// The TLS crate of [`tls_acceptor`]'s answer.

@@ -113,11 +113,19 @@ where
     <C::Source as Source>::Error: Send + Sync,
     S: DedupStore,
 {
-    let pusher = Pusher::new(&p.endpoint, Duration::from_millis(p.timeout_ms))?;
-    let pusher = match &p.forward_headers {
-        Some(names) => pusher.forward_headers(names.clone()),
-        None => pusher,
-    };
+    let mut pusher = Pusher::new(&p.endpoint, Duration::from_millis(p.timeout_ms))?
+        .max_response_bytes(p.max_response_bytes);
+    if let Some(names) = &p.forward_headers {
+        pusher = pusher.forward_headers(names.clone());
+    }
+    if let Some(proxy) = &p.proxy {
+        pusher = pusher.proxy(proxy)?;
+    }
+    if let Some(ca) = &p.tls_ca {
+        let pem = std::fs::read(ca)
+            .with_context(|| format!("push {}: tls_ca {}", p.name, ca.display()))?;
+        pusher = pusher.ca_pem(&pem)?;
+    }
     let builder = Consumer::builder(config)
         .scope(p.scope.as_str())
         .lease(Duration::from_millis(p.lease_ms))
@@ -133,7 +141,7 @@ where
     };
     let driver = builder.store(store).build().await?;
     let name = p.name.clone();
-    tracing::info!(consumer = %name, endpoint = %p.endpoint, "push consumer started");
+    tracing::info!(consumer = %name, endpoint = %Redacted(&p.endpoint), "push consumer started");
     Ok(Box::pin(async move {
         let handler = move |ctx: Context, m: <C::Source as Source>::Delivery| {
             let pusher = pusher.clone();

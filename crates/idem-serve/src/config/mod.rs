@@ -285,6 +285,21 @@ pub struct PushConfig {
     /// and a message cannot crash the sidecar the way it can crash an in-process handler.
     #[serde(default = "default_crash_loop_limit")]
     pub crash_loop_limit: u32,
+    /// An HTTP(S) proxy for the pushes (default none: pushes go straight to the endpoint and
+    /// the `HTTP_PROXY`/`HTTPS_PROXY` variables are ignored).
+    #[serde(default)]
+    pub proxy: Option<String>,
+    /// A PEM file of CA certificates trusted for an `https://` endpoint, besides the system's.
+    #[serde(default)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// Largest response body read (default 65,536); a 2xx answer with a larger body is a
+    /// success whose body is not stored.
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: usize,
+}
+
+fn default_max_response_bytes() -> usize {
+    crate::DEFAULT_MAX_RESPONSE_BYTES
 }
 
 fn default_listen() -> String {

@@ -6,4 +6,5 @@ mod common;
 mod console;
 mod grpc;
 mod grpc_codegen;
+mod push;
 mod remote_conformance;

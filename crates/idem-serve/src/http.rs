@@ -460,7 +460,14 @@ pub(crate) async fn healthz() -> &'static str {
 pub(crate) async fn readyz(State(s): State<AppState>) -> Result<&'static str, ApiError> {
     match tokio::time::timeout(READY_TIMEOUT, s.store.check()).await {
         Ok(Ok(_)) => Ok("ready\n"),
-        Ok(Err(e)) => Err(e.into()),
+        // The endpoint answers anyone: the store's error goes to the log, not to the caller.
+        Ok(Err(e)) => {
+            tracing::warn!(target: "idem", error = %idem_core::ErrorChain(&e), "not ready: the store check failed");
+            Err(ApiError::Unavailable {
+                detail: "the store check failed (the server's log says why)".to_owned(),
+                retryable: e.is_retryable(),
+            })
+        }
         Err(_) => Err(ApiError::Unavailable {
             detail: format!("the store did not answer within {READY_TIMEOUT:?}"),
             retryable: true,

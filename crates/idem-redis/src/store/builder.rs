@@ -182,6 +182,7 @@ impl RedisStoreBuilder {
             coalesce: self.coalesce,
             completes: Arc::new(coalesce::Queue::default()),
             waits: Arc::new(coalesce::Waits::default()),
+            allow_eviction: self.allow_eviction,
         };
         if store.clock.is_some() {
             store.anchor_clock().await.map_err(|e| Error::Store { op: "TIME", source: e })?;

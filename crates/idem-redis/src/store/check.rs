@@ -121,6 +121,20 @@ pub(crate) async fn check_masters(
     conn: &RedisConnection,
     allow_eviction: bool,
 ) -> Result<Vec<ServerSettings>, Error> {
+    let mut out = Vec::new();
+    for (node, settings) in read_masters(conn).await? {
+        settings
+            .enforce(allow_eviction)
+            .map_err(|e| Error::ClusterNode { node, source: Box::new(e) })?;
+        out.push(settings);
+    }
+    Ok(out)
+}
+
+/// The settings of every master that serves slots, each with its `host:port`.
+pub(crate) async fn read_masters(
+    conn: &RedisConnection,
+) -> Result<Vec<(String, ServerSettings)>, Error> {
     let nodes: String = redis::cmd("CLUSTER")
         .arg("NODES")
         .query_async(&mut conn.clone())
@@ -139,11 +153,11 @@ pub(crate) async fn check_masters(
     let mut out = Vec::with_capacity(masters.len());
     for (host, port) in masters {
         let node = format!("{host}:{port}");
-        let wrap = |e: Error| Error::ClusterNode { node: node.clone(), source: Box::new(e) };
         let Some(mut on) = conn.node(&host, port) else { break };
-        let settings = ServerSettings::read(&mut on).await.map_err(wrap)?;
-        settings.enforce(allow_eviction).map_err(wrap)?;
-        out.push(settings);
+        let settings = ServerSettings::read(&mut on)
+            .await
+            .map_err(|e| Error::ClusterNode { node: node.clone(), source: Box::new(e) })?;
+        out.push((node, settings));
     }
     Ok(out)
 }

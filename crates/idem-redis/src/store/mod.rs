@@ -88,6 +88,8 @@ pub struct RedisStore {
     coalesce: bool,
     completes: Arc<coalesce::Queue>,
     waits: Arc<coalesce::Waits>,
+    /// What [`RedisStoreBuilder::allow_eviction`] said, for [`DedupStore::check`].
+    allow_eviction: bool,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -265,6 +267,33 @@ pub(crate) fn backend(op: &'static str, e: redis::RedisError) -> StoreError {
 }
 
 impl DedupStore for RedisStore {
+    /// A round trip to the server (every master serving slots, on a cluster) reading its
+    /// settings: an evicting `maxmemory-policy` (unless allowed) is an error, persistence off a
+    /// warning. What `idem serve`'s `/readyz` asks.
+    async fn check(&self) -> Result<Vec<String>, StoreError> {
+        let settings = if self.conn.is_cluster() {
+            check::read_masters(&self.conn).await
+        } else {
+            check::ServerSettings::read(&mut self.conn.clone())
+                .await
+                .map(|s| vec![(String::new(), s)])
+        };
+        let settings = settings.map_err(|e| StoreError::backend("check", true, e))?;
+        let mut warnings = Vec::new();
+        for (node, s) in settings {
+            let on = if node.is_empty() { String::new() } else { format!(" on {node}") };
+            if !s.is_noeviction() && !self.allow_eviction {
+                let e = crate::Error::EvictingPolicy { policy: s.maxmemory_policy.clone() };
+                return Err(StoreError::backend("check", false, e));
+            }
+            if s.is_persistent() == Some(false) {
+                warnings
+                    .push(format!("Redis persistence is off{on}: a restart forgets every record"));
+            }
+        }
+        Ok(warnings)
+    }
+
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         if let Some(est) = self.estimate().await? {
             let fresh = fast::Fresh::new(req, est.now_us);

@@ -7,4 +7,5 @@ mod console;
 mod grpc;
 mod grpc_codegen;
 mod push;
+mod readiness;
 mod remote_conformance;

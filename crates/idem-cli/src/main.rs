@@ -25,10 +25,13 @@ IDEM_OUTBOX, IDEM_TO, IDEM_CHAOS_BROKER, IDEM_CHAOS_STORE, IDEM_BENCH_URL), whic
 out of the shell history and out of `ps`; --help never shows their values. Messages and logs \
 show URLs with the password and secret parameters (password, token, sig, SharedAccessKey…) as ***.
 
-TLS: amqps://, rediss://, tls:// (NATS), kafka+ssl:// and kafka+sasl-ssl:// (Kafka), and \
-PostgreSQL's sslmode=… / MySQL's ssl-mode=… are verified TLS, trusting the OS store; \
---tls-ca adds a CA (and makes PostgreSQL and MySQL verify-full), --tls-cert/--tls-key present a \
-client certificate. A URL that asks for TLS never connects in plaintext.
+TLS: amqps://, rediss://, tls:// (NATS), kafka+ssl:// and kafka+sasl-ssl:// (Kafka) are verified \
+TLS, trusting the OS store. PostgreSQL and MySQL follow their own clients: sslmode=verify-full \
+(or verify-ca) and ssl-mode=VERIFY_IDENTITY (or VERIFY_CA) verify the server; sslmode=require, \
+ssl-mode=REQUIRED and a URL with no mode (PostgreSQL's default is prefer) encrypt without \
+verifying whom they talk to. --tls-ca adds a CA (and makes PostgreSQL and MySQL verify-full), \
+--tls-cert/--tls-key present a client certificate. A URL that asks for TLS never connects in \
+plaintext.
 
 Timeouts: every server gets 10 s to accept a connection; past that, or on a refusal, the verb \
 exits with an error naming the service and its address. A verb that talks to two servers \

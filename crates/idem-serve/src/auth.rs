@@ -186,7 +186,10 @@ impl Tokens {
         let secret = value
             .to_str()
             .ok()
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            // The scheme is case-insensitive (RFC 9110 §11.1): `Bearer`, `bearer`, `BEARER`.
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token)
             .ok_or(ApiError::Unauthorized("Authorization must be Bearer <token>"))?
             .trim();
         let presented = digest(secret.as_bytes());
@@ -263,6 +266,10 @@ mod tests {
         ])
         .expect("tokens");
         let c = tokens.authenticate(&headers("Bearer orders-secret-0123456789")).expect("known");
+        for scheme in ["bearer", "BEARER", "BeArEr"] {
+            let h = headers(&format!("{scheme} orders-secret-0123456789"));
+            assert_eq!(tokens.authenticate(&h).expect("any case").name, "orders", "{scheme}");
+        }
         assert_eq!(c.name(), "orders");
         assert!(c.may_use("orders").is_ok());
         assert!(matches!(c.may_use("payments"), Err(ApiError::Forbidden { .. })));

@@ -32,14 +32,18 @@ pub enum ApiError {
         /// The scope or operation refused.
         what: String,
     },
+    /// `405`: the route exists, not with this method.
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// `404`: no record for the key.
     #[error("no record for {0}")]
     NotFound(String),
     /// `409`: the lease's fencing token is stale; nothing changed.
     #[error("{0}")]
     LeaseLost(String),
-    /// `413`: a result or reason is longer than the store keeps.
-    #[error("{field} is {len} bytes, longer than the store's limit of {limit} bytes")]
+    /// `413`: a result or reason is longer than the store keeps, or the request body longer than
+    /// the API reads.
+    #[error("{}", too_large(.field, *.len, *.limit))]
     TooLarge {
         /// `result` or `reason`.
         field: String,
@@ -85,6 +89,7 @@ impl ApiError {
             Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseLost(_) => StatusCode::CONFLICT,
             Self::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -100,6 +105,7 @@ impl ApiError {
             Self::Unauthorized(_) => ("unauthorized", None, None, false),
             Self::Forbidden { .. } => ("forbidden", None, None, false),
             Self::NotFound(_) => ("not_found", None, None, false),
+            Self::MethodNotAllowed(_) => ("method_not_allowed", None, None, false),
             Self::LeaseLost(_) => ("lease_lost", None, None, false),
             Self::TooLarge { field, limit, .. } => {
                 ("too_large", Some(field.clone()), Some(*limit), false)
@@ -140,6 +146,16 @@ impl ApiError {
             "not_migrated" => Self::Internal { kind: "not_migrated", detail: p.detail },
             _ => Self::Internal { kind: "internal", detail: p.detail },
         }
+    }
+}
+
+/// A `too_large` detail: a stored field's length and the store's limit, or the request body's
+/// limit (its length is not known: reading stopped at the limit).
+fn too_large(field: &str, len: u64, limit: u64) -> String {
+    if field == "body" {
+        format!("the request body is longer than the API's limit of {limit} bytes")
+    } else {
+        format!("{field} is {len} bytes, longer than the store's limit of {limit} bytes")
     }
 }
 

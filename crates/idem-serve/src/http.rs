@@ -41,6 +41,7 @@ pub(crate) fn routes(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -487,6 +488,10 @@ pub(crate) async fn metrics_text(State(s): State<AppState>) -> Response {
         None => ApiError::NotFound("metrics (this server was started without them)".into())
             .into_response(),
     }
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::MethodNotAllowed(format!("{} is not a method of {}", req.method(), req.uri().path()))
 }
 
 async fn not_found(req: Request) -> ApiError {

@@ -223,3 +223,21 @@ async fn a_token_no_store_hands_out_is_lease_lost_on_sql_stores() {
         api.call(Some(common::ADMIN), "POST", "/v1/complete", Some(forged)).await;
     assert_eq!((status, problem["type"].as_str()), (409, Some("lease_lost")), "{problem}");
 }
+
+// A route called with another method answers a problem document (405), as every other refusal
+// does; a body past the API's limit says the limit, not a length it never read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_method_and_a_too_large_body_answer_problem_documents() {
+    let server = common::serve(MemoryStore::new()).await;
+    let api = Api::new(server.base());
+    let (status, body) = api.call(None, "POST", "/readyz", None).await;
+    assert_eq!(status, 405, "{body}");
+    assert_eq!(body["type"], "method_not_allowed", "{body}");
+    assert!(body["detail"].as_str().unwrap().contains("/readyz"), "{body}");
+    let huge = json!({ "scope": "orders", "key": "k", "pad": "x".repeat(idem_serve::wire::MAX_BODY_BYTES) });
+    let (status, body) = api.call(Some(common::ORDERS), "POST", "/v1/claims", Some(huge)).await;
+    assert_eq!(status, 413, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(detail.contains("API's limit"), "{body}");
+    assert!(!detail.contains("0 bytes,"), "{body}");
+}

@@ -235,15 +235,6 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         self.note_store_failures(&outcomes, &mut report);
         let (verbs, dead) = self.verbs(&batch, &outcomes, &mut report);
         let actions = self.copy_dead_letters(&batch, verbs, dead, &mut report).await?;
-        let copied: Vec<&S::Delivery> = batch
-            .iter()
-            .zip(&actions)
-            .filter(|(_, a)| matches!(a, Verb::DeadLetter { .. }))
-            .map(|(m, _)| m)
-            .collect();
-        if !copied.is_empty() {
-            B::dead_lettered(&self.engine, &copied).await;
-        }
         if let Some(hook) = &self.hook {
             for ((m, o), action) in batch.iter().zip(&outcomes).zip(&actions) {
                 let key = self.engine.key_of(m).ok();

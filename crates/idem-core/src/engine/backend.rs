@@ -86,17 +86,6 @@ pub(crate) mod mode {
         ///
         /// # Cancel safety
         /// As [`Engine::decide_batch`].
-        /// After the broker confirmed the dead-letter copies of `dead`, before they are
-        /// acknowledged: what the mode keeps so that they are not read, and copied, again.
-        /// The offset inbox moves the stored positions past them.
-        fn dead_lettered<'a, M: Envelope + Sync>(
-            engine: &'a Engine<Self>,
-            dead: &'a [&'a M],
-        ) -> impl Future<Output = ()> + Send + 'a {
-            let _ = (engine, dead);
-            async {}
-        }
-
         fn decide<'a, M, H, Fut, T, E>(
             engine: &'a Engine<Self>,
             batch: &'a [M],
@@ -219,13 +208,6 @@ impl<I: TxPositions> Mode for OffsetInbox<I> {
 
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
         OffsetInbox::check(self)
-    }
-
-    fn dead_lettered<'a, M: Envelope + Sync>(
-        engine: &'a Engine<Self>,
-        dead: &'a [&'a M],
-    ) -> impl Future<Output = ()> + Send + 'a {
-        engine.pass_dead_letters(dead)
     }
 
     async fn decide<'a, M, H, Fut, T, E>(

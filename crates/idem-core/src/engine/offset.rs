@@ -331,7 +331,13 @@ where
                 plans.push((item, Plan::Behind));
                 continue;
             }
-            if blocked || !contiguous(p.from, cur) {
+            // Contiguous: the message read before it is at or below the position.
+            let contiguous = match (p.from, cur) {
+                (None, _) => true,
+                (Some(f), Some(c)) => f <= c,
+                (Some(_), None) => false,
+            };
+            if blocked || !contiguous {
                 blocked = true;
                 plans.push((item, Plan::Waits));
                 continue;
@@ -340,72 +346,5 @@ where
             plans.push((item, Plan::Run));
         }
         plans
-    }
-}
-
-/// Whether a message read from `from` follows a partition's position `cur`: the message read
-/// before it is at or below the position (or nothing is known of what came before it).
-fn contiguous(from: Option<i64>, cur: Option<i64>) -> bool {
-    match (from, cur) {
-        (None, _) => true,
-        (Some(f), Some(c)) => f <= c,
-        (Some(_), None) => false,
-    }
-}
-
-impl<I: TxPositions> Engine<OffsetInbox<I>> {
-    /// Moves each partition's stored position past the dead letters in `dead` (messages whose
-    /// dead-letter copies the broker confirmed) that follow it, by the rule a message that
-    /// runs follows it: a dead letter is settled, and left below the position it would be
-    /// read, and copied, again after the next assignment. Bounded by the store timeout; a
-    /// failure is logged (the dead letter may then be copied again: dead letters are at least
-    /// once).
-    pub(super) async fn pass_dead_letters<M: Envelope + Sync>(&self, dead: &[&M]) {
-        let mut places: Vec<LogPosition<'_>> =
-            dead.iter().filter_map(|m| m.log_position()).collect();
-        if places.is_empty() {
-            return;
-        }
-        places.sort_by(|a, b| (a.log, a.partition, a.offset).cmp(&(b.log, b.partition, b.offset)));
-        let mut parts: Vec<Partition<'_>> = places.iter().map(|p| (p.log, p.partition)).collect();
-        parts.dedup();
-        let inbox = self.store().inner();
-        let scope = self.scope();
-        let passed = self
-            .bounded(WHAT, async {
-                let mut tx = inbox.begin().await?;
-                let stored = inbox.lock_positions(I::connection(&mut tx), scope, &parts).await?;
-                if stored.len() != parts.len() {
-                    return Err(StoreError::backend(WHAT, true, WrongCount));
-                }
-                let stored: HashMap<Partition<'_>, Option<i64>> =
-                    parts.iter().copied().zip(stored).collect();
-                let mut next: HashMap<Partition<'_>, Option<i64>> = stored.clone();
-                for p in &places {
-                    let Some(cur) = next.get_mut(&(p.log, p.partition)) else { continue };
-                    if cur.is_some_and(|c| p.offset < c) {
-                        continue; // behind the position already
-                    }
-                    if contiguous(p.from, *cur) {
-                        *cur = Some(p.offset + 1);
-                    }
-                }
-                let moves: Vec<(Partition<'_>, i64)> = next
-                    .into_iter()
-                    .filter_map(|(part, n)| Some((part, n?)))
-                    .filter(|(part, n)| stored.get(part).copied().flatten().is_none_or(|s| *n > s))
-                    .collect();
-                if moves.is_empty() {
-                    return inbox.rollback(tx).await;
-                }
-                inbox.advance(I::connection(&mut tx), scope, &moves).await?;
-                inbox.commit(tx).await.map(drop)
-            })
-            .await;
-        if let Err(e) = passed {
-            self.observe_store_error("advance", &e);
-            tracing::warn!(target: "idem", error = %e,
-                "could not move the stored positions past dead letters; they may be copied again");
-        }
     }
 }

@@ -196,8 +196,9 @@ where
                 "idempotency store unavailable");
             store_unavailable()
         }
-        // Never `Acquired` (the engine runs the work itself), and no other variant exists yet.
-        Guarded::Answered(_) | _ => store_unavailable(),
+        // `Answered(Acquired)` never comes (the engine runs the work itself), and no other
+        // variant exists yet.
+        _ => store_unavailable(),
     };
     span.record("outcome", label);
     cfg.count(label);

@@ -145,11 +145,8 @@ impl<S: DedupStore> Engine<S> {
             }
             Finish::Park { reason, answer } => {
                 tracing::warn!(target: "idem", key = %lease.key(), %reason, "key parked in doubt");
-                let fail = self.store.fail(lease, FailKind::InDoubt, &reason, req.retain_for);
-                let done = self.bounded("fail", fail).await;
-                if let Err(e) = &done {
-                    self.observe_store_error("fail", e);
-                }
+                let done =
+                    self.fail_bounded(lease, FailKind::InDoubt, &reason, req.retain_for).await;
                 (answer, done)
             }
         };

@@ -216,12 +216,10 @@ impl<S: DedupStore> Engine<S> {
             let cause = Cause::<String>::CrashLoop { attempts, limit };
             (FailKind::Permanent, cause, Refusal::CrashLoop { attempts, limit })
         };
-        let reason = cause.to_string();
-        if let Err(e) = self.bounded("fail", self.store.fail(lease, kind, &reason, retain)).await {
-            self.observe_store_error("fail", &e);
-            return Err(Refusal::Store(e));
+        match self.fail_bounded(lease, kind, &cause.to_string(), retain).await {
+            Ok(()) => Err(refusal),
+            Err(e) => Err(Refusal::Store(e)),
         }
-        Err(refusal)
     }
 
     /// Gives a lease back (bounded); a failure is logged: the key frees itself when the lease
@@ -245,11 +243,25 @@ impl<S: DedupStore> Engine<S> {
         retain: Duration,
     ) {
         let key = lease.key().to_string();
-        if let Err(e) = self.bounded("fail", self.store.fail(lease, kind, reason, retain)).await {
-            self.observe_store_error("fail", &e);
+        if let Err(e) = self.fail_bounded(lease, kind, reason, retain).await {
             tracing::warn!(target: "idem", %key, error = %e,
                 "could not record the failure; the key frees itself when the lease ends");
         }
+    }
+
+    /// Records a failure, bounded by the store timeout; a store error is counted.
+    pub(super) async fn fail_bounded(
+        &self,
+        lease: Lease,
+        kind: FailKind,
+        reason: &str,
+        retain: Duration,
+    ) -> Result<(), StoreError> {
+        let done = self.bounded("fail", self.store.fail(lease, kind, reason, retain)).await;
+        if let Err(e) = &done {
+            self.observe_store_error("fail", e);
+        }
+        done
     }
 
     /// Runs the handler, extending the lease on every heartbeat tick when one is configured.

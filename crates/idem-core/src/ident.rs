@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// Longest identifier accepted: PostgreSQL silently cuts identifiers at 63 bytes.
-pub const MAX_IDENTIFIER_BYTES: usize = 63;
+pub(crate) const MAX_IDENTIFIER_BYTES: usize = 63;
 
 /// Why an identifier was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -15,7 +15,7 @@ pub enum IdentifierError {
         /// What the name is for (`"table name"`, `"schema name"`).
         field: &'static str,
     },
-    /// Longer than [`MAX_IDENTIFIER_BYTES`].
+    /// Longer than the limit (at most 63 bytes, PostgreSQL's).
     #[error("{field} {value:?} is {len} bytes, longer than the limit of {limit} bytes")]
     TooLong {
         /// What the name is for.

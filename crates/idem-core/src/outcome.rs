@@ -77,11 +77,6 @@ impl OutcomeKind {
             Self::FailedPermanent => "failed_permanent",
         }
     }
-
-    /// Whether the broker is told to redeliver (in progress elsewhere, transient failure).
-    pub fn is_retry(self) -> bool {
-        matches!(self, Self::InProgressElsewhere | Self::FailedTransient)
-    }
 }
 
 impl fmt::Display for OutcomeKind {
@@ -266,7 +261,7 @@ impl<T, E> Outcome<T, E> {
     }
 
     /// The failure a handler's error calls for: transient (retry) or permanent (dead-letter).
-    pub fn from_handler_error(e: HandlerError<E>) -> Self {
+    pub(crate) fn from_handler_error(e: HandlerError<E>) -> Self {
         match e {
             HandlerError::Transient(e) => Self::failed(FailureKind::Transient, Cause::Handler(e)),
             HandlerError::Permanent(e) => Self::failed(FailureKind::Permanent, Cause::Handler(e)),

@@ -33,35 +33,35 @@ use crate::StoreError;
 /// Deliveries decided (`scope`, `outcome`).
 pub const OUTCOMES_TOTAL: &str = "idem_outcomes_total";
 /// Claim latency (`scope`).
-pub const CLAIM_DURATION_SECONDS: &str = "idem_claim_duration_seconds";
+pub(crate) const CLAIM_DURATION_SECONDS: &str = "idem_claim_duration_seconds";
 /// Completion latency (`scope`).
-pub const COMPLETE_DURATION_SECONDS: &str = "idem_complete_duration_seconds";
+pub(crate) const COMPLETE_DURATION_SECONDS: &str = "idem_complete_duration_seconds";
 /// Expired leases taken over (`scope`, `policy`).
-pub const TAKEOVERS_TOTAL: &str = "idem_takeovers_total";
+pub(crate) const TAKEOVERS_TOTAL: &str = "idem_takeovers_total";
 /// Failed store calls (`scope`, `op`, `retryable`).
-pub const STORE_ERRORS_TOTAL: &str = "idem_store_errors_total";
+pub(crate) const STORE_ERRORS_TOTAL: &str = "idem_store_errors_total";
 /// Completions tried again (`scope`).
-pub const COMPLETE_RETRIES_TOTAL: &str = "idem_complete_retries_total";
+pub(crate) const COMPLETE_RETRIES_TOTAL: &str = "idem_complete_retries_total";
 /// Inbox batch transactions run again after a serialization failure (`scope`).
-pub const TX_RETRIES_TOTAL: &str = "idem_tx_retries_total";
+pub(crate) const TX_RETRIES_TOTAL: &str = "idem_tx_retries_total";
 /// Keyless messages processed without dedup (`scope`).
-pub const MISSING_KEY_TOTAL: &str = "idem_missing_key_total";
+pub(crate) const MISSING_KEY_TOTAL: &str = "idem_missing_key_total";
 /// Messages per fetched batch (`scope`).
 pub const BATCH_SIZE: &str = "idem_batch_size";
 /// Confirmed dead-letter copies (`scope`, `outcome`).
 pub const DEAD_LETTERS_TOTAL: &str = "idem_dead_letters_total";
 /// Failed fetches retried (`scope`).
-pub const FETCH_FAILURES_TOTAL: &str = "idem_fetch_failures_total";
+pub(crate) const FETCH_FAILURES_TOTAL: &str = "idem_fetch_failures_total";
 /// Messages left at the broker, where the source knows (`scope`).
-pub const SOURCE_LAG_MESSAGES: &str = "idem_source_lag_messages";
+pub(crate) const SOURCE_LAG_MESSAGES: &str = "idem_source_lag_messages";
 /// Requests through the HTTP layer (`scope_prefix`, `outcome`).
 pub const HTTP_REQUESTS_TOTAL: &str = "idem_http_requests_total";
 /// Outbox rows published.
-pub const OUTBOX_PUBLISHED_TOTAL: &str = "idem_outbox_published_total";
+pub(crate) const OUTBOX_PUBLISHED_TOTAL: &str = "idem_outbox_published_total";
 /// Outbox publish failures (`parked`).
-pub const OUTBOX_FAILURES_TOTAL: &str = "idem_outbox_failures_total";
+pub(crate) const OUTBOX_FAILURES_TOTAL: &str = "idem_outbox_failures_total";
 /// Outbox batch publish latency.
-pub const OUTBOX_PUBLISH_SECONDS: &str = "idem_outbox_publish_seconds";
+pub(crate) const OUTBOX_PUBLISH_SECONDS: &str = "idem_outbox_publish_seconds";
 /// WAL held back by a WAL outbox's replication slot, in bytes (`slot`).
 pub const OUTBOX_WAL_LAG_BYTES: &str = "idem_outbox_wal_lag_bytes";
 

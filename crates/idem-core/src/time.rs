@@ -42,14 +42,6 @@ impl Timestamp {
             Err(e) => Self(duration_micros(e.duration()).saturating_neg()),
         }
     }
-
-    /// As a [`SystemTime`].
-    pub fn to_system_time(self) -> SystemTime {
-        match u64::try_from(self.0) {
-            Ok(us) => UNIX_EPOCH + Duration::from_micros(us),
-            Err(_) => UNIX_EPOCH - Duration::from_micros(self.0.unsigned_abs()),
-        }
-    }
 }
 
 /// As `2026-12-04 21:30:05 UTC`: the civil date and time, whole seconds.

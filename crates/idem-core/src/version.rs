@@ -17,13 +17,6 @@ pub enum Advance {
     },
 }
 
-impl Advance {
-    /// Whether the message should be applied.
-    pub fn is_applied(self) -> bool {
-        matches!(self, Self::Applied)
-    }
-}
-
 /// Records the highest version seen per entity and reports older (or equal) versions as stale.
 ///
 /// Use it when messages carry the entity's full state and a version or sequence number: applying

@@ -21,7 +21,7 @@ use crate::inbox::{Inbox, OffsetInbox, TxInbox, TxPositions};
 ///
 /// let patient = FetchFailures::new(100, Duration::from_millis(500));
 /// assert_eq!(patient.max_in_a_row, 100);
-/// assert_eq!(FetchFailures::stop_at_first().max_in_a_row, 1);
+/// assert_eq!(FetchFailures::new(0, Duration::ZERO).max_in_a_row, 1); // at least one
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -42,11 +42,6 @@ impl FetchFailures {
     /// Stop after `max_in_a_row` failures in a row (at least 1), waiting `backoff` between.
     pub fn new(max_in_a_row: u32, backoff: Duration) -> Self {
         Self { max_in_a_row: max_in_a_row.max(1), backoff }
-    }
-
-    /// Stop at the first failure.
-    pub fn stop_at_first() -> Self {
-        Self::new(1, Duration::ZERO)
     }
 }
 

@@ -85,7 +85,7 @@ impl Report {
     }
 
     /// Counts one verb.
-    pub fn count_verb(&mut self, verb: &Verb) {
+    pub(crate) fn count_verb(&mut self, verb: &Verb) {
         match verb {
             Verb::Ack => self.acked += 1,
             Verb::DeadLetter { .. } => self.dead_lettered += 1,

@@ -81,11 +81,11 @@ pub(crate) struct Config {
 
 /// The longest a store call, or an inbox batch's whole transaction, may take (see
 /// [`EngineBuilder::store_timeout`]).
-pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How many attempts whose lease ran out a key gets before the engine dead-letters it as a
 /// crash loop (see [`EngineBuilder::crash_loop_limit`]).
-pub const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
+pub(crate) const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
 
 /// Builds an [`Engine`]. Only the scope is required.
 ///
@@ -217,8 +217,7 @@ macro_rules! engine_setters {
 
         /// How many attempts of one key may end with their lease running out (the process
         /// died, was killed or hung while the handler ran) before the key is dead-lettered as a
-        /// crash loop instead of run again (two-phase mode; default
-        /// [`DEFAULT_CRASH_LOOP_LIMIT`](crate::engine::DEFAULT_CRASH_LOOP_LIMIT), 5). A message
+        /// crash loop instead of run again (two-phase mode; default 5). A message
         /// that aborts the process never returns an error, so no broker counts it; the store's
         /// attempt number does. The check runs when a claim takes over an expired lease whose
         /// attempt number has reached the limit (attempts ended by a transient failure count
@@ -235,8 +234,7 @@ macro_rules! engine_setters {
 
         /// The longest a store call (two-phase: claim, complete, fail, release) or an inbox
         /// batch's whole transaction (its marks, its handlers' statements, its commit) may take
-        /// before it is given up as a transient failure (default
-        /// [`DEFAULT_STORE_TIMEOUT`](crate::engine::DEFAULT_STORE_TIMEOUT), 120 s). A
+        /// before it is given up as a transient failure (default 120 s). A
         /// connection cut by a network partition drops packets without a reset: without a bound
         /// a consumer would wait in its read until the kernel gives up (about 15 minutes) or for
         /// ever. Giving up is safe: an inbox transaction that did commit makes the redelivery a

@@ -7,20 +7,20 @@ use sha2::{Digest, Sha256};
 use crate::{DedupKey, StoreError};
 
 /// Longest destination (queue, subject, topic or stream name) the outbox accepts, in bytes.
-pub const MAX_DESTINATION_BYTES: usize = 255;
+pub(crate) const MAX_DESTINATION_BYTES: usize = 255;
 /// Longest message id or ordering key, in bytes.
-pub const MAX_ID_BYTES: usize = 255;
+pub(crate) const MAX_ID_BYTES: usize = 255;
 /// Largest payload, in bytes. Brokers have their own limits, which may be lower once headers
 /// are counted (NATS' default `max_payload` is 1 MiB with headers, Kafka's default
 /// `message.max.bytes` 1,000,000): a message over the broker's limit is parked by the relay
 /// with the broker's reason.
 pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
 /// Most headers on one message.
-pub const MAX_HEADERS: usize = 64;
+pub(crate) const MAX_HEADERS: usize = 64;
 /// Longest header name, in bytes (AMQP's short-string limit).
-pub const MAX_HEADER_NAME_BYTES: usize = 255;
+pub(crate) const MAX_HEADER_NAME_BYTES: usize = 255;
 /// Largest header name plus value, in bytes.
-pub const MAX_HEADER_BYTES: usize = 4096;
+pub(crate) const MAX_HEADER_BYTES: usize = 4096;
 
 /// Errors from enqueueing into an outbox.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +127,7 @@ impl OutboxId {
     /// An id of the caller's choosing.
     ///
     /// # Errors
-    /// Empty, longer than [`MAX_ID_BYTES`], or holding a control character.
+    /// Empty, longer than 255 bytes, or holding a control character.
     pub fn new(id: impl Into<String>) -> Result<Self, OutboxError> {
         let id = id.into();
         check("id", &id, MAX_ID_BYTES)?;

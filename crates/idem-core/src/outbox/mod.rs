@@ -30,7 +30,6 @@ mod store;
 
 pub use memory::{MemoryOutbox, RecordingPublisher};
 pub use message::{
-    MAX_DESTINATION_BYTES, MAX_HEADER_BYTES, MAX_HEADER_NAME_BYTES, MAX_HEADERS, MAX_ID_BYTES,
     MAX_PAYLOAD_BYTES, OutboxError, OutboxId, OutboxMessage, Outgoing, decode_headers,
     encode_headers,
 };

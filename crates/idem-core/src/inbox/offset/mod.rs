@@ -29,7 +29,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
 
 use super::TxInbox;
 use crate::StoreError;
@@ -165,11 +164,6 @@ impl<I: TxPositions> OffsetInbox<I> {
     /// The inbox.
     pub fn inner(&self) -> &I {
         &self.inbox
-    }
-
-    /// How long markers are kept: the window in which a producer duplicate is caught.
-    pub fn marker_window(&self) -> Option<Duration> {
-        self.markers.then(|| self.inbox.retention())
     }
 
     /// The startup check: the inbox's, and the positions table answering a read (a store

@@ -47,7 +47,7 @@ impl<B> Read<B> {
 
     /// With each message's count of failed publishes before this read.
     #[must_use]
-    pub fn with_failed_before(mut self, failed_before: Vec<u32>) -> Self {
+    pub(crate) fn with_failed_before(mut self, failed_before: Vec<u32>) -> Self {
         self.failed_before = failed_before;
         self
     }

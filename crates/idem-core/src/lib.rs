@@ -12,36 +12,34 @@
 //! - [`RedeliveryWindow`] and [`VersionGuard`]: retention arithmetic and natural idempotency.
 //! - [`job::Job`]: a scheduled or retried job that runs at most once per period.
 //! - [`outbox`]: the transactional outbox and its relay, the producing half.
-//! - [`dlq`]: dead letters read back, replayed by the rules (a conflict never under its key).
 //! - [`redact`]: addresses and connection strings shown without their secrets.
 //! - [`telemetry`]: the metrics every consumer emits, and [`describe_metrics`] for exporters.
 //!
 //! This crate does no I/O of its own; stores and broker adapters live in sibling crates.
 
 mod answer;
-pub mod batched;
+mod batched;
 mod chain;
 pub mod claim;
 pub mod claim_rule;
 pub mod consumer;
-pub mod dlq;
 pub mod engine;
 pub mod extract;
 pub mod fingerprint;
-pub mod ident;
+mod ident;
 pub mod inbox;
 pub mod job;
-pub mod key;
+mod key;
 pub mod memory;
 pub mod outbox;
 mod outcome;
-pub mod record;
+mod record;
 pub mod redact;
 pub mod retention;
-pub mod store;
+mod store;
 pub mod telemetry;
 pub mod time;
-pub mod version;
+mod version;
 
 pub use batched::{BatchConfig, Batched};
 pub use chain::ErrorChain;

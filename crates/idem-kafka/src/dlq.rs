@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, Republish};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, Republish};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::error::KafkaError;
@@ -48,7 +48,7 @@ const QUEUE_TIMEOUT: Duration = Duration::from_secs(5);
 ///   finds a second one a duplicate.
 ///
 /// ```no_run
-/// use idem_core::dlq::{OnConflict, Workbench};
+/// use idem_dlq::{OnConflict, Workbench};
 /// use idem_kafka::KafkaDeadLetters;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

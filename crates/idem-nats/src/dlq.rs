@@ -13,7 +13,7 @@ use async_nats::jetstream::stream::{
 use async_nats::jetstream::{Context, ErrorCode};
 use futures_util::future::BoxFuture;
 use idem_core::consumer::headers;
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, REPLAYED_FROM, Republish};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, REPLAYED_FROM, Republish};
 
 use crate::delivery::{MSG_ID_HEADER, is_server_header};
 use crate::publish::Refused;
@@ -48,7 +48,7 @@ const REMOVALS_IN_FLIGHT: usize = 16;
 /// replay must achieve.
 ///
 /// ```no_run
-/// use idem_core::dlq::{OnConflict, Workbench};
+/// use idem_dlq::{OnConflict, Workbench};
 /// use idem_nats::JetStreamDeadLetters;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

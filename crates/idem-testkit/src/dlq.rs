@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::consumer::{Consumer, headers};
-use idem_core::dlq::{DeadLetterQueue, Letter, OnConflict, Workbench, accepted_id, group};
 use idem_core::engine::HandlerError;
 use idem_core::extract::Envelope;
+use idem_dlq::{DeadLetterQueue, Letter, OnConflict, Workbench, accepted_id, group};
 use idem_sqlx::SqliteStore;
 
 use crate::source::{MessageOf, SourceHarness};

@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 
 pub use idem_core::*;
+/// Dead letters read back and replayed by the rules: the [`idem_dlq`] crate.
+pub use idem_dlq as dlq;
 
 /// The embedded store and transactional inbox on SQLite (feature `sqlite`, on by default).
 #[cfg(feature = "sqlite")]

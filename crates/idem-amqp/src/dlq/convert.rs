@@ -2,7 +2,7 @@
 //! a delivery's stable id and its letter.
 
 use crate::topology::is_routing_header;
-use idem_core::dlq::{DlqError, Letter, Republish};
+use idem_dlq::{DlqError, Letter, Republish};
 use lapin::message::{BasicReturnMessage, Delivery};
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Confirmation};

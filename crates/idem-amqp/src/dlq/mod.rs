@@ -1,10 +1,10 @@
 //! Dead letters read back from a RabbitMQ queue, for `idem dlq` and the console: the
-//! [`DeadLetterQueue`] of [`idem_core::dlq`].
+//! [`DeadLetterQueue`] of [`idem_dlq`].
 
 use std::collections::HashSet;
 
 use futures_util::future::{BoxFuture, join_all};
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, MAX_LETTERS, Republish};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, MAX_LETTERS, Republish};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -27,7 +27,7 @@ const BROKER_HEADERS: [&str; 4] =
 
 /// The dead letters of a RabbitMQ queue — by default `<queue>.idem.dlq`, where
 /// [`AmqpConsumer`](crate::AmqpConsumer) puts them ([`Topology`]) — read, replayed and removed
-/// by the rules of [`Workbench`](idem_core::dlq::Workbench).
+/// by the rules of [`Workbench`](idem_dlq::Workbench).
 ///
 /// A queue has no read that leaves its messages in place, so:
 /// - **read** takes up to `limit` messages with `basic.get` on a channel of its own, without
@@ -60,7 +60,7 @@ const BROKER_HEADERS: [&str; 4] =
 ///
 /// ```no_run
 /// use idem_amqp::AmqpDeadLetters;
-/// use idem_core::dlq::{OnConflict, Workbench};
+/// use idem_dlq::{OnConflict, Workbench};
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let conn = lapin::Connection::connect("amqp://127.0.0.1:5672/%2f", Default::default()).await?;

@@ -99,7 +99,7 @@ fn a_replay_leaves_the_brokers_headers_to_the_broker() {
 }
 
 fn sample() -> Republish {
-    use idem_core::dlq::{MemoryDeadLetters, OnConflict, Workbench};
+    use idem_dlq::{MemoryDeadLetters, OnConflict, Workbench};
     // The workbench builds a Republish; take one from the in-memory queue.
     let q = MemoryDeadLetters::new();
     q.push(

@@ -13,7 +13,7 @@ use idem_amqp::lapin::BasicProperties;
 use idem_amqp::lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use idem_amqp::lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use idem_amqp::{AmqpConfig, AmqpDeadLetters, AmqpSource};
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, OnConflict, Workbench};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, OnConflict, Workbench};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 

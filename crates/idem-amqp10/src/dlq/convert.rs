@@ -6,7 +6,7 @@ use fe2o3_amqp::types::messaging::{
     ApplicationProperties, Body, Data, Header, Message, MessageId, Properties,
 };
 use fe2o3_amqp::types::primitives::{Binary, SimpleValue, Symbol, Value};
-use idem_core::dlq::{DlqError, Republish};
+use idem_dlq::{DlqError, Republish};
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
 

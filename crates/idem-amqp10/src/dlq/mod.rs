@@ -1,5 +1,5 @@
 //! Dead letters read back from an AMQP 1.0 node or a Service Bus dead-letter sub-queue, for
-//! `idem dlq` and the console: the [`DeadLetterQueue`] of [`idem_core::dlq`].
+//! `idem dlq` and the console: the [`DeadLetterQueue`] of [`idem_dlq`].
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -12,7 +12,7 @@ use fe2o3_amqp::types::definitions::{ReceiverSettleMode, SenderSettleMode};
 use fe2o3_amqp::types::messaging::{Accepted, Body, Outcome, Released};
 use fe2o3_amqp::types::primitives::Value;
 use idem_core::consumer::headers;
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, MAX_LETTERS, Republish};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, MAX_LETTERS, Republish};
 
 use crate::config::{Amqp10Config, DeadLetters};
 use crate::connect::{self, Endpoint, Opened};
@@ -38,7 +38,7 @@ const CREDIT: u32 = 500;
 /// The dead letters at an AMQP 1.0 address — a RabbitMQ queue such as `/amq/queue/orders.dlq`
 /// ([`DeadLetters::Address`]) or a Service Bus entity's dead-letter sub-queue
 /// (`orders/$deadletterqueue`) — read, replayed and removed by the rules of
-/// [`Workbench`](idem_core::dlq::Workbench). Every call opens a connection of its own and
+/// [`Workbench`](idem_dlq::Workbench). Every call opens a connection of its own and
 /// closes it before it returns.
 ///
 /// - **read** receives up to `limit` messages unsettled, then settles them all `released`
@@ -75,7 +75,7 @@ const CREDIT: u32 = 500;
 ///
 /// ```no_run
 /// use idem_amqp10::{Amqp10Config, Amqp10DeadLetters, DeadLetters};
-/// use idem_core::dlq::Workbench;
+/// use idem_dlq::Workbench;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// let config = Amqp10Config::new("amqp://guest:guest@127.0.0.1:5672", "/amq/queue/orders")

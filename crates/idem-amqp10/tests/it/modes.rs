@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10DeadLetters, Amqp10Source, DeadLetters};
-use idem_core::dlq::{DeadLetterQueue, Letter, OnConflict, Workbench};
+use idem_dlq::{DeadLetterQueue, Letter, OnConflict, Workbench};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};
 

@@ -445,10 +445,10 @@ async fn real_service_bus_when_configured() {
     c.close().await.unwrap();
     // Its dead-letter sub-queue, read as `idem dlq` reads it (taken, then given back).
     let dlq = idem_amqp10::Amqp10DeadLetters::for_service_bus(&sb.entity().unwrap());
-    let letters = idem_core::dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
+    let letters = idem_dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
     println!("real Service Bus dead letters (first 10): {}", letters.len());
-    let again = idem_core::dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
-    let ids = |ls: &[idem_core::dlq::Letter]| ls.iter().map(|l| l.id.clone()).collect::<Vec<_>>();
+    let again = idem_dlq::DeadLetterQueue::read(&dlq, 10).await.unwrap();
+    let ids = |ls: &[idem_dlq::Letter]| ls.iter().map(|l| l.id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&letters), ids(&again), "a read changed the dead-letter sub-queue");
 }
 

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::Topics;
-use idem_core::dlq::{DeadLetterQueue, OnConflict, Workbench};
+use idem_dlq::{DeadLetterQueue, OnConflict, Workbench};
 use idem_kafka::rdkafka::ClientConfig;
 use idem_kafka::rdkafka::consumer::{BaseConsumer, Consumer as _};
 use idem_kafka::rdkafka::message::{Header, OwnedHeaders};
@@ -216,7 +216,7 @@ async fn a_removed_dead_letter_stays_hidden_from_a_fresh_reader() {
     let (gone, kept) = (letters[0].id.clone(), letters[1].id.clone());
     assert_eq!(first.remove(std::slice::from_ref(&gone)).await.expect("remove"), 1);
     assert_eq!(first.remove(std::slice::from_ref(&gone)).await.expect("remove again"), 0);
-    let ids = |ls: &[idem_core::dlq::Letter]| ls.iter().map(|l| l.id.clone()).collect::<Vec<_>>();
+    let ids = |ls: &[idem_dlq::Letter]| ls.iter().map(|l| l.id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&first.read(10).await.expect("read")), [kept.as_str()]);
     drop(first);
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PullConsumer;
 use common::{DUP_WINDOW, Env};
 use idem_core::consumer::headers;
-use idem_core::dlq::{DlqError, OnConflict, Workbench};
+use idem_dlq::{DlqError, OnConflict, Workbench};
 use idem_nats::{JetStreamConfig, JetStreamDeadLetters, JetStreamSource};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};

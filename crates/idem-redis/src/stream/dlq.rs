@@ -2,7 +2,7 @@
 //! [`DeadLetterQueue`] of `idem dlq` and the console.
 
 use futures_util::future::BoxFuture;
-use idem_core::dlq::{DeadLetterQueue, DlqError, Letter, Republish};
+use idem_dlq::{DeadLetterQueue, DlqError, Letter, Republish};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{RedisError, Value};
 
@@ -30,7 +30,7 @@ use super::source::GROUP_FIELD;
 /// may live on different nodes).
 ///
 /// ```no_run
-/// use idem_core::dlq::{OnConflict, Workbench};
+/// use idem_dlq::{OnConflict, Workbench};
 /// use idem_redis::StreamDeadLetters;
 ///
 /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{Cleanup, group_state};
 use idem_core::consumer::headers;
-use idem_core::dlq::DeadLetterQueue;
+use idem_dlq::DeadLetterQueue;
 use idem_redis::{GROUP_FIELD, StreamConfig, StreamDeadLetters, StreamSource};
 use idem_testkit::crash::CrashHarness;
 use idem_testkit::source::{BoxFuture, DeadCopy, SourceHarness};

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use axum::extract::Path;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
-use idem_core::dlq::DlqError;
+use idem_dlq::DlqError;
 
 use crate::error::ApiError;
 

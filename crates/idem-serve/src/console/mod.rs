@@ -4,7 +4,7 @@
 //! Every page is rendered on the server; every value shown is HTML-escaped; the stylesheet and
 //! the one script (the charts) are compiled into the binary, so the console works without any
 //! network access beyond its own. The dead-letter actions apply idem's rules, written once in
-//! [`Workbench`](idem_core::dlq::Workbench): a failed message is replayed under its key, a
+//! [`Workbench`](idem_dlq::Workbench): a failed message is replayed under its key, a
 //! conflict only discarded or accepted as a new message, and a dead letter is removed only once
 //! its replay is confirmed.
 //!
@@ -22,7 +22,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use idem_core::dlq::MemoryDeadLetters;
+//! use idem_dlq::MemoryDeadLetters;
 //! use idem_serve::console::Console;
 //! use idem_serve::{Scopes, Token, Tokens};
 //!
@@ -41,9 +41,9 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{get, post};
-use idem_core::dlq::{DeadLetterQueue, MAX_LETTERS};
 use idem_core::outbox::{OutboxCounts, OutboxStore, UnsentRow};
 use idem_core::{DedupStore, InspectStore, StoreError};
+use idem_dlq::{DeadLetterQueue, MAX_LETTERS};
 
 use crate::auth::Tokens;
 use crate::ops::{AppState, MetricsRender};
@@ -98,7 +98,7 @@ impl<T: OutboxStore> OutboxAdmin for T {
 /// ```
 /// use std::sync::Arc;
 /// use std::time::Duration;
-/// use idem_core::dlq::MemoryDeadLetters;
+/// use idem_dlq::MemoryDeadLetters;
 /// use idem_serve::console::Console;
 ///
 /// let console = Console::new()

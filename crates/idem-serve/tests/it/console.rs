@@ -8,11 +8,11 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
-use idem_core::dlq::{Letter, MemoryDeadLetters};
 use idem_core::{
     Claim, ClaimRequest, DedupKey, DedupStore, FailKind, Fingerprint, InspectStore, MemoryStore,
     RecordState,
 };
+use idem_dlq::{Letter, MemoryDeadLetters};
 use idem_serve::console::Console;
 use idem_serve::{MetricsRender, Scopes, Token, Tokens};
 use tower::ServiceExt as _;
@@ -178,7 +178,7 @@ async fn group_of(f: &Fixture, id: &str) -> String {
 }
 
 async fn read(q: &MemoryDeadLetters) -> Vec<Letter> {
-    use idem_core::dlq::DeadLetterQueue as _;
+    use idem_dlq::DeadLetterQueue as _;
     q.read(1000).await.expect("read")
 }
 

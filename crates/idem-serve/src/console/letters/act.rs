@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse as _, Redirect, Response};
-use idem_core::dlq::{Letter, OnConflict, ReplayReport, Workbench};
+use idem_dlq::{Letter, OnConflict, ReplayReport, Workbench};
 
 use super::super::html::{ConsoleError, esc};
 use super::super::session::Action;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
 use axum::response::Response;
-use idem_core::dlq::{DeadLetterQueue, Letter, Workbench, group};
 use idem_core::{Fingerprint, consumer::headers};
+use idem_dlq::{DeadLetterQueue, Letter, Workbench, group};
 use serde::Deserialize;
 
 use super::ConsoleState;
@@ -415,7 +415,7 @@ pub(crate) async fn letter(
     );
     body.push_str("<h2>Headers</h2><table class=\"headers\"><tbody>");
     for (k, v) in &l.headers {
-        let class = if idem_core::dlq::is_dead_letter_header(k) { " class=\"idem\"" } else { "" };
+        let class = if idem_dlq::is_dead_letter_header(k) { " class=\"idem\"" } else { "" };
         let _ = write!(
             body,
             "<tr{class}><th scope=\"row\">{}</th><td class=\"mono\">{}</td></tr>",

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::consumer::headers;
+use idem_core::consumer::headers;
 
 /// The most dead letters one call reads, lists or acts on.
 pub const MAX_LETTERS: usize = 10_000;

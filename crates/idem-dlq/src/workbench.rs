@@ -4,7 +4,7 @@ use std::fmt;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::consumer::headers;
+use idem_core::consumer::headers;
 
 use super::*;
 
@@ -58,7 +58,7 @@ impl fmt::Display for ReplayReport {
 /// payload, so the same conflict accepted twice is one new message.
 ///
 /// ```
-/// use idem_core::dlq::accepted_id;
+/// use idem_dlq::accepted_id;
 ///
 /// assert_eq!(accepted_id("o-7", b"{}"), accepted_id("o-7", b"{}"));
 /// assert_ne!(accepted_id("o-7", b"{}"), accepted_id("o-7", b"[]"));

@@ -1,7 +1,7 @@
 //! Reading dead letters back, and deciding what to do with them: the operator's half of
 //! dead-lettering.
 //!
-//! Every broker adapter dead-letters with the same [dead-letter headers](crate::consumer::headers)
+//! Every broker adapter dead-letters with the same [dead-letter headers](idem_core::consumer::headers)
 //! (`idem-reason`, `idem-outcome`, `idem-scope`, `idem-key`, `idem-source`, …). A broker supplies
 //! three primitives as a [`DeadLetterQueue`]: read without removing, republish with the
 //! broker's confirmation, remove. The rules live here, once, in [`Workbench`]:
@@ -16,7 +16,7 @@
 //!   worst present twice, and then deduplicated by the consumer.
 //!
 //! ```
-//! use idem_core::dlq::{Letter, MemoryDeadLetters, OnConflict, Workbench};
+//! use idem_dlq::{Letter, MemoryDeadLetters, OnConflict, Workbench};
 //!
 //! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 //! let queue = MemoryDeadLetters::new();
@@ -38,7 +38,7 @@
 //! assert_eq!(report.refused.len(), 1); // the conflict stays where it is
 //! assert_eq!(queue.published()[0].destination, "orders");
 //! assert_eq!(queue.len(), 1);
-//! # Ok::<_, idem_core::dlq::DlqError>(()) }).unwrap();
+//! # Ok::<_, idem_dlq::DlqError>(()) }).unwrap();
 //! ```
 
 mod letter;
@@ -172,7 +172,7 @@ impl DlqError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::consumer::headers;
+    use idem_core::consumer::headers;
 
     fn letter(id: &str, outcome: &str, reason: &str) -> Letter {
         Letter::new(id, format!("{{\"n\":{id}}}").into_bytes())

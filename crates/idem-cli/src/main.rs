@@ -159,7 +159,7 @@ async fn main() -> std::process::ExitCode {
             ops::fail(&store, scope, id, reason).await.map(|()| 0)
         }
         Command::Relay(args) => relay::run(args).await.map(|()| 0),
-        Command::Serve(args) => serve::run(args).await.map(|()| 0),
+        Command::Serve(args) => serve::run(args, &scrubber).await.map(|()| 0),
         Command::Dlq { command } => dlq::run(command).await.map(|()| 0),
     };
     match result {

@@ -4,13 +4,15 @@
 //! client libraries (`RUST_LOG=debug`) and the causes in an error chain are not written by
 //! idem; a client that prints its configuration would print the password. So every secret
 //! found in the command line and the `IDEM_*` variables (as given, and percent-decoded, as a
-//! client holds it) is replaced by `***` in each log line and in the final error. Secrets
+//! client holds it) is replaced by `***` in each log line and in the final error; `idem serve`
+//! adds the secrets of every address and token its configuration holds ([`Scrubber::add`],
+//! [`Scrubber::add_literal`]) before it connects to anything. Secrets
 //! shorter than [`MIN_LEN`] characters are left alone: replacing them would garble every line,
 //! and they are not worth guessing less than the rest of the line tells anyway.
 
 use std::borrow::Cow;
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use idem::redact::{self, MASK};
 
@@ -30,25 +32,44 @@ pub(crate) const ADDRESS_VARS: [&str; 6] = [
 /// The secrets to look for, longest first (so a secret containing another goes whole).
 #[derive(Debug, Default)]
 pub(crate) struct Scrubber {
-    secrets: Vec<String>,
+    secrets: RwLock<Vec<String>>,
 }
 
 impl Scrubber {
     /// The secrets of `addresses` (each argument and address variable of the process).
     pub(crate) fn new<'a>(addresses: impl IntoIterator<Item = &'a str>) -> Self {
-        let mut secrets = Vec::new();
+        let s = Self::default();
+        s.add(addresses);
+        s
+    }
+
+    /// Adds the secrets of `addresses` (their passwords, tokens and keys, as given and
+    /// percent-decoded).
+    pub(crate) fn add<'a>(&self, addresses: impl IntoIterator<Item = &'a str>) {
+        let mut found = Vec::new();
         for address in addresses {
             for s in redact::secrets(address) {
-                secrets.push(s.to_owned());
+                found.push(s.to_owned());
                 if let Some(decoded) = decode(s) {
-                    secrets.push(decoded);
+                    found.push(decoded);
                 }
             }
         }
-        secrets.retain(|s| s.chars().count() >= MIN_LEN);
+        self.extend(found);
+    }
+
+    /// Adds `secret` itself (an API token), and its percent-decoded form.
+    pub(crate) fn add_literal(&self, secret: &str) {
+        let mut found = vec![secret.to_owned()];
+        found.extend(decode(secret));
+        self.extend(found);
+    }
+
+    fn extend(&self, found: Vec<String>) {
+        let mut secrets = self.secrets.write().unwrap_or_else(PoisonError::into_inner);
+        secrets.extend(found.into_iter().filter(|s| s.chars().count() >= MIN_LEN));
         secrets.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
         secrets.dedup();
-        Self { secrets }
     }
 
     /// The process's own: its arguments and address variables.
@@ -61,7 +82,8 @@ impl Scrubber {
     /// `text` with every secret replaced by `***`.
     pub(crate) fn scrub<'t>(&self, text: &'t str) -> Cow<'t, str> {
         let mut out = Cow::Borrowed(text);
-        for s in &self.secrets {
+        let secrets = self.secrets.read().unwrap_or_else(PoisonError::into_inner);
+        for s in secrets.iter() {
             if out.contains(s.as_str()) {
                 out = Cow::Owned(out.replace(s.as_str(), MASK));
             }

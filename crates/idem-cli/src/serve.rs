@@ -34,8 +34,9 @@ and in-doubt leases, the dead letters of each push consumer (and of [[console.de
 grouped by cause with replay / discard / purge, an outbox ([console] outbox = …) and live charts. \
 Operators log in with an API token and see only its scopes; [console] read_only = true allows no \
 action. Logs go to stderr (RUST_LOG, default info; --log-format json for one JSON object \
-per line). SIGTERM or Ctrl-C stops accepting, finishes open requests and in-flight pushes, and \
-exits 0.";
+per line). [limits] bounds connections, streams, requests in flight and time (header, request, \
+idle, drain). SIGTERM or Ctrl-C stops accepting, lets open requests finish for up to \
+limits.drain_timeout_ms (10 s), closes every connection, finishes in-flight pushes, and exits 0.";
 
 /// Arguments of `idem serve`.
 #[derive(Debug, clap::Args)]
@@ -55,7 +56,7 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: ServeArgs, scrubber: &crate::scrub::Scrubber) -> anyhow::Result<()> {
     let mut config = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -65,10 +66,17 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => ServeConfig::empty(),
     };
     config.apply_env(env);
+    // Before anything connects or logs: every secret the configuration holds or names.
+    let (addresses, tokens) = secrets_of(&config, env);
+    scrubber.add(addresses.iter().map(String::as_str));
+    for t in &tokens {
+        scrubber.add_literal(t);
+    }
     config.console.enabled |= args.console;
     let tokens = config.tokens(env)?;
     config.check_push()?;
     config.check_console()?;
+    config.limits.validate()?;
     let tls = match &config.tls {
         Some(files) => {
             let read =
@@ -132,6 +140,21 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn sqlite(path: &Path, config: &ServeConfig) -> anyhow::Result<SqliteStore> {
+    if config.store.migrate {
+        // Readable by the service's user only: the file holds every key and stored result.
+        // SQLite gives its -wal and -shm files the database file's permissions.
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let created =
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path);
+        match created {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("creating the SQLite store {}", path.display()));
+            }
+        }
+    }
     let opts = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(path)
         .create_if_missing(config.store.migrate)
@@ -193,9 +216,11 @@ impl Serve<'_> {
             None => idem_serve::router(store, self.tokens, self.metrics),
         };
         let mut stop = stop_rx.clone();
-        let server = tokio::spawn(idem_serve::serve(app, self.listener, self.tls, async move {
-            let _ = stop.wait_for(|s| *s).await;
-        }));
+        let limits = self.config.limits.clone();
+        let server =
+            tokio::spawn(idem_serve::serve(app, self.listener, self.tls, limits, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }));
         let signal = shutdown_signal();
         tokio::pin!(signal);
         // A push consumer that ends on its own stops the process: the sidecar is no longer
@@ -224,6 +249,43 @@ impl Serve<'_> {
             None => Ok(()),
         }
     }
+}
+
+/// The addresses (store, brokers, push endpoints and proxies, the console's outbox) and the API
+/// tokens `config` holds, directly or through the variables it names (`*_env`,
+/// `IDEM_SERVE_TOKENS`): what the log scrubber must hide.
+fn secrets_of(
+    config: &ServeConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> (Vec<String>, Vec<String>) {
+    let mut addresses = Vec::new();
+    let mut given = |value: &Option<String>, var: &Option<String>| {
+        addresses.extend(value.clone());
+        addresses.extend(var.as_deref().and_then(&env));
+    };
+    given(&config.store.url, &config.store.url_env);
+    for p in &config.push {
+        given(&p.broker, &p.broker_env);
+        given(&Some(p.endpoint.clone()), &None);
+        given(&p.proxy, &None);
+    }
+    for d in &config.console.dead_letters {
+        given(&d.broker, &d.broker_env);
+    }
+    given(&config.console.outbox, &config.console.outbox_env);
+    let mut tokens = Vec::new();
+    for t in &config.auth.tokens {
+        tokens.extend(t.token.clone());
+        tokens.extend(t.token_env.as_deref().and_then(&env));
+    }
+    if let Some(list) = env("IDEM_SERVE_TOKENS") {
+        for entry in list.split(|c: char| c.is_whitespace() || c == ';') {
+            if let Some(secret) = entry.splitn(3, ':').nth(2) {
+                tokens.push(secret.trim().to_owned());
+            }
+        }
+    }
+    (addresses, tokens)
 }
 
 async fn shutdown_signal() {

@@ -8,7 +8,8 @@
 //!
 //! The sidecar is a separate `idem serve` process on a Redis store (a fresh namespace, deleted
 //! at the end); the in-process store is a `RedisStore` on the same server. Each cell claims and
-//! completes `messages` fresh keys with 1 and 16 tasks in flight; the median of 3 is printed.
+//! completes `messages` fresh keys with 1 and 16 tasks in flight; the median of 3 is printed,
+//! and the sidecar's resident memory idle and its peak under that load.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::io::BufRead as _;
@@ -97,6 +98,9 @@ async fn main() {
     let grpc = ClaimsClient::new(channel);
     let raw = redis::Client::open(REDIS).unwrap().get_multiplexed_async_connection().await.unwrap();
 
+    // The sidecar's memory: idle (connected, no request yet), and its peak under the load below.
+    let pid = child.id();
+    let idle_kib = memory_kib(pid, "VmRSS:");
     println!("messages per cell: {n}; median of 3; msgs/s (claim + complete)");
     println!(
         "| tasks | raw SET NX + SET XX | RedisStore in process | sidecar HTTP/JSON | sidecar gRPC | HTTP / in process | gRPC / in process |"
@@ -194,8 +198,25 @@ async fn main() {
             m[3] / m[1]
         );
     }
+    println!(
+        "sidecar memory: {} KiB resident idle; {} KiB peak (VmHWM) under the load above; {} KiB \
+         resident after it",
+        idle_kib,
+        memory_kib(pid, "VmHWM:"),
+        memory_kib(pid, "VmRSS:")
+    );
     let _ = child.kill();
     let _ = child.wait();
     // The sidecar's records live in the default namespace under the bench's scopes; both
     // namespaces' keys expire with their retention (10 min) and the raw keys with theirs.
+}
+
+/// A `/proc/<pid>/status` field in KiB (`VmRSS:`, `VmHWM:`).
+fn memory_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
 }

@@ -204,6 +204,49 @@ impl Tokens {
     }
 }
 
+/// Anonymous access answers only requests addressed to a loopback name (`localhost`,
+/// `127.0.0.1`, `[::1]`, with any port): a web page whose own name an attacker re-pointed at
+/// 127.0.0.1 (DNS rebinding) sends its name as the `Host`, and is refused `403`. A request that
+/// names no host is let through: no browser sends one.
+pub(crate) async fn loopback_host_only(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let host = req.uri().authority().map(|a| a.host().to_owned()).or_else(|| {
+        let value = req.headers().get(axum::http::header::HOST)?;
+        // A `Host` that does not parse names no loopback host: refused below.
+        let authority =
+            value.to_str().ok().and_then(|v| v.parse::<axum::http::uri::Authority>().ok());
+        Some(authority.map_or_else(String::new, |a| a.host().to_owned()))
+    });
+    // No name at all is no browser's request (HTTP/1.1 requires `Host`; HTTP/2 sends
+    // `:authority`): in-process callers and raw HTTP/1.0 clients.
+    if host.as_deref().is_none_or(is_loopback_name) {
+        return next.run(req).await;
+    }
+    let e = ApiError::Forbidden {
+        token: "anonymous".into(),
+        what: format!(
+            "host {:?} (anonymous access answers only localhost, 127.0.0.1 and [::1])",
+            host.unwrap_or_default()
+        ),
+    };
+    if crate::grpc::is_grpc(req.headers()) { crate::grpc::refusal(e) } else { e.into_response() }
+}
+
+/// `localhost`, `*.localhost`, or a loopback address (`[::1]` with its brackets).
+fn is_loopback_name(host: &str) -> bool {
+    let host = host.trim_end_matches('.').to_ascii_lowercase();
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl Caller {
     /// The token's name.
     pub fn name(&self) -> &str {
@@ -273,6 +316,13 @@ mod tests {
         assert_eq!(c.name(), "orders");
         assert!(c.may_use("orders").is_ok());
         assert!(matches!(c.may_use("payments"), Err(ApiError::Forbidden { .. })));
+        for name in ["localhost", "LOCALHOST.", "app.localhost", "127.0.0.1", "127.1.2.3", "[::1]"]
+        {
+            assert!(super::is_loopback_name(name), "{name}");
+        }
+        for name in ["evil.example", "localhost.evil.example", "10.0.0.1", "[::2]", ""] {
+            assert!(!super::is_loopback_name(name), "{name}");
+        }
         assert!(c.may_use_all("purge").is_err());
         let ops = tokens.authenticate(&headers("Bearer ops-secret-0123456789abc")).expect("ops");
         assert!(ops.may_use_all("purge").is_ok());

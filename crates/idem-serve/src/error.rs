@@ -61,6 +61,16 @@ pub enum ApiError {
         /// Whether trying again may succeed.
         retryable: bool,
     },
+    /// `503`: the server is answering as many requests as it may ([`Limits::max_in_flight`](crate::Limits::max_in_flight));
+    /// try again shortly (`Retry-After: 1`).
+    #[error("the server is answering as many requests as it may; try again")]
+    Busy,
+    /// `408`: the request was not read and answered within the request timeout.
+    #[error("the request was not read and answered within {ms} ms")]
+    RequestTimeout {
+        /// The bound, in ms.
+        ms: u64,
+    },
     /// `500`: the store holds something that does not decode, or is not migrated.
     #[error("{detail}")]
     Internal {
@@ -92,7 +102,8 @@ impl ApiError {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseLost(_) => StatusCode::CONFLICT,
             Self::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable { .. } | Self::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            Self::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -111,6 +122,8 @@ impl ApiError {
                 ("too_large", Some(field.clone()), Some(*limit), false)
             }
             Self::Unavailable { retryable, .. } => ("unavailable", None, None, *retryable),
+            Self::Busy => ("busy", None, None, true),
+            Self::RequestTimeout { ms } => ("request_timeout", None, Some(*ms), true),
             Self::Internal { kind, .. } => (*kind, None, None, false),
         };
         Problem {
@@ -121,6 +134,18 @@ impl ApiError {
             field,
             limit,
             retryable,
+        }
+    }
+
+    /// Why the caller was refused, for the audit (`idem_api_denied_total{reason}`): none when
+    /// the error is not a refusal of the caller.
+    pub(crate) fn denial(&self) -> Option<&'static str> {
+        match self {
+            Self::Unauthorized(m) if m.starts_with("missing") => Some("missing_token"),
+            Self::Unauthorized("unknown token") => Some("unknown_token"),
+            Self::Unauthorized(_) => Some("malformed_token"),
+            Self::Forbidden { .. } => Some("scope"),
+            _ => None,
         }
     }
 
@@ -140,6 +165,8 @@ impl ApiError {
                 limit: p.limit.unwrap_or(0),
             },
             "unavailable" => Self::Unavailable { detail: p.detail, retryable: p.retryable },
+            "busy" => Self::Busy,
+            "request_timeout" => Self::RequestTimeout { ms: p.limit.unwrap_or(0) },
             "forbidden" => Self::Forbidden { token: String::new(), what: p.detail },
             "unauthorized" => Self::Unauthorized("the server refused the token"),
             "corrupt" => Self::Internal { kind: "corrupt", detail: p.detail },
@@ -188,9 +215,16 @@ impl From<StoreError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
+        let denied = self.denial();
         let mut res = (status, axum::Json(self.problem())).into_response();
         res.headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if matches!(self, Self::Busy) {
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let Some(reason) = denied {
+            res.extensions_mut().insert(Denied(reason));
+        }
         if status == StatusCode::UNAUTHORIZED {
             res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
@@ -198,11 +232,16 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A refusal of the caller ([`ApiError::denial`]), carried on its response to the audit layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Denied(pub(crate) &'static str);
+
 /// An RFC 9457 problem document: every error the API answers with.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Problem {
     /// What went wrong, one word: `invalid`, `unauthorized`, `forbidden`, `not_found`,
-    /// `lease_lost`, `too_large`, `unavailable`, `corrupt`, `not_migrated`, `internal`.
+    /// `lease_lost`, `too_large`, `unavailable`, `busy`, `request_timeout`, `corrupt`,
+    /// `not_migrated`, `internal`.
     #[serde(rename = "type")]
     pub kind: String,
     /// A short summary.
@@ -214,10 +253,10 @@ pub struct Problem {
     /// The field at fault (`invalid`, `too_large`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-    /// The limit it broke, in its unit (`too_large`: bytes).
+    /// The limit it broke, in its unit (`too_large`: bytes; `request_timeout`: ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u64>,
-    /// Whether trying again may succeed (`unavailable`).
+    /// Whether trying again may succeed (`unavailable`, `busy`, `request_timeout`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub retryable: bool,
 }

@@ -373,7 +373,10 @@ pub(crate) async fn force_release(
     let r = async {
         let key = wire::key(&p.scope, &p.key)?;
         caller.may_use(&p.scope)?;
-        Ok(Json(Changed { changed: s.store.force_release(&key).await? }))
+        let changed = s.store.force_release(&key).await?;
+        tracing::info!(target: "idem::api", token = caller.name(), scope = key.scope(),
+            key = key.id(), changed, "operator action: force release");
+        Ok(Json(Changed { changed }))
     }
     .await;
     observe("force_release", started, &r);
@@ -402,7 +405,10 @@ pub(crate) async fn force_fail(
         let key = wire::key(&p.scope, &p.key)?;
         caller.may_use(&p.scope)?;
         wire::check_size("reason", b.reason.len())?;
-        Ok(Json(Changed { changed: s.store.force_fail(&key, &b.reason).await? }))
+        let changed = s.store.force_fail(&key, &b.reason).await?;
+        tracing::info!(target: "idem::api", token = caller.name(), scope = key.scope(),
+            key = key.id(), changed, "operator action: force fail");
+        Ok(Json(Changed { changed }))
     }
     .await;
     observe("force_fail", started, &r);
@@ -436,7 +442,10 @@ pub(crate) async fn purge(
             ));
         }
         let limit = usize::try_from(limit).unwrap_or(10_000);
-        Ok(Json(Purged { deleted: s.store.purge(limit).await? }))
+        let deleted = s.store.purge(limit).await?;
+        tracing::info!(target: "idem::api", token = caller.name(), limit, deleted,
+            "operator action: purge");
+        Ok(Json(Purged { deleted }))
     }
     .await;
     observe("purge", started, &r);

@@ -26,7 +26,8 @@
 //! let tokens = Tokens::new(vec![Token::new("orders", "a-long-random-secret", Scopes::from_list(["orders"]))?])?;
 //! let app = idem_serve::router(idem_core::MemoryStore::new(), tokens, None);
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:7700").await?;
-//! idem_serve::serve(app, listener, None, std::future::pending()).await?; // or a shutdown signal
+//! let limits = idem_serve::Limits::default();
+//! idem_serve::serve(app, listener, None, limits, std::future::pending()).await?; // or a shutdown signal
 //! # Ok(()) }
 //! ```
 
@@ -51,6 +52,6 @@ pub use error::ApiError;
 pub use ops::{METRICS, MetricsRender};
 pub use push::{DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_RETRY_AFTER, PushError, Pusher};
 pub use remote::{DEFAULT_TIMEOUT, RemoteError, RemoteStore, RemoteStoreBuilder};
-pub use server::{DRAIN_TIMEOUT, TlsError, router, serve, tls_acceptor};
+pub use server::{DRAIN_TIMEOUT, Limits, TlsError, router, serve, tls_acceptor};
 /// The TLS crate of [`tls_acceptor`]'s answer.
 pub use tokio_rustls;

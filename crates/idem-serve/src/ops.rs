@@ -30,12 +30,53 @@ pub(crate) struct AppState {
 // ---- metrics ---------------------------------------------------------------------------------
 
 /// Every metric `idem serve` adds to the engine's (`docs/OPERATIONS.md` lists each).
-pub const METRICS: [&str; 4] = [
+pub const METRICS: [&str; 7] = [
     "idem_api_requests_total",
     "idem_api_request_seconds",
     "idem_api_claims_total",
     "idem_push_requests_total",
+    DENIED_TOTAL,
+    crate::server::REFUSED_CONNECTIONS_TOTAL,
+    crate::server::REQUESTS_BOUNDED_TOTAL,
 ];
+
+/// Callers refused (`401`, `403`, and their gRPC statuses), by `reason`.
+pub(crate) const DENIED_TOTAL: &str = "idem_api_denied_total";
+
+/// The audit of every API request: a refusal of the caller is counted
+/// (`idem_api_denied_total{reason}`: `missing_token`, `malformed_token`, `unknown_token`,
+/// `scope`) and logged at debug with the method and the route (never the token).
+pub(crate) async fn audit(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let method = req.method().clone();
+    // The route's template (`/v1/records/{scope}/{key}`), not the path with a key in it; for
+    // gRPC, the method (`/idem.v1.Claims/Claim`).
+    let route = if crate::grpc::is_grpc(req.headers()) {
+        req.uri().path().to_owned()
+    } else {
+        req.extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map_or("(no route)", axum::extract::MatchedPath::as_str)
+            .to_owned()
+    };
+    let res = next.run(req).await;
+    let reason =
+        res.extensions().get::<crate::error::Denied>().map(|d| d.0).or_else(|| {
+            match res.headers().get("grpc-status").map(axum::http::HeaderValue::as_bytes) {
+                Some(b"7") => Some("scope"),
+                Some(b"16") => Some("unknown_token"),
+                _ => None,
+            }
+        });
+    if let Some(reason) = reason {
+        metrics::counter!(DENIED_TOTAL, "reason" => reason).increment(1);
+        tracing::debug!(target: "idem::api", %method, route, reason, status = res.status().as_u16(),
+            "request denied");
+    }
+    res
+}
 
 /// Counts a finished request: `idem_api_requests_total{operation, status}` and its latency.
 pub(crate) fn observe<T>(op: &'static str, started: Instant, r: &Result<T, ApiError>) {

@@ -9,4 +9,5 @@ mod galera;
 mod ops;
 mod relay;
 mod secrets;
+mod serve;
 mod tls;

@@ -430,3 +430,165 @@ fn children(parent: u32) -> Vec<(u32, String, String)> {
     }
     found
 }
+
+/// A request with `token` on a fresh connection; answers the status line.
+async fn request_with(addr: &str, token: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let body = r#"{"scope":"orders","key":"o-1"}"#;
+    let req = format!(
+        "POST /v1/claims HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(req.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_string(&mut answer)).await;
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+// `idem serve` at `RUST_LOG=trace` with a secret in every place its configuration can hold one:
+// the store URL in the file, a push broker URL in a variable the file names (`broker_env`), the
+// push endpoint's user-info, a token in the file, one in a `token_env` variable and one in
+// `IDEM_SERVE_TOKENS`. The server starts, pushes (to a closed port), answers a request with each
+// token and stops on SIGTERM; no secret appears in anything it wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_serve_never_prints_a_secret_of_its_configuration() {
+    use idem::nats::async_nats::jetstream;
+    use tokio::io::AsyncBufReadExt as _;
+    if !reachable("postgres", "IDEM_TEST_POSTGRES_URL", "postgres://127.0.0.1:5432")
+        || !reachable("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")
+    {
+        return;
+    }
+    let nats = std::env::var("IDEM_TEST_NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".into());
+    let nats = nats.trim_start_matches("nats://").to_owned();
+    let (store_pw, broker_pw, endpoint_pw) = (planted(), planted(), planted());
+    let (file_token, env_token, list_token) = (planted(), planted(), planted());
+    let name = format!("SECRETS{:08x}", rand::random::<u32>());
+    let js = jetstream::new(idem::nats::async_nats::connect(&nats).await.unwrap());
+    js.create_stream(jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.in"), format!("{name}.dlq")],
+        // Bounded, as idem's NATS source requires (a late copy must not outlive retention).
+        max_age: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    js.create_consumer_on_stream(
+        jetstream::consumer::pull::Config {
+            durable_name: Some("idem-orders".into()),
+            filter_subject: format!("{name}.in"),
+            // A bounded redelivery window, as idem's NATS source requires.
+            max_deliver: 5,
+            ack_wait: Duration::from_secs(30),
+            ..Default::default()
+        },
+        name.as_str(),
+    )
+    .await
+    .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"listen = "127.0.0.1:0"
+[store]
+url = "postgres://postgres:{store_pw}@127.0.0.1:5432/test"
+[[auth.tokens]]
+name = "file"
+token = "{file_token}"
+scopes = ["*"]
+[[auth.tokens]]
+name = "from-env"
+token_env = "IDEM_TEST_SERVE_TOKEN"
+scopes = ["orders"]
+[[push]]
+name = "orders"
+broker_env = "IDEM_TEST_SERVE_BROKER"
+source = "{name}"
+dead_letter = "{name}.dlq"
+scope = "orders"
+endpoint = "http://hook:{endpoint_pw}@127.0.0.1:1/orders"
+timeout_ms = 500
+"#
+        ),
+    )
+    .unwrap();
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.args(["serve", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "trace")
+        .env("IDEM_TEST_SERVE_BROKER", format!("nats://idem:{broker_pw}@{nats}"))
+        .env("IDEM_TEST_SERVE_TOKEN", &env_token)
+        .env("IDEM_SERVE_TOKENS", format!("listed:orders:{list_token}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for var in ENV_VARS.iter().chain(&["IDEM_SERVE_LISTEN", "IDEM_SERVE_CONFIG"]) {
+        cmd.env_remove(var);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let stderr = child.stderr.take().unwrap();
+    let log = tokio::spawn(async move {
+        let mut text = String::new();
+        let mut lines = tokio::io::BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    });
+    let addr = tokio::time::timeout(BOUND, async {
+        while let Ok(Some(line)) = stdout.next_line().await {
+            if let Some(a) = line.strip_prefix("listening on http://") {
+                return Some(a.to_owned());
+            }
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten();
+    if let Some(addr) = &addr {
+        let mut headers = idem::nats::async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", "m-1");
+        js.publish_with_headers(format!("{name}.in"), headers, "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        for token in [&file_token, &env_token, &list_token] {
+            let status = request_with(addr, token).await;
+            assert!(
+                status.starts_with("HTTP/1.1 2"),
+                "a request with a configured token: {status}"
+            );
+        }
+        // The push to the closed port is tried (and its error logged) meanwhile.
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &child.id().unwrap().to_string()])
+            .status();
+    }
+    let _ = tokio::time::timeout(BOUND, child.wait()).await;
+    let _ = child.kill().await;
+    let output = log.await.unwrap();
+    let _ = js.delete_stream(&name).await;
+    assert!(addr.is_some(), "idem serve did not start:\n{output}");
+    assert!(output.contains("TRACE"), "not run at trace level:\n{output}");
+    for (what, secret) in [
+        ("the store password", &store_pw),
+        ("the broker password", &broker_pw),
+        ("the endpoint password", &endpoint_pw),
+        ("the file's token", &file_token),
+        ("the token_env token", &env_token),
+        ("the IDEM_SERVE_TOKENS token", &list_token),
+    ] {
+        assert!(!output.contains(secret.as_str()), "{what} was printed:\n{output}");
+    }
+}

@@ -37,6 +37,15 @@
 //! broker = "nats://127.0.0.1:4222"   # or broker_env
 //! queue = "PAYMENTS"                 # the queue, stream, subject or topic consumed
 //! # dead_letter = "payments.dlq"     # where they are, when not idem's default for the queue
+//!
+//! [limits]                           # optional; each key at its default (see `Limits`)
+//! max_connections = 1024
+//! max_streams_per_connection = 100
+//! max_in_flight = 512
+//! header_timeout_ms = 10000
+//! request_timeout_ms = 30000
+//! idle_timeout_ms = 60000
+//! drain_timeout_ms = 10000
 //! ```
 //!
 //! `IDEM_SERVE_TOKENS` adds tokens without a file: entries `name:scope,scope:secret`, separated
@@ -77,6 +86,9 @@ pub struct ServeConfig {
     /// The operator console.
     #[serde(default)]
     pub console: ConsoleConfig,
+    /// What clients may hold: connections, streams, requests, time.
+    #[serde(default)]
+    pub limits: crate::Limits,
 }
 
 /// The operator console at `/console` (off unless `enabled`, or `idem serve --console`).

@@ -22,9 +22,59 @@ pub mod pb;
 
 use pb::claims_server::{Claims, ClaimsServer};
 
-/// The gRPC service, routed by the axum router under `/idem.v1.Claims/`.
-pub(crate) fn service(state: AppState) -> ClaimsServer<Service> {
-    ClaimsServer::new(Service { state })
+/// The gRPC service, routed by the axum router under `/idem.v1.Claims/`. The token is checked
+/// on the headers, before a byte of the message is read: a caller without one costs its headers
+/// only. Messages are decoded up to the API's body limit ([`wire::MAX_BODY_BYTES`]).
+pub(crate) fn service(
+    state: AppState,
+) -> impl tower::Service<
+    axum::extract::Request,
+    Response = axum::response::Response,
+    Error = std::convert::Infallible,
+    Future = impl Send + 'static,
+> + Clone
++ Send
++ Sync
++ 'static {
+    let tokens = std::sync::Arc::clone(&state.tokens);
+    let claims =
+        ClaimsServer::new(Service { state }).max_decoding_message_size(wire::MAX_BODY_BYTES);
+    tower::service_fn(move |mut req: axum::extract::Request| {
+        let claims = claims.clone();
+        let caller = tokens.authenticate(req.headers());
+        async move {
+            let res = match caller {
+                Ok(caller) => {
+                    req.extensions_mut().insert(caller);
+                    match tower::ServiceExt::oneshot(claims, req).await {
+                        Ok(res) => res.map(axum::body::Body::new),
+                        Err(never) => match never {},
+                    }
+                }
+                Err(e) => refusal(e),
+            };
+            Ok::<_, std::convert::Infallible>(res)
+        }
+    })
+}
+
+/// `e` as a gRPC answer (HTTP 200, the status in the headers), for a request refused before
+/// the service saw it.
+pub(crate) fn refusal(e: ApiError) -> axum::response::Response {
+    let denied = e.denial();
+    let mut res = status(e).into_http::<axum::body::Body>();
+    if let Some(reason) = denied {
+        res.extensions_mut().insert(crate::error::Denied(reason));
+    }
+    res
+}
+
+/// Whether a request is a gRPC call (its answer must be a gRPC status, not a problem document).
+pub(crate) fn is_grpc(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
 }
 
 pub(crate) struct Service {
@@ -33,13 +83,17 @@ pub(crate) struct Service {
 
 impl Service {
     fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
+        // Checked on the headers before the message was read (see `service`).
+        if let Some(caller) = req.extensions().get::<Caller>() {
+            return Ok(caller.clone());
+        }
         let headers = req.metadata().clone().into_headers();
         self.state.tokens.authenticate(&headers).map_err(status)
     }
 }
 
 /// The gRPC status of an API error; `idem-problem` metadata carries the problem's type.
-fn status(e: ApiError) -> Status {
+pub(crate) fn status(e: ApiError) -> Status {
     let code = match &e {
         ApiError::Invalid { .. } => Code::InvalidArgument,
         ApiError::Unauthorized(_) => Code::Unauthenticated,
@@ -47,7 +101,8 @@ fn status(e: ApiError) -> Status {
         ApiError::NotFound(_) => Code::NotFound,
         ApiError::LeaseLost(_) => Code::FailedPrecondition,
         ApiError::TooLarge { .. } => Code::ResourceExhausted,
-        ApiError::Unavailable { .. } => Code::Unavailable,
+        ApiError::Unavailable { .. } | ApiError::Busy => Code::Unavailable,
+        ApiError::RequestTimeout { .. } => Code::DeadlineExceeded,
         _ => Code::Internal,
     };
     let problem = e.problem();

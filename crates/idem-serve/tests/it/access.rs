@@ -173,9 +173,15 @@ async fn https_listener_serves_the_api() {
     let port = listener.local_addr().expect("addr").port();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = idem_serve::router(MemoryStore::new(), common::tokens(), None);
-    let server = tokio::spawn(idem_serve::serve(app, listener, Some(acceptor), async {
-        let _ = rx.await;
-    }));
+    let server = tokio::spawn(idem_serve::serve(
+        app,
+        listener,
+        Some(acceptor),
+        idem_serve::Limits::default(),
+        async {
+            let _ = rx.await;
+        },
+    ));
     // The test certificate names "localhost".
     let remote = idem_serve::RemoteStore::builder(&format!("https://localhost:{port}"))
         .ca_pem(&pki.read(&pki.ca()))
@@ -240,4 +246,80 @@ async fn a_wrong_method_and_a_too_large_body_answer_problem_documents() {
     let detail = body["detail"].as_str().unwrap();
     assert!(detail.contains("API's limit"), "{body}");
     assert!(!detail.contains("0 bytes,"), "{body}");
+}
+
+/// A raw HTTP/1.1 request with the given `Host`; answers the status line and the body.
+async fn with_host(
+    addr: std::net::SocketAddr,
+    host: &str,
+    token: Option<&str>,
+) -> (String, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let auth = token.map(|t| format!("authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let req = format!("GET /v1/stats HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n");
+    tcp.write_all(req.as_bytes()).await.expect("write");
+    let mut text = String::new();
+    tcp.read_to_string(&mut text).await.expect("read");
+    let status = text.lines().next().unwrap_or_default().to_owned();
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}
+
+// Anonymous access answers loopback names only: a page whose name was re-pointed at 127.0.0.1
+// (DNS rebinding) sends its own name as `Host` and is refused; with tokens, `Host` is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_access_refuses_a_host_that_is_not_loopback() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = idem_serve::router(MemoryStore::new(), idem_serve::Tokens::anonymous(), None);
+    tokio::spawn(idem_serve::serve(
+        app,
+        listener,
+        None,
+        idem_serve::Limits::default(),
+        std::future::pending(),
+    ));
+    let port = addr.port();
+    for host in [format!("localhost:{port}"), format!("127.0.0.1:{port}"), "[::1]".to_owned()] {
+        assert_eq!(with_host(addr, &host, None).await.0, "HTTP/1.1 200 OK", "{host}");
+    }
+    for host in [format!("evil.example:{port}"), "192.168.1.10".to_owned(), "a b".to_owned()] {
+        let (status, body) = with_host(addr, &host, None).await;
+        assert_eq!(status, "HTTP/1.1 403 Forbidden", "{host}");
+        assert!(body.contains("anonymous access answers only localhost"), "{body}");
+    }
+    let server = common::serve(MemoryStore::new()).await;
+    let (status, _) = with_host(server.addr, "idem.internal:7700", Some(common::ADMIN)).await;
+    assert_eq!(status, "HTTP/1.1 200 OK", "with tokens, any Host");
+}
+
+// Every refusal is counted by reason and logged at debug with its route, never the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_counted_by_reason() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let server = common::serve(MemoryStore::new()).await;
+    let api = Api::new(server.base());
+    let body = json!({"scope": "payments", "key": "p-1"});
+    metrics::set_global_recorder(recorder).expect("the only recorder this test binary installs");
+    assert_eq!(api.call(None, "POST", "/v1/claims", Some(body.clone())).await.0, 401);
+    assert_eq!(
+        api.call(Some("not-a-token-at-all-000"), "POST", "/v1/claims", Some(body.clone())).await.0,
+        401
+    );
+    assert_eq!(api.call(Some(common::ORDERS), "POST", "/v1/claims", Some(body)).await.0, 403);
+    let mut seen = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        if key.key().name() == "idem_api_denied_total"
+            && let metrics_util::debugging::DebugValue::Counter(n) = value
+        {
+            let reason =
+                key.key().labels().find(|l| l.key() == "reason").map(|l| l.value().to_owned());
+            *seen.entry(reason.unwrap_or_default()).or_insert(0) += n;
+        }
+    }
+    for reason in ["missing_token", "unknown_token", "scope"] {
+        assert!(seen.get(reason).copied().unwrap_or(0) >= 1, "{reason} not counted: {seen:?}");
+    }
 }

@@ -6,6 +6,7 @@ mod common;
 mod console;
 mod grpc;
 mod grpc_codegen;
+mod limits;
 mod push;
 mod readiness;
 mod remote_conformance;

@@ -52,7 +52,7 @@ pub async fn serve<S: DedupStore + InspectStore>(store: S) -> Server {
     let addr = listener.local_addr().expect("addr");
     let (tx, rx) = oneshot::channel();
     let app = idem_serve::router(store, tokens(), None);
-    tokio::spawn(idem_serve::serve(app, listener, None, async {
+    tokio::spawn(idem_serve::serve(app, listener, None, idem_serve::Limits::default(), async {
         let _ = rx.await;
     }));
     Server { addr, stop: Some(tx) }

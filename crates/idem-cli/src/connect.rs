@@ -97,14 +97,77 @@ where
     match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
-            Err(e.into().context(format!("cannot connect to {service} at {}", Redacted(url))))
+            let e = plaintext_hint(url, e.into());
+            Err(e.context(format!("cannot connect to {service} at {}", Redacted(url))))
         }
         Err(_) => Err(anyhow!(
-            "cannot connect to {service} at {}: no answer within {} s",
+            "cannot connect to {service} at {}: no answer within {} s{}",
             Redacted(url),
-            CONNECT_TIMEOUT.as_secs()
+            CONNECT_TIMEOUT.as_secs(),
+            if wants_tls(url) { SILENT_OVER_TLS } else { "" }
         )),
     }
+}
+
+/// What a TLS client is told by a server that speaks no TLS: rustls reads the server's plaintext
+/// greeting or error as a record (`InvalidContentType`), OpenSSL (librdkafka) as `wrong version
+/// number`, sqlx as PostgreSQL's or MySQL's "no TLS here" answer.
+const NOT_TLS: [&str; 4] =
+    ["InvalidContentType", "wrong version number", "does not support TLS", "CorruptMessage"];
+
+/// A server that speaks no TLS and waits for its own protocol never answers a TLS handshake.
+const SILENT_OVER_TLS: &str = " (over TLS: a server that speaks no TLS does not answer a TLS \
+                               handshake — is this its plaintext port?)";
+
+/// `e`, with the failed TLS handshake named above the client's error when `url` asks for TLS
+/// and the server answered in plaintext (or, on a client's own timeout, did not answer).
+fn plaintext_hint(url: &str, e: anyhow::Error) -> anyhow::Error {
+    if !wants_tls(url) {
+        return e;
+    }
+    let chain = format!("{e:#}");
+    let at = url::Url::parse(url).ok().and_then(|u| {
+        let host = u.host_str()?.to_owned();
+        Some(u.port().map_or_else(|| host.clone(), |p| format!("{host}:{p}")))
+    });
+    let at = at.unwrap_or_else(|| "the server".to_owned());
+    if NOT_TLS.iter().any(|m| chain.contains(m)) {
+        e.context(format!(
+            "TLS handshake with {at} failed: the server did not answer with TLS — is this its \
+             plaintext port?"
+        ))
+    } else if chain.contains("timed out") {
+        e.context(format!("no answer from {at}{SILENT_OVER_TLS}"))
+    } else {
+        e
+    }
+}
+
+/// Whether `url` asks for TLS: its scheme, or PostgreSQL's `sslmode` / MySQL's `ssl-mode` at
+/// `require` or stricter.
+fn wants_tls(url: &str) -> bool {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let scheme = scheme.to_ascii_lowercase();
+    if ["rediss", "amqps", "tls", "amqp10s", "kafka+ssl", "kafka+sasl-ssl"]
+        .contains(&scheme.as_str())
+    {
+        return true;
+    }
+    let query = rest.split_once('?').map_or("", |(_, q)| q).to_ascii_lowercase();
+    query.split('&').any(|kv| {
+        matches!(
+            kv.split_once('='),
+            Some((
+                "sslmode" | "ssl-mode" | "ssl_mode",
+                "require"
+                    | "required"
+                    | "verify-ca"
+                    | "verify_ca"
+                    | "verify-full"
+                    | "verify_identity"
+            ))
+        )
+    })
 }
 
 /// A PostgreSQL pool of `pool`'s settings (its acquire timeout becomes the bound).
@@ -513,6 +576,36 @@ mod tests {
         let e = nats_client("nats://127.0.0.1:1?token=hunter2").await.err().map(|e| e.to_string());
         let e = e.unwrap_or_default();
         assert!(e.contains("takes no parameters") && !e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn a_plaintext_answer_to_tls_is_named_with_its_port() {
+        let e = plaintext_hint(
+            "amqps://guest:hunter2@127.0.0.1:5672/%2f",
+            anyhow!("IO error: received corrupt message of type InvalidContentType"),
+        );
+        assert_eq!(
+            format!("{e:#}"),
+            "TLS handshake with 127.0.0.1:5672 failed: the server did not answer with TLS — is \
+             this its plaintext port?: IO error: received corrupt message of type \
+             InvalidContentType"
+        );
+        let pg = plaintext_hint(
+            "postgres://u@h:5432/db?sslmode=require",
+            anyhow!(
+                "error occurred while attempting to establish a TLS connection: server does not support TLS"
+            ),
+        );
+        assert!(format!("{pg:#}").starts_with("TLS handshake with h:5432 failed"), "{pg:#}");
+        let redis = plaintext_hint("rediss://h:6379", anyhow!("Redis `connect` failed: timed out"));
+        assert!(format!("{redis:#}").contains("is this its plaintext port?"), "{redis:#}");
+        // Without TLS asked for, or for another failure, the client's error is left alone.
+        let plain = plaintext_hint("amqp://h:5672", anyhow!("InvalidContentType"));
+        assert_eq!(format!("{plain:#}"), "InvalidContentType");
+        let refused = plaintext_hint("rediss://h:6380", anyhow!("Connection refused"));
+        assert_eq!(format!("{refused:#}"), "Connection refused");
+        assert!(wants_tls("mysql://u@h/db?ssl-mode=VERIFY_IDENTITY"));
+        assert!(!wants_tls("postgres://u@h/db?sslmode=prefer"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -53,7 +53,8 @@ pub enum ApiError {
         limit: u64,
     },
     /// `503`: the store failed (a lost connection, a timeout); `retryable` says whether trying
-    /// again may help.
+    /// again may help. Converted from a [`StoreError`], the detail names no store internals
+    /// (they are logged at warn, `target=idem::api`).
     #[error("{detail}")]
     Unavailable {
         /// The store's error chain.
@@ -204,10 +205,20 @@ impl From<StoreError> for ApiError {
             StoreError::NotMigrated { .. } => {
                 Self::Internal { kind: "not_migrated", detail: e.to_string() }
             }
-            _ => Self::Unavailable {
-                detail: idem_core::ErrorChain(&e).to_string(),
-                retryable: e.is_retryable(),
-            },
+            _ => {
+                // The store's own text (host names, statements, driver internals) stays in the
+                // server's log; the caller learns that the store failed and whether to retry.
+                let retryable = e.is_retryable();
+                tracing::warn!(target: "idem::api", error = %idem_core::ErrorChain(&e), retryable,
+                    "store call failed");
+                Self::Unavailable {
+                    detail: format!(
+                        "the store failed{}; the server's log has its error",
+                        if retryable { " (try again)" } else { "" }
+                    ),
+                    retryable,
+                }
+            }
         }
     }
 }

@@ -118,6 +118,60 @@ async fn the_relay_reads_postgres_and_publishes_to_rabbitmq_over_verified_tls() 
         .unwrap();
 }
 
+/// TLS asked of a plaintext port, on every backend the local services offer: the error names the
+/// failed handshake and asks whether this is the plaintext port, above the client's own error.
+#[test]
+fn tls_to_a_plaintext_port_says_so_on_every_backend() {
+    let mut cases: Vec<Vec<String>> = Vec::new();
+    let v = |args: &[&str]| args.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>();
+    if idem_testkit::service::require(
+        "postgres",
+        "IDEM_TEST_POSTGRES_URL",
+        "postgres://127.0.0.1:5432",
+    )
+    .is_some()
+    {
+        cases.push(v(&[
+            "stats",
+            "--store",
+            "postgres://postgres@127.0.0.1:5432/test?sslmode=require",
+        ]));
+    }
+    if idem_testkit::service::require("mariadb", "IDEM_TEST_MYSQL_URL", "mysql://127.0.0.1:3306")
+        .is_some()
+    {
+        cases.push(v(&["stats", "--store", "mysql://root@127.0.0.1:3306/test?ssl-mode=REQUIRED"]));
+    }
+    if idem_testkit::service::require("redis", "IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+        .is_some()
+    {
+        cases.push(v(&["stats", "--store", "rediss://127.0.0.1:6379"]));
+    }
+    if idem_testkit::service::require("RabbitMQ", "IDEM_TEST_AMQP_URL", "amqp://127.0.0.1:5672")
+        .is_some()
+    {
+        cases.push(v(&[
+            "dlq",
+            "list",
+            "--broker",
+            "amqps://guest:guest@127.0.0.1:5672/%2f",
+            "--queue",
+            "q",
+        ]));
+    }
+    if idem_testkit::service::require("nats", "IDEM_TEST_NATS_URL", "nats://127.0.0.1:4222")
+        .is_some()
+    {
+        cases.push(v(&["dlq", "list", "--broker", "tls://127.0.0.1:4222", "--queue", "q"]));
+    }
+    for args in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = idem(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", text(&o));
+        assert!(text(&o).contains("is this its plaintext port?"), "{args:?}: {}", text(&o));
+    }
+}
+
 /// The regression: `idem relay --to amqps://…` published over plaintext when lapin had no TLS.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqps_to_the_plaintext_port_fails_and_publishes_nothing() {

@@ -323,3 +323,27 @@ async fn refusals_are_counted_by_reason() {
         assert!(seen.get(reason).copied().unwrap_or(0) >= 1, "{reason} not counted: {seen:?}");
     }
 }
+
+// A failed store call answers `503` (retryable) without the store's own text, which may name
+// hosts, statements or driver internals: that goes to the server's log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_failure_answers_503_without_the_stores_text() {
+    use idem_testkit::faults::{FaultyStore, Op};
+    let store = FaultyStore::new(MemoryStore::new());
+    store.fail_next(Op::Claim, 1);
+    let server = common::serve(store).await;
+    let api = Api::new(server.base());
+    let (status, problem) = api
+        .call(
+            Some(common::ADMIN),
+            "POST",
+            "/v1/claims",
+            Some(json!({"scope": "orders", "key": "o-1"})),
+        )
+        .await;
+    assert_eq!(status, 503, "{problem}");
+    assert_eq!(problem["type"], "unavailable");
+    assert_eq!(problem["retryable"], true);
+    assert!(!problem.to_string().contains("injected fault"), "the store's text: {problem}");
+    assert_eq!(problem["detail"], "the store failed (try again); the server's log has its error");
+}

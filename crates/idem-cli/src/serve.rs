@@ -67,7 +67,7 @@ pub(crate) async fn run(args: ServeArgs, scrubber: &crate::scrub::Scrubber) -> a
     };
     config.apply_env(env);
     // Before anything connects or logs: every secret the configuration holds or names.
-    let (addresses, tokens) = secrets_of(&config, env);
+    let (addresses, tokens) = config.secrets(env);
     scrubber.add(addresses.iter().map(String::as_str));
     for t in &tokens {
         scrubber.add_literal(t);
@@ -249,43 +249,6 @@ impl Serve<'_> {
             None => Ok(()),
         }
     }
-}
-
-/// The addresses (store, brokers, push endpoints and proxies, the console's outbox) and the API
-/// tokens `config` holds, directly or through the variables it names (`*_env`,
-/// `IDEM_SERVE_TOKENS`): what the log scrubber must hide.
-fn secrets_of(
-    config: &ServeConfig,
-    env: impl Fn(&str) -> Option<String>,
-) -> (Vec<String>, Vec<String>) {
-    let mut addresses = Vec::new();
-    let mut given = |value: &Option<String>, var: &Option<String>| {
-        addresses.extend(value.clone());
-        addresses.extend(var.as_deref().and_then(&env));
-    };
-    given(&config.store.url, &config.store.url_env);
-    for p in &config.push {
-        given(&p.broker, &p.broker_env);
-        given(&Some(p.endpoint.clone()), &None);
-        given(&p.proxy, &None);
-    }
-    for d in &config.console.dead_letters {
-        given(&d.broker, &d.broker_env);
-    }
-    given(&config.console.outbox, &config.console.outbox_env);
-    let mut tokens = Vec::new();
-    for t in &config.auth.tokens {
-        tokens.extend(t.token.clone());
-        tokens.extend(t.token_env.as_deref().and_then(&env));
-    }
-    if let Some(list) = env("IDEM_SERVE_TOKENS") {
-        for entry in list.split(|c: char| c.is_whitespace() || c == ';') {
-            if let Some(secret) = entry.splitn(3, ':').nth(2) {
-                tokens.push(secret.trim().to_owned());
-            }
-        }
-    }
-    (addresses, tokens)
 }
 
 async fn shutdown_signal() {

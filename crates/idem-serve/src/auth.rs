@@ -212,7 +212,6 @@ pub(crate) async fn loopback_host_only(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse as _;
     let host = req.uri().authority().map(|a| a.host().to_owned()).or_else(|| {
         let value = req.headers().get(axum::http::header::HOST)?;
         // A `Host` that does not parse names no loopback host: refused below.
@@ -232,7 +231,7 @@ pub(crate) async fn loopback_host_only(
             host.unwrap_or_default()
         ),
     };
-    if crate::grpc::is_grpc(req.headers()) { crate::grpc::refusal(e) } else { e.into_response() }
+    e.respond(crate::grpc::is_grpc(req.headers()))
 }
 
 /// `localhost`, `*.localhost`, or a loopback address (`[::1]` with its brackets).

@@ -223,23 +223,41 @@ impl From<StoreError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = self.status();
+impl ApiError {
+    /// This error as the answer to a request: a problem document, or for a gRPC call a gRPC
+    /// status (HTTP 200, the status in its headers). A refusal of the caller is marked on the
+    /// response for the audit layer either way.
+    pub(crate) fn respond(self, grpc: bool) -> Response {
         let denied = self.denial();
+        let mut res = if grpc {
+            crate::grpc::status(self).into_http::<axum::body::Body>()
+        } else {
+            self.problem_response()
+        };
+        if let Some(reason) = denied {
+            res.extensions_mut().insert(Denied(reason));
+        }
+        res
+    }
+
+    fn problem_response(self) -> Response {
+        let status = self.status();
         let mut res = (status, axum::Json(self.problem())).into_response();
         res.headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if matches!(self, Self::Busy) {
             res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
-        if let Some(reason) = denied {
-            res.extensions_mut().insert(Denied(reason));
-        }
         if status == StatusCode::UNAUTHORIZED {
             res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         res
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.respond(false)
     }
 }
 

@@ -62,14 +62,12 @@ pub(crate) async fn audit(
             .to_owned()
     };
     let res = next.run(req).await;
-    let reason =
-        res.extensions().get::<crate::error::Denied>().map(|d| d.0).or_else(|| {
-            match res.headers().get("grpc-status").map(axum::http::HeaderValue::as_bytes) {
-                Some(b"7") => Some("scope"),
-                Some(b"16") => Some("unknown_token"),
-                _ => None,
-            }
-        });
+    // A refusal answered by this crate is marked (`ApiError::respond`); a gRPC method's own
+    // `PERMISSION_DENIED` comes from tonic, known only by its status.
+    let reason = res.extensions().get::<crate::error::Denied>().map(|d| d.0).or_else(|| {
+        let status = res.headers().get("grpc-status").map(axum::http::HeaderValue::as_bytes);
+        (status == Some(b"7")).then_some("scope")
+    });
     if let Some(reason) = reason {
         metrics::counter!(DENIED_TOTAL, "reason" => reason).increment(1);
         tracing::debug!(target: "idem::api", %method, route, reason, status = res.status().as_u16(),

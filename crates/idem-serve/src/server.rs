@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::response::IntoResponse as _;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
@@ -328,7 +327,7 @@ async fn bound_request(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let grpc = crate::grpc::is_grpc(req.headers());
-    let answer = |e: ApiError| if grpc { crate::grpc::refusal(e) } else { e.into_response() };
+    let answer = |e: ApiError| e.respond(grpc);
     let Ok(_slot) = b.in_flight.try_acquire() else {
         metrics::counter!(REQUESTS_BOUNDED_TOTAL, "reason" => "busy").increment(1);
         return answer(ApiError::Busy);

@@ -374,6 +374,15 @@ pub enum ConfigError {
     Token(#[from] TokenError),
 }
 
+/// `IDEM_SERVE_TOKENS`'s entries, `name:scope,scope:secret` separated by whitespace or `;`, as
+/// `(name, scopes, secret)`; `None` for an entry without two colons.
+fn listed_tokens(list: &str) -> impl Iterator<Item = Option<(&str, &str, &str)>> {
+    list.split(|c: char| c.is_whitespace() || c == ';').filter(|e| !e.is_empty()).map(|entry| {
+        let mut parts = entry.splitn(3, ':');
+        Some((parts.next()?, parts.next()?, parts.next()?))
+    })
+}
+
 fn invalid(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field: field.into(), problem: problem.into() }
 }
@@ -421,6 +430,37 @@ impl ServeConfig {
         }
     }
 
+    /// Every secret this configuration holds or names, for a log scrubber: the addresses (the
+    /// store, push brokers, endpoints and proxies, the console's brokers and outbox, directly
+    /// or through the `*_env` variables named), whose passwords and keys are in them; and the
+    /// API tokens (in the file, in `token_env` variables, in `IDEM_SERVE_TOKENS`).
+    pub fn secrets(&self, env: impl Fn(&str) -> Option<String>) -> (Vec<String>, Vec<String>) {
+        let mut addresses = Vec::new();
+        let mut given = |value: &Option<String>, var: &Option<String>| {
+            addresses.extend(value.clone());
+            addresses.extend(var.as_deref().and_then(&env));
+        };
+        given(&self.store.url, &self.store.url_env);
+        for p in &self.push {
+            given(&p.broker, &p.broker_env);
+            given(&Some(p.endpoint.clone()), &None);
+            given(&p.proxy, &None);
+        }
+        for d in &self.console.dead_letters {
+            given(&d.broker, &d.broker_env);
+        }
+        given(&self.console.outbox, &self.console.outbox_env);
+        let mut tokens = Vec::new();
+        for t in &self.auth.tokens {
+            tokens.extend(t.token.clone());
+            tokens.extend(t.token_env.as_deref().and_then(&env));
+        }
+        if let Some(list) = env("IDEM_SERVE_TOKENS") {
+            tokens.extend(listed_tokens(&list).flatten().map(|(_, _, secret)| secret.to_owned()));
+        }
+        (addresses, tokens)
+    }
+
     /// The tokens of the file and of `IDEM_SERVE_TOKENS`, or anonymous access when the file
     /// asks for it (only on a loopback listener).
     ///
@@ -448,13 +488,8 @@ impl ServeConfig {
             tokens.push(Token::new(&t.name, &secret, Scopes::from_list(t.scopes.clone()))?);
         }
         if let Some(list) = env("IDEM_SERVE_TOKENS") {
-            for entry in
-                list.split(|c: char| c.is_whitespace() || c == ';').filter(|e| !e.is_empty())
-            {
-                let mut parts = entry.splitn(3, ':');
-                let (Some(name), Some(scopes), Some(secret)) =
-                    (parts.next(), parts.next(), parts.next())
-                else {
+            for entry in listed_tokens(&list) {
+                let Some((name, scopes, secret)) = entry else {
                     return Err(invalid(
                         "IDEM_SERVE_TOKENS",
                         "each entry is name:scope,scope:secret",

@@ -43,6 +43,47 @@ fn tokens_come_from_the_environment_too() {
 }
 
 #[test]
+fn secrets_name_every_address_and_token_the_configuration_holds() {
+    let c = ServeConfig::from_toml(
+        r#"
+[store]
+url_env = "STORE"
+[[auth.tokens]]
+name = "file"
+token = "file-token-0123456789"
+scopes = ["*"]
+[[auth.tokens]]
+name = "env"
+token_env = "TOKEN"
+scopes = ["orders"]
+[[push]]
+name = "orders"
+broker = "amqp://u:broker-pw@h/%2f"
+source = "orders"
+dead_letter = "orders.dlq"
+scope = "orders"
+endpoint = "http://u:endpoint-pw@app/orders"
+proxy = "http://u:proxy-pw@proxy:3128"
+[console]
+outbox_env = "OUTBOX"
+"#,
+    )
+    .expect("parses");
+    let e = env(&[
+        ("STORE", "postgres://u:store-pw@db/x"),
+        ("TOKEN", "env-token-0123456789"),
+        ("OUTBOX", "mysql://u:outbox-pw@db/x"),
+        ("IDEM_SERVE_TOKENS", "a:orders:listed-token-0123; malformed"),
+    ]);
+    let (addresses, tokens) = c.secrets(e);
+    let all = format!("{addresses:?} {tokens:?}");
+    for secret in ["store-pw", "broker-pw", "endpoint-pw", "proxy-pw", "outbox-pw"] {
+        assert!(addresses.iter().any(|a| a.contains(secret)), "{secret} missing: {all}");
+    }
+    assert_eq!(tokens, ["file-token-0123456789", "env-token-0123456789", "listed-token-0123"]);
+}
+
+#[test]
 fn anonymous_only_on_loopback() {
     let mut c = ServeConfig::from_toml("[auth]\nanonymous = true").expect("parses");
     assert!(c.tokens(env(&[])).expect("loopback").is_anonymous());

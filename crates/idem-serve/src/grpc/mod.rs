@@ -51,22 +51,11 @@ pub(crate) fn service(
                         Err(never) => match never {},
                     }
                 }
-                Err(e) => refusal(e),
+                Err(e) => e.respond(true),
             };
             Ok::<_, std::convert::Infallible>(res)
         }
     })
-}
-
-/// `e` as a gRPC answer (HTTP 200, the status in the headers), for a request refused before
-/// the service saw it.
-pub(crate) fn refusal(e: ApiError) -> axum::response::Response {
-    let denied = e.denial();
-    let mut res = status(e).into_http::<axum::body::Body>();
-    if let Some(reason) = denied {
-        res.extensions_mut().insert(crate::error::Denied(reason));
-    }
-    res
 }
 
 /// Whether a request is a gRPC call (its answer must be a gRPC status, not a problem document).
@@ -83,12 +72,12 @@ pub(crate) struct Service {
 
 impl Service {
     fn caller<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
-        // Checked on the headers before the message was read (see `service`).
-        if let Some(caller) = req.extensions().get::<Caller>() {
-            return Ok(caller.clone());
-        }
-        let headers = req.metadata().clone().into_headers();
-        self.state.tokens.authenticate(&headers).map_err(status)
+        // Authenticated on the headers before the message was read: `service`, the only way
+        // in, puts the caller there or answers the refusal itself.
+        req.extensions()
+            .get::<Caller>()
+            .cloned()
+            .ok_or_else(|| status(ApiError::Unauthorized("missing Authorization: Bearer <token>")))
     }
 }
 

@@ -224,14 +224,12 @@ async fn a_connection_over_the_limit_is_closed_at_once() {
     );
     drop(open.pop());
     // The server notices the close when it reads it: wait for a served connection.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if healthz(addr).await == "HTTP/1.1 200 OK" {
-            break;
-        }
-        assert!(Instant::now() < deadline, "no connection was served after one of four closed");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    idem_testkit::wait_for(
+        "a connection served after one of four closed",
+        Duration::from_secs(10),
+        || async move { healthz(addr).await == "HTTP/1.1 200 OK" },
+    )
+    .await;
 }
 
 /// A `POST /v1/claims` whose body is half sent, once the handler is reading it (the server says

@@ -81,14 +81,11 @@ async fn readyz(http: &reqwest::Client, base: &str) -> (u16, Duration) {
 
 /// Asks `/readyz` until it answers `want`, for up to 20 s.
 async fn until(http: &reqwest::Client, base: &str, want: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if readyz(http, base).await.0 == want {
-            return;
-        }
-        assert!(Instant::now() < deadline, "/readyz never answered {want} ({what})");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let waiting = format!("/readyz to answer {want} ({what})");
+    idem_testkit::wait_for(&waiting, Duration::from_secs(20), || async {
+        readyz(http, base).await.0 == want
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

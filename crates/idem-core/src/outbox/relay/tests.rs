@@ -100,9 +100,14 @@ async fn run_stops_at_shutdown_and_wakes_for_work() {
     });
     let feed = async {
         outbox.send(vec![Outgoing::new("q", "late")]).await.unwrap();
-        while broker.published().is_empty() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let published = async {
+            while broker.published().is_empty() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), published)
+            .await
+            .expect("the late message was not published within 10 s");
         let _ = tx.send(());
     };
     let (report, ()) = tokio::join!(run, feed);

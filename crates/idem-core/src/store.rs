@@ -139,20 +139,23 @@ pub trait DedupStore: Send + Sync + 'static {
     /// lost with it, and the key stays in progress until the lease runs out.
     fn claim(&self, req: &ClaimRequest) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Claims a batch in one round trip where the store can. Answers are in request order, each
-    /// the one a single claim of that request would give at some instant during the call. A key
-    /// that repeats inside the batch is decided in order: the first occurrence may acquire it,
-    /// later ones then see it in progress (or in conflict, when their fingerprint differs; the
-    /// record a conflict carries may predate that acquisition).
+    /// Claims a batch in one round trip where the store can, as **one atomic step**: answers
+    /// are in request order, all decided at one instant during the call, each the one a single
+    /// claim of that request would give after the batch's earlier requests. No other operation
+    /// (a claim, a completion, an operator's `force_*`, a purge) lands between two of its
+    /// requests. A key that repeats inside the batch is decided in order: the first occurrence
+    /// may acquire it, later ones then see it in progress, or in conflict when their
+    /// fingerprint differs (carrying the record that acquisition wrote).
     ///
-    /// The batch is not one atomic step on every store (the linearizability checks in
-    /// `idem-testkit` found PostgreSQL and MySQL upserting then reading back what they lost,
-    /// Redis pipelining `SET NX` before its script, Cosmos DB writing one document per request):
-    /// another caller's operation may land between two of its requests.
+    /// Stores without a transaction across keys apply a batch **atomically per key**: Cosmos
+    /// DB keeps each key in its own partition, so a key's requests are decided together by one
+    /// conditional write and the keys one after another within the call.
     ///
     /// # Errors
-    /// As [`DedupStore::claim`]. A batch that fails may have acquired some of its keys; those
-    /// leases are lost with the error and run out by themselves, as a lost single claim's does.
+    /// As [`DedupStore::claim`]. A batch that fails acquired none of its keys (one transaction
+    /// or script), unless the error hid a commit that did happen (the answer was lost); on a
+    /// store atomic per key it may have acquired some. Leases lost with an error run out by
+    /// themselves, as a lost single claim's does.
     ///
     /// # Cancel safety
     /// As [`DedupStore::claim`].

@@ -243,13 +243,42 @@ where
     Ok(counts)
 }
 
-/// The indices of the requests that take over an expired lease and of those that do not, when
-/// a batch has both (one statement takes one flag, so such a batch is claimed as two).
+/// After one round of a batch decided inside one transaction: stores each decided answer in
+/// `out` (by its index in `todo`) and returns the requests for the next round. A request the
+/// round left open (`None`: its record was claimable when read back, e.g. a repeat whose first
+/// occurrence met another fingerprint and wrote nothing) goes on, and so does every later
+/// request of its key, whose answer assumed the state before it: repeats stay decided in order.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) fn mixed_takeover(reqs: &[idem_core::ClaimRequest]) -> Option<(Vec<usize>, Vec<usize>)> {
+pub(crate) fn keep_open<R: std::borrow::Borrow<idem_core::ClaimRequest>>(
+    todo: &[usize],
+    reqs: &[R],
+    answers: Vec<Option<idem_core::Claim>>,
+    out: &mut [Option<idem_core::Claim>],
+) -> Vec<usize> {
+    let mut open = std::collections::HashSet::new();
+    let mut next = Vec::new();
+    for ((&n, req), answer) in todo.iter().zip(reqs).zip(answers) {
+        let hash = req.borrow().key.hash();
+        match answer {
+            Some(claim) if !open.contains(&hash) => out[n] = Some(claim),
+            _ => {
+                open.insert(hash);
+                next.push(n);
+            }
+        }
+    }
+    next
+}
+
+/// A batch's requests grouped by their takeover flag (one statement takes one): one group, or
+/// two when the batch mixes them (not a batch the engine sends).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn takeover_groups<R: std::borrow::Borrow<idem_core::ClaimRequest>>(
+    reqs: &[R],
+) -> Vec<Vec<usize>> {
     let (with, without): (Vec<usize>, Vec<usize>) =
-        (0..reqs.len()).partition(|&n| reqs[n].takeover);
-    (!with.is_empty() && !without.is_empty()).then_some((with, without))
+        (0..reqs.len()).partition(|&n| reqs[n].borrow().takeover);
+    [with, without].into_iter().filter(|g| !g.is_empty()).collect()
 }
 
 /// Property tests: column values in and out of their domains, of the right SQL type or not

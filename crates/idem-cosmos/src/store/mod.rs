@@ -52,9 +52,10 @@ const BATCH_CONCURRENCY: usize = 32;
 ///   TTL) is treated as absent by `claim`, and [`DedupStore::purge`] deletes what expired by
 ///   this store's clock. The container needs TTL switched on without a default
 ///   ([`CosmosStore::container_properties`]).
-/// - **Batches are not atomic.** Cosmos DB has no transaction across partitions, so
-///   `claim_many` claims its keys concurrently, one conditional write each; if it fails
-///   midway, the claims already made stay until their leases run out.
+/// - **Batches are atomic per key.** Cosmos DB has no transaction across partitions, so
+///   `claim_many` claims its keys concurrently, one conditional write per key (a key's
+///   repeats decided together in that write); if it fails midway, the claims already made stay
+///   until their leases run out.
 /// - **Throttling.** A 429 is retried as [`ThrottlePolicy`] says, then reported as a
 ///   retryable [`StoreError::Backend`].
 ///
@@ -225,18 +226,32 @@ impl CosmosStore {
         }
     }
 
-    async fn claim_one(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let id = doc_id(&req.key);
+    /// Claims one key for `reqs` (its requests, in batch order) with one conditional write:
+    /// the rule is applied to each request in turn on the record as the earlier ones left it,
+    /// and the last record it produced is written with `If-Match` (or created), so the key's
+    /// requests are one atomic step. Again from a fresh read if another writer got in between.
+    async fn claim_key(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let Some(first) = reqs.first() else { return Ok(Vec::new()) };
+        let id = doc_id(&first.key);
         // Most claims are of new keys: try the create first, read only when it exists.
         let mut stored: Option<RecordDoc> = None;
         for _ in 0..MAX_ROUNDS {
             let now = self.now();
-            let rec = stored.as_ref().map(RecordDoc::to_record).transpose()?;
+            let mut rec = stored.as_ref().map(RecordDoc::to_record).transpose()?;
             let etag = stored.as_ref().and_then(|d| d.etag.clone());
-            let d = claim_rule::apply(rec.as_ref(), req, now);
-            let Some(write) = d.write else { return Ok(d.claim) };
+            let mut claims = Vec::with_capacity(reqs.len());
+            let mut write = None;
+            for req in reqs {
+                let d = claim_rule::apply(rec.as_ref(), req, now);
+                if let Some(w) = d.write {
+                    rec = Some(w.clone());
+                    write = Some(w);
+                }
+                claims.push(d.claim);
+            }
+            let Some(write) = write else { return Ok(claims) };
             match self.write(&write, etag.as_deref(), now).await? {
-                Write::Done => return Ok(d.claim),
+                Write::Done => return Ok(claims),
                 Write::Lost => stored = self.read(&id).await?,
             }
         }
@@ -294,33 +309,46 @@ impl CosmosStore {
     }
 }
 
+/// One key's answers in a batch, or the error that stopped them.
+type ClaimsOf = Result<Vec<Claim>, StoreError>;
+
 fn contended(op: &'static str) -> StoreError {
     StoreError::backend(op, true, "the record kept changing under concurrent writers")
 }
 
 impl DedupStore for CosmosStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        self.claim_one(req).await
+        let mut claims = self.claim_key(&[req]).await?;
+        claims.pop().ok_or_else(|| StoreError::Corrupt { what: "claim without an answer".into() })
     }
 
+    /// Atomic per key (each key is its own partition; Cosmos DB has no transaction across
+    /// partitions): a key's requests, repeats included, are one conditional write; the keys
+    /// are claimed concurrently.
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
-        // The first copy of each key is claimed concurrently with the other keys; later copies
-        // wait for it (a second round), so repeats are decided in order.
+        let mut by_key: Vec<Vec<usize>> = Vec::new();
+        let mut slot: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
+        for (i, r) in reqs.iter().enumerate() {
+            let n = *slot.entry(r.key.hash()).or_insert_with(|| {
+                by_key.push(Vec::new());
+                by_key.len() - 1
+            });
+            by_key[n].push(i);
+        }
+        let answers: Vec<(Vec<usize>, ClaimsOf)> = stream::iter(by_key)
+            .map(|idx| async move {
+                let group: Vec<&ClaimRequest> = idx.iter().map(|&i| &reqs[i]).collect();
+                let claims = self.claim_key(&group).await;
+                (idx, claims)
+            })
+            .buffer_unordered(BATCH_CONCURRENCY)
+            .collect()
+            .await;
         let mut out: Vec<Option<Claim>> = reqs.iter().map(|_| None).collect();
-        let mut todo: Vec<usize> = (0..reqs.len()).collect();
-        while !todo.is_empty() {
-            let mut seen = std::collections::HashSet::new();
-            let (round, later): (Vec<usize>, Vec<usize>) =
-                todo.into_iter().partition(|&i| seen.insert(reqs[i].key.hash()));
-            let answers: Vec<(usize, Result<Claim, StoreError>)> = stream::iter(round)
-                .map(|i| async move { (i, self.claim_one(&reqs[i]).await) })
-                .buffer_unordered(BATCH_CONCURRENCY)
-                .collect()
-                .await;
-            for (i, a) in answers {
-                out[i] = Some(a?);
+        for (idx, claims) in answers {
+            for (&i, c) in idx.iter().zip(claims?) {
+                out[i] = Some(c);
             }
-            todo = later;
         }
         out.into_iter()
             .map(|c| {

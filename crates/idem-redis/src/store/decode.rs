@@ -96,7 +96,7 @@ pub(crate) fn claim(v: &Value, req: &ClaimRequest) -> Result<Claim, StoreError> 
 }
 
 /// The replies of a batch claim, in order.
-pub(crate) fn claims(v: &Value, reqs: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+pub(crate) fn claims(v: &Value, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
     let items = array(v, "batch claim reply")?;
     if items.len() != reqs.len() {
         return Err(corrupt(format!("{} answers to {} claims", items.len(), reqs.len())));
@@ -230,7 +230,7 @@ mod props {
                 Err(e) => prop_assert!(false, "{e:?}"),
             }
             let reqs: Vec<_> = (0..n).map(|_| request()).collect();
-            match claims(&v, &reqs.iter().collect::<Vec<_>>()) {
+            match claims(&v, &reqs) {
                 Ok(answers) => prop_assert_eq!(answers.len(), n),
                 Err(StoreError::Corrupt { .. }) => {}
                 Err(e) => prop_assert!(false, "{e:?}"),

@@ -45,7 +45,8 @@ pub const MAX_RESULT_BYTES: usize = 1 << 20;
 ///   of the **server's** clock (its `TIME`, re-read every 5 s, plus the monotonic time since).
 /// - **Atomic per key.** Every other read-decide-write (a takeover, complete, fail, release,
 ///   extend) is one Lua script that reads Redis' own `TIME`: nothing runs in between.
-///   `claim_many` is one pipeline of those `SET`s, then one script for the keys it left open.
+///   `claim_many` is one script for the batch, which tries those `SET`s and decides the rest in
+///   the same atomic step.
 /// - **Fenced.** The record keeps its fencing token and attempt; the finishing scripts compare
 ///   the token and change nothing when it moved on.
 /// - **Completions** are one fenced script each (without `TIME` when the fast path's clock
@@ -138,25 +139,33 @@ impl RedisStore {
         decode::claim(&v, req)
     }
 
-    /// Claims through the batch script, in order.
-    async fn claim_many_script(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+    /// Claims through the batch script, in order; with the fast claim's clock estimate, each
+    /// key is first offered its fresh record (`SET … NX GET` inside the script).
+    async fn claim_many_script(
+        &self,
+        reqs: &[ClaimRequest],
+        est: Option<clock::Estimate>,
+    ) -> Result<Vec<Claim>, StoreError> {
         let mut inv = self.scripts.claim_many.prepare_invoke();
         inv.arg(self.offset_us());
         for r in reqs {
+            let fresh = est.map(|e| fast::Fresh::new(r, e.now_us));
             inv.key(self.record_key(&r.key))
                 .arg(r.key.scope())
                 .arg(r.key.id())
                 .arg(r.fingerprint.as_ref().map_or(&[][..], |f| &f.0[..]))
                 .arg(duration_micros(r.lease_for))
                 .arg(duration_micros(r.retain_for))
-                .arg(u8::from(r.takeover));
+                .arg(u8::from(r.takeover))
+                .arg(fresh.as_ref().map_or_else(Vec::new, |f| f.pack(r)))
+                .arg(fresh.map_or(0, |f| f.ttl_ms));
         }
         let v: Value =
             inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;
         decode::claims(&v, reqs)
     }
 
-    /// The fast claim's `SET`, for a pipeline or alone.
+    /// The fast claim's `SET`.
     fn fresh_set(&self, req: &ClaimRequest, fresh: &fast::Fresh) -> redis::Cmd {
         let mut c = redis::cmd("SET");
         c.arg(self.record_key(&req.key))
@@ -316,53 +325,17 @@ impl DedupStore for RedisStore {
         Ok(answer)
     }
 
-    /// One pipeline of fast `SET`s (one round trip), then one script for the keys they left
-    /// open; without the fast path, one script for the batch. A key repeated in the batch sees
-    /// its earlier occurrence's claim either way.
+    /// One script: the batch is one atomic step (the fast claim's `SET … NX GET` inside it).
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut answers: Vec<Option<Claim>> = Vec::with_capacity(reqs.len());
-        if let Some(est) = self.estimate().await? {
-            let fresh: Vec<fast::Fresh> =
-                reqs.iter().map(|r| fast::Fresh::new(r, est.now_us)).collect();
-            let mut pipe = redis::pipe();
-            for (r, f) in reqs.iter().zip(&fresh) {
-                pipe.add_command(self.fresh_set(r, f));
-            }
-            let replies: Vec<Value> = pipe
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| backend("claim_many", e))?;
-            if replies.len() != reqs.len() {
-                return Err(StoreError::Corrupt {
-                    what: format!("{} answers to {} claims", replies.len(), reqs.len()),
-                });
-            }
-            for ((r, f), v) in reqs.iter().zip(&fresh).zip(&replies) {
-                answers.push(Self::fast_answer(r, f, est, v)?);
-            }
-        } else {
-            answers.resize_with(reqs.len(), || None);
-        }
-        let open: Vec<&ClaimRequest> =
-            reqs.iter().zip(&answers).filter(|(_, a)| a.is_none()).map(|(r, _)| r).collect();
-        if !open.is_empty() {
-            let mut decided = self.claim_many_script(&open).await?.into_iter();
-            for a in answers.iter_mut().filter(|a| a.is_none()) {
-                *a = decided.next();
-            }
-        }
-        if answers.iter().any(|a| matches!(a, Some(Claim::Acquired(_)))) {
+        let est = self.estimate().await?;
+        let answers = self.claim_many_script(reqs, est).await?;
+        if answers.iter().any(|a| matches!(a, Claim::Acquired(_))) {
             self.replicated("claim_many").await?;
         }
-        answers
-            .into_iter()
-            .map(|a| {
-                a.ok_or_else(|| StoreError::Corrupt { what: "claim without an answer".into() })
-            })
-            .collect()
+        Ok(answers)
     }
 
     /// One script (or, with [`RedisStoreBuilder::coalesce_completions`], coalesced with the

@@ -47,9 +47,7 @@ local function now_us(offset)
   return tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(offset)
 end
 local HDR = '>BbI4ddddd'
-local function load(k)
-  local v = redis.call('GET', k)
-  if not v then return nil end
+local function decode(v)
   local r = {raw = v}
   local pos
   r.st, r.prev, r.att, r.tok, r.cr, r.up, r.lu, r.exp, pos = struct.unpack(HDR, v)
@@ -57,6 +55,11 @@ local function load(k)
   r.hasres, r.res, pos = struct.unpack('>BI4c0', v, pos)
   r.sc, r.id = struct.unpack('>I4c0I4c0', v, pos)
   return r
+end
+local function load(k)
+  local v = redis.call('GET', k)
+  if not v then return nil end
+  return decode(v)
 end
 -- Writes the record with a native TTL at its logical expiry, in whole milliseconds rounded
 -- up, so Redis never deletes a record before it expires.
@@ -70,12 +73,11 @@ end
 local function live(r, now) return r.st == 0 and r.lu > now end
 "#;
 
-/// One claim, as a function the single and batch scripts call. Replies:
-/// `{0, token, attempt, until, prev or -1, fp}` acquired; `{1, record}` completed or in doubt;
-/// `{2, retry_after_us, attempt}` in progress; `{3, record}` conflict.
+/// One claim, as a function the single and batch scripts call; `r` is the decoded record
+/// (`nil`: none). Replies: `{0, token, attempt, until, prev or -1, fp}` acquired; `{1, record}`
+/// completed or in doubt; `{2, retry_after_us, attempt}` in progress; `{3, record}` conflict.
 const CLAIM_FN: &str = r#"
-local function claim(k, scope, id, fp, lease, retain, now, take)
-  local r = load(k)
+local function claim(k, r, scope, id, fp, lease, retain, now, take)
   local untl = now + lease
   local keep = now + math.max(retain, lease)
   if (not r) or (r.exp <= now and not live(r, now)) then
@@ -111,23 +113,40 @@ pub(crate) fn claim() -> String {
     format!(
         "{PRELUDE}{CLAIM_FN}
 local now = now_us(ARGV[6])
-return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), now,
-  tonumber(ARGV[7]))"
+return claim(KEYS[1], load(KEYS[1]), ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]),
+  tonumber(ARGV[5]), now, tonumber(ARGV[7]))"
     )
 }
 
-/// KEYS: the records, in request order. ARGV: offset, then 6 per key (scope, id, fingerprint,
-/// lease µs, retain µs, takeover). One script: the batch is one round trip and one atomic step, and a key
-/// repeated in the batch sees its earlier occurrence's claim.
+/// KEYS: the records, in request order. ARGV: offset, then 8 per key (scope, id, fingerprint,
+/// lease µs, retain µs, takeover, the packed fresh record or '', its TTL ms). One script: the
+/// batch is one round trip and one atomic step, and a key repeated in the batch sees its
+/// earlier occurrence's claim. With a fresh record (the fast claim), a key is first
+/// `SET … NX GET`: absent, that one command claims it; present, its value is decided as the
+/// claim script decides it. `TIME` is read only when some key exists.
 pub(crate) fn claim_many() -> String {
     format!(
         "{PRELUDE}{CLAIM_FN}
-local now = now_us(ARGV[1])
+local now = nil
 local out = {{}}
 for i = 1, #KEYS do
-  local a = 1 + (i - 1) * 6
-  out[i] = claim(KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4]),
-    tonumber(ARGV[a + 5]), now, tonumber(ARGV[a + 6]))
+  local a = 1 + (i - 1) * 8
+  local fresh = ARGV[a + 7]
+  local r
+  if fresh ~= '' then
+    local v = redis.call('SET', KEYS[i], fresh, 'NX', 'GET', 'PX', ARGV[a + 8])
+    if v then r = decode(v) end
+  else
+    r = load(KEYS[i])
+  end
+  if fresh ~= '' and not r then
+    local _, _, _, tok, _, _, lu = struct.unpack('>BbI4ddddd', fresh)
+    out[i] = {{0, tok, 1, lu, -1, ARGV[a + 3]}}
+  else
+    if not now then now = now_us(ARGV[1]) end
+    out[i] = claim(KEYS[i], r, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4]),
+      tonumber(ARGV[a + 5]), now, tonumber(ARGV[a + 6]))
+  end
 end
 return out"
     )

@@ -171,30 +171,33 @@ async fn concurrent_claims_share_one_connection_and_a_batch_is_one_round_trip() 
     let stats = |mut conn: idem_redis::RedisConnection| async move {
         let s: String =
             redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
-        (evalsha_calls(&s), calls(&s, "set"))
+        (evalsha_calls(&s), calls(&s, "set"), calls(&s, "get"), calls(&s, "time"))
     };
 
-    // Fresh keys: one pipeline of `SET … NX GET`, no script at all.
+    // Fresh keys: one script (the batch is one atomic step) whose `SET … NX GET`s write them;
+    // no `GET`, and no `TIME` (the fresh records carry the store's estimate of the server
+    // clock). A first batch loads the script: EVALSHA answers NOSCRIPT once on a fresh server.
     assert!(store.fast_claim(), "Redis 7 takes the fast path");
-    let (e0, s0) = stats(conn.clone()).await;
+    let _ = store.claim_many(&[req(998)]).await.expect("claim_many");
+    let (e0, s0, g0, t0) = stats(conn.clone()).await;
     let reqs: Vec<ClaimRequest> = (100..400).map(req).collect();
     let claims = store.claim_many(&reqs).await.expect("claim_many");
-    let (e1, s1) = stats(conn.clone()).await;
+    let (e1, s1, g1, t1) = stats(conn.clone()).await;
     assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
-    assert_eq!((e1 - e0, s1 - s0), (0, 300), "300 fresh claims: 300 SETs, no script");
+    assert_eq!(
+        (e1 - e0, s1 - s0, g1 - g0, t1 - t0),
+        (1, 300, 0, 0),
+        "300 fresh claims: one script, 300 SETs, no GET, no TIME"
+    );
 
-    // Released keys need the script: the same pipeline, then one script for those it left.
-    // (A first such batch loads the script: EVALSHA answers NOSCRIPT once on a fresh server.)
-    let Claim::Acquired(l) = store.claim(&req(999)).await.expect("claim") else { panic!() };
-    store.release(l).await.expect("release");
-    let _ = store.claim_many(&[req(999)]).await.expect("claim_many");
+    // Released keys are decided in the same script, from the value their `SET … NX GET` found.
     for c in claims.into_iter().take(10) {
         let Claim::Acquired(lease) = c else { unreachable!() };
         store.release(lease).await.expect("release");
     }
-    let (e0, _) = stats(conn.clone()).await;
+    let (e0, ..) = stats(conn.clone()).await;
     let again = store.claim_many(&reqs[..20]).await.expect("claim_many");
-    let (e1, _) = stats(conn.clone()).await;
+    let (e1, ..) = stats(conn.clone()).await;
     assert!(again[..10].iter().all(|c| matches!(c, Claim::Acquired(l) if l.attempt() == 2)));
     assert!(again[10..].iter().all(|c| matches!(c, Claim::InProgress { .. })));
     assert_eq!(e1 - e0, 1, "10 released keys, one script call");
@@ -207,10 +210,10 @@ async fn concurrent_claims_share_one_connection_and_a_batch_is_one_round_trip() 
         .await
         .expect("connect");
     assert!(!scripts.fast_claim());
-    let (e0, _) = stats(conn.clone()).await;
+    let (e0, ..) = stats(conn.clone()).await;
     let reqs: Vec<ClaimRequest> = (400..700).map(req).collect();
     let claims = scripts.claim_many(&reqs).await.expect("claim_many");
-    let (e1, _) = stats(conn.clone()).await;
+    let (e1, ..) = stats(conn.clone()).await;
     assert!(claims.iter().all(|c| matches!(c, Claim::Acquired(_))));
     assert_eq!(e1 - e0, 1, "300 claims, one script call");
 }

@@ -36,36 +36,70 @@ impl MySqlStore {
         Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
     }
 
-    /// One claim statement over distinct keys, then the rows read back: for each request, its
-    /// answer, or `None` when the record changed under it and it must be tried again.
-    async fn claim_round(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Option<Claim>>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim", e))?;
-        // The caller's requests share one takeover flag (claim_many splits a batch that mixes).
-        let takeover = reqs.first().is_none_or(|r| r.takeover);
-        let rows = self.upsert_round(&mut conn, reqs, RecordState::InProgress, takeover).await?;
-        Ok(rows
-            .into_iter()
-            .zip(reqs)
-            .map(|(row, req)| {
-                let (won, rec, now) = row?;
-                if won {
-                    return Some(Claim::Acquired(Lease::new(
-                        req.key.clone(),
-                        rec.fingerprint,
-                        rec.token,
-                        rec.attempt,
-                        rec.lease_until.unwrap_or(now),
-                        rec.previous,
-                    )));
+    /// Claims in one transaction: rounds of one upsert per takeover flag and `MAX_ROWS` chunk
+    /// (its rows stay locked until the commit: `ON DUPLICATE KEY UPDATE` locks a row it leaves
+    /// as it was too), each followed by the rows read back with a locking read. Nothing lands
+    /// between the upsert and the read, nor between two requests of the batch, so the batch is
+    /// one atomic step. A request the round could not decide goes to the next round with the
+    /// rest of its key's requests (see [`crate::row::keep_open`]); a batch still open after
+    /// eight rounds is rolled back and tried again.
+    async fn claim_batch(&self, reqs: &[&ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        for _ in 0..8 {
+            let mut tx = self.pool.begin().await.map_err(|e| backend("claim", e))?;
+            if let Some(out) = self.decide_batch(&mut tx, reqs).await? {
+                tx.commit().await.map_err(|e| backend("claim", e))?;
+                return Ok(out);
+            }
+            // Dropping the transaction rolls it back.
+        }
+        Err(StoreError::backend("claim", true, "records kept changing under the claim (8 tries)"))
+    }
+
+    async fn decide_batch(
+        &self,
+        conn: &mut MySqlConnection,
+        reqs: &[&ClaimRequest],
+    ) -> Result<Option<Vec<Claim>>, StoreError> {
+        let mut out: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
+        let mut todo: Vec<usize> = (0..reqs.len()).collect();
+        for _ in 0..8 {
+            let sub: Vec<&ClaimRequest> = todo.iter().map(|&n| reqs[n]).collect();
+            let mut answers: Vec<Option<Claim>> = (0..sub.len()).map(|_| None).collect();
+            for group in crate::row::takeover_groups(&sub) {
+                for chunk in group.chunks(MAX_ROWS) {
+                    let part: Vec<&ClaimRequest> = chunk.iter().map(|&j| sub[j]).collect();
+                    let rows = self
+                        .upsert_round(conn, &part, RecordState::InProgress, part[0].takeover)
+                        .await?;
+                    for ((row, req), &j) in rows.into_iter().zip(&part).zip(chunk) {
+                        answers[j] = row.and_then(|(won, rec, now)| {
+                            if !won {
+                                return lost(rec, req.fingerprint, now, req.takeover);
+                            }
+                            Some(Claim::Acquired(Lease::new(
+                                req.key.clone(),
+                                rec.fingerprint,
+                                rec.token,
+                                rec.attempt,
+                                rec.lease_until.unwrap_or(now),
+                                rec.previous,
+                            )))
+                        });
+                    }
                 }
-                lost(rec, req.fingerprint, now, req.takeover)
-            })
-            .collect())
+            }
+            todo = crate::row::keep_open(&todo, &sub, answers, &mut out);
+            if todo.is_empty() {
+                return Ok(Some(out.into_iter().flatten().collect()));
+            }
+        }
+        Ok(None)
     }
 
     /// One upsert of distinct keys into `state` (in progress: a claim; completed: an inbox
     /// mark), rows in key-hash order so concurrent batches lock them in one order, then the
-    /// rows read back (a locking read: inside a transaction it sees the latest commit). For
+    /// rows read back with a locking read (it sees the latest commit; the caller's transaction
+    /// holds the rows locked from the upsert on). For
     /// each request: whether it won, its record and the database's now; `None` when its row is
     /// gone (purged meanwhile). `takeover`: whether a lease that ran out is taken over.
     pub(crate) async fn upsert_round(
@@ -107,8 +141,7 @@ impl MySqlStore {
                 .bind(owner);
         }
         q.execute(&mut *conn).await.map_err(|e| backend("claim", e))?;
-        let mut sel =
-            sqlx::query(AssertSqlSafe(self.sql.select_many(unique.len(), !leased))).bind(skew);
+        let mut sel = sqlx::query(AssertSqlSafe(self.sql.select_many(unique.len()))).bind(skew);
         for &i in &unique {
             sel = sel.bind(reqs[i].key.hash().0.to_vec());
         }
@@ -231,34 +264,16 @@ impl DedupStore for MySqlStore {
         if let Some(lease) = self.try_insert(req).await? {
             return Ok(Claim::Acquired(lease));
         }
-        for _ in 0..8 {
-            if let Some(Some(claim)) = self.claim_round(&[req]).await?.pop() {
-                return Ok(claim);
-            }
-        }
-        Err(StoreError::backend("claim", true, "record kept changing under the claim (8 tries)"))
+        let mut answers = self.claim_batch(&[req]).await?;
+        answers.pop().ok_or_else(|| StoreError::Corrupt { what: "claim without an answer".into() })
     }
 
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
-        // One statement takes one takeover flag: a batch that mixes them (not one the engine
-        // sends) goes as two groups.
-        let groups = match crate::row::mixed_takeover(reqs) {
-            Some((with, without)) => vec![with, without],
-            None => vec![(0..reqs.len()).collect()],
-        };
-        let mut out: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
-        for group in groups {
-            for chunk in group.chunks(MAX_ROWS) {
-                let refs: Vec<&ClaimRequest> = chunk.iter().map(|&n| &reqs[n]).collect();
-                for (answer, &n) in self.claim_round(&refs).await?.into_iter().zip(chunk) {
-                    out[n] = Some(match answer {
-                        Some(claim) => claim,
-                        None => self.claim(&reqs[n]).await?,
-                    });
-                }
-            }
+        if reqs.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(out.into_iter().flatten().collect())
+        let refs: Vec<&ClaimRequest> = reqs.iter().collect();
+        self.claim_batch(&refs).await
     }
 
     async fn complete(

@@ -37,9 +37,11 @@ const MAX_ROWS: usize = 1000;
 /// The MySQL / MariaDB store.
 ///
 /// A claim is one `INSERT … ON DUPLICATE KEY UPDATE` whose assignments apply only when the row
-/// is claimable, stamping it with a random per-claim `owner`; the row read back says whether
-/// this claim won. No check-then-insert, no `SELECT … FOR UPDATE` on a row that may not exist
-/// (gap locks), no `INSERT IGNORE`. `claim_many` is one multi-row statement. Leases use the
+/// is claimable, stamping it with a random per-claim `owner`; the row read back (a locking read
+/// in the same transaction) says whether this claim won. No check-then-insert, no
+/// `SELECT … FOR UPDATE` on a row that may not exist (gap locks), no `INSERT IGNORE`. A fresh
+/// key is one `INSERT … RETURNING`; `claim_many` is one transaction of multi-row statements, so
+/// a batch is one atomic step. Leases use the
 /// server clock (`NOW(6)`). Keys are the `BINARY(32)` hash column, so collations and trailing
 /// spaces never merge keys.
 ///

@@ -339,12 +339,11 @@ impl Sql {
 
     /// Reads `n` keys back after an upsert; `locked` (inside a transaction): a locking read,
     /// which sees the latest committed rows rather than the transaction's snapshot.
-    pub(super) fn select_many(&self, n: usize, locked: bool) -> String {
+    pub(super) fn select_many(&self, n: usize) -> String {
         let marks = vec!["?"; n].join(", ");
-        let lock = if locked { " LOCK IN SHARE MODE" } else { "" };
         format!(
             "SELECT {COLUMNS}, owner, CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ? \
-             FROM {} WHERE key_hash IN ({marks}){lock}",
+             FROM {} WHERE key_hash IN ({marks}) LOCK IN SHARE MODE",
             self.t
         )
     }

@@ -75,17 +75,80 @@ impl PostgresStore {
         ))
     }
 
-    /// `claim_many` for requests that share one takeover flag: one upsert for the batch, one
-    /// read of the losers.
-    async fn claim_uniform(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(|e| backend("claim_many", e))?;
-        let (first, found) = self.upsert_many(&mut conn, reqs, reqs[0].takeover).await?;
-        drop(conn);
+    /// `claim_many` as one atomic step: one transaction whose upsert locks every row of the
+    /// batch (`ON CONFLICT DO UPDATE` locks the rows it does not change too) until its commit, so
+    /// the read of the rows it did not win sees them as the upsert found them and no other
+    /// writer — a claim, an operator's `force_*`, a purge — lands between two requests. A batch
+    /// in which a record turned claimable between the upsert and that read (a lease ran out in
+    /// between, eight rounds in a row) is rolled back and decided again; so is one the
+    /// database aborted to stay serializable.
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        let again = |e: &StoreError| crate::serialization::store_error_is_serialization_failure(e);
+        for _ in 0..8 {
+            let mut tx = self.pool.begin().await.map_err(|e| backend("claim_many", e))?;
+            let decided = match self.decide_batch(&mut tx, reqs).await {
+                Ok(Some(out)) => {
+                    tx.commit().await.map_err(|e| backend("claim_many", e)).map(|()| out)
+                }
+                // Dropping the transaction rolls it back.
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
+            match decided {
+                Ok(out) => return Ok(out),
+                Err(e) if again(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Err(StoreError::backend(
+            "claim_many",
+            true,
+            "records kept changing under the batch (8 tries); try again",
+        ))
+    }
+
+    /// The batch's statements inside its transaction, in rounds: per takeover flag one upsert
+    /// and (only when some key was taken) one read. A request a round could not decide goes to
+    /// the next with the rest of its key's requests ([`crate::row::keep_open`]); `None` when
+    /// the batch is still open after eight rounds.
+    async fn decide_batch(
+        &self,
+        conn: &mut PgConnection,
+        reqs: &[ClaimRequest],
+    ) -> Result<Option<Vec<Claim>>, StoreError> {
+        let mut out: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
+        let mut todo: Vec<usize> = (0..reqs.len()).collect();
+        for _ in 0..8 {
+            let sub: Vec<&ClaimRequest> = todo.iter().map(|&n| &reqs[n]).collect();
+            let mut answers: Vec<Option<Claim>> = (0..sub.len()).map(|_| None).collect();
+            for group in crate::row::takeover_groups(&sub) {
+                let part: Vec<&ClaimRequest> = group.iter().map(|&j| sub[j]).collect();
+                let round = self.claim_round(conn, &part).await?;
+                for (answer, &j) in round.into_iter().zip(&group) {
+                    answers[j] = answer;
+                }
+            }
+            todo = crate::row::keep_open(&todo, &sub, answers, &mut out);
+            if todo.is_empty() {
+                return Ok(Some(out.into_iter().flatten().collect()));
+            }
+        }
+        Ok(None)
+    }
+
+    /// One upsert of `reqs` (one takeover flag) and the read of what it lost: each request's
+    /// answer, `None` when its record was claimable as read back.
+    async fn claim_round(
+        &self,
+        conn: &mut PgConnection,
+        reqs: &[&ClaimRequest],
+    ) -> Result<Vec<Option<Claim>>, StoreError> {
+        let (first, found) = self.upsert_many(conn, reqs, reqs[0].takeover).await?;
         let mut out = Vec::with_capacity(reqs.len());
-        for (n, req) in reqs.iter().enumerate() {
+        for (j, req) in reqs.iter().enumerate() {
             let hash = req.key.hash().0;
-            let answer = match found.get(&hash) {
-                Some((true, rec, _)) if first.get(&hash) == Some(&n) => {
+            out.push(match found.get(&hash) {
+                Some((true, rec, _)) if first.get(&hash) == Some(&j) => {
                     Some(Claim::Acquired(lease_from_parts(
                         &req.key,
                         i64::from(rec.attempt),
@@ -95,14 +158,10 @@ impl PostgresStore {
                         rec.lease_until.map_or(0, Timestamp::as_micros),
                     )?))
                 }
+                // A repeat of a key this round won is answered from the record it wrote.
                 Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now, req.takeover),
                 None => None,
-            };
-            match answer {
-                Some(claim) => out.push(claim),
-                // Claimable again by the time its record was read, or purged: decide it alone.
-                None => out.push(self.claim(req).await?),
-            }
+            });
         }
         Ok(out)
     }
@@ -134,7 +193,7 @@ impl PostgresStore {
     async fn upsert_many(
         &self,
         conn: &mut PgConnection,
-        reqs: &[ClaimRequest],
+        reqs: &[&ClaimRequest],
         takeover: bool,
     ) -> Result<(HashMap<[u8; 32], usize>, HashMap<[u8; 32], (bool, Record, Timestamp)>), StoreError>
     {
@@ -144,7 +203,7 @@ impl PostgresStore {
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&n| (reqs[n].key.hash().0, n));
         for n in order {
-            let r = &reqs[n];
+            let r = reqs[n];
             let hash = r.key.hash().0;
             if first.contains_key(&hash) {
                 continue;
@@ -259,19 +318,7 @@ impl DedupStore for PostgresStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        // One statement takes one takeover flag: a batch that mixes them (not one the engine
-        // sends) is claimed as two.
-        let Some((with, without)) = crate::row::mixed_takeover(reqs) else {
-            return self.claim_uniform(reqs).await;
-        };
-        let mut answers: Vec<Option<Claim>> = (0..reqs.len()).map(|_| None).collect();
-        for part in [with, without] {
-            let part_reqs: Vec<ClaimRequest> = part.iter().map(|&n| reqs[n].clone()).collect();
-            for (n, c) in part.into_iter().zip(self.claim_uniform(&part_reqs).await?) {
-                answers[n] = Some(c);
-            }
-        }
-        Ok(answers.into_iter().flatten().collect())
+        self.claim_batch(reqs).await
     }
 
     async fn complete(

@@ -44,7 +44,8 @@ pub const MAX_TABLE_NAME: usize = 52;
 ///
 /// A claim is one statement — `INSERT … ON CONFLICT (key_hash) DO UPDATE … WHERE <claimable>
 /// RETURNING` — so the row lock of the primary key arbitrates every race; `claim_many` is one
-/// statement over `unnest` arrays (and, when some keys were taken, one read of their records).
+/// transaction: one statement over `unnest` arrays (and, when some keys were taken, one read of
+/// their records, still locked by it), so a batch is one atomic step.
 /// Leases and expiries are measured by the database clock
 /// (`statement_timestamp()`), never by the consumers'. Records live in their own schema
 /// (`idem` by default).

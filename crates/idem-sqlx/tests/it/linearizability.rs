@@ -3,19 +3,9 @@
 //! MySQL/MariaDB in a fresh table, each dropped afterwards. Every history runs in a scope of
 //! its own, so one store serves them all.
 //!
-//! SQLite passes the strict model. PostgreSQL and MySQL pass it only with the relaxations
-//! each test names; the `#[ignore]`d `*_strict` tests run the strict model and show what they
-//! relax (`cargo test -p idem-sqlx --all-features --test it linearizability:: -- --ignored`):
-//! - both: `claim_many` is not one atomic step (an upsert statement, then a read of the rows it
-//!   did not win, then single claims for keys that became claimable meanwhile), so each request
-//!   is checked on its own, repeats of a key in batch order;
-//! - both: a repeat of a key in a batch may answer `Conflict` carrying the record as read
-//!   before the batch's own first request acquired it (right kind, stale state and attempt),
-//!   so only a conflict's fingerprint is compared;
-//! - MySQL: a claim commits its upsert and reads the row back in a second statement; an
-//!   operator's `force_release` / `force_fail` between the two makes the claim drop the lease it
-//!   had just won and take the key over again (`attempt + 1`, `previous` = released/failed),
-//!   while the operator saw a record no caller held. Operator operations are left out.
+//! Every store passes the strict model: one `claim_many` is one atomic step (PostgreSQL and
+//! MySQL decide it in one transaction holding the batch's row locks), a conflict carries the
+//! key's current record, and the operator's `force_release` / `force_fail` run beside the rest.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -72,21 +62,13 @@ mod postgres {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_store_is_linearizable() {
-        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
-        run(cfg, false).await;
+        run(Config::default(), false).await;
     }
 
     /// Completions through `Batched`: `complete_many`'s one statement must fence each lease.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_group_commit_is_linearizable() {
-        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
-        run(cfg, true).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "known: claim_many is not atomic and may answer a stale conflict record"]
-    async fn postgres_store_strict() {
-        run(Config::default(), false).await;
+        run(Config::default(), true).await;
     }
 }
 
@@ -116,15 +98,11 @@ mod mysql {
         }
     }
 
+    /// Operator operations included: a claim's upsert and its read-back are one transaction,
+    /// so a `force_release` cannot land between them.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_store_is_linearizable() {
-        let cfg = Config {
-            atomic_batches: false,
-            exact_conflicts: false,
-            operator_ops: false,
-            ..Config::default()
-        };
-        run(cfg, false).await;
+        run(Config::default(), false).await;
     }
 
     /// Completions through `Batched` (`complete_many`). It used to answer `Ok` to a spent lease
@@ -132,25 +110,6 @@ mod mysql {
     /// tells the rows this batch's statement changed by their `updated_at`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql_group_commit_is_linearizable() {
-        let cfg = Config {
-            atomic_batches: false,
-            exact_conflicts: false,
-            operator_ops: false,
-            ..Config::default()
-        };
-        run(cfg, true).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "known: an operator release between a claim's upsert and its read-back"]
-    async fn mysql_store_with_operator_ops() {
-        let cfg = Config { atomic_batches: false, exact_conflicts: false, ..Config::default() };
-        run(cfg, false).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "known: claim_many is not atomic and may answer a stale conflict record"]
-    async fn mysql_store_strict() {
-        run(Config { operator_ops: false, ..Config::default() }, false).await;
+        run(Config::default(), true).await;
     }
 }

@@ -20,7 +20,7 @@ pub mod model;
 pub mod run;
 
 pub use model::{Answer, LeaseId, StoreModel, StoreOp, StoreRet};
-pub use run::{Config, Summary, Violation, check_store};
+pub use run::{Batches, Config, Summary, Violation, check_store};
 
 use std::collections::HashSet;
 use std::hash::Hash;
@@ -62,9 +62,6 @@ pub struct Entry<O, R> {
     pub call: Instant,
     /// When it returned and what it answered; `None` when the answer was lost.
     pub ret: Option<(Instant, R)>,
-    /// An operation that must take effect before this one (a batch's previous request, when
-    /// a batch is checked request by request).
-    pub after: Option<usize>,
 }
 
 /// What [`check`] found.
@@ -141,10 +138,7 @@ impl<M: Model> Search<'_, M> {
             .filter_map(|(_, e)| e.ret.as_ref().map(|(at, _)| *at))
             .min();
         for (i, e) in self.history.iter().enumerate() {
-            if done & (1 << i) != 0
-                || horizon.is_some_and(|h| e.call > h)
-                || e.after.is_some_and(|a| done & (1 << a) == 0)
-            {
+            if done & (1 << i) != 0 || horizon.is_some_and(|h| e.call > h) {
                 continue;
             }
             let Some(next) = self.model.step(state, i, &e.op, e.ret.as_ref().map(|(_, r)| r))
@@ -205,7 +199,7 @@ mod tests {
         call: u64,
         ret: Option<(u64, u8)>,
     ) -> Entry<RegOp, u8> {
-        Entry { task, op, call: at(t0, call), ret: ret.map(|(t, r)| (at(t0, t), r)), after: None }
+        Entry { task, op, call: at(t0, call), ret: ret.map(|(t, r)| (at(t0, t), r)) }
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //! Every operation's answer kind and the fields the contract fixes: a claim is acquired (with
 //! its attempt, what it took over and the fingerprint the lease carries), a duplicate (the
 //! record's state, attempt, fingerprint and stored result), in progress (the holder's attempt)
-//! or a conflict (the stored record's state, attempt and fingerprint); `claim_many` decides its
-//! requests in order, atomically; `complete`, `fail`, `release` and `extend` succeed only for
+//! or a conflict (the stored record's state, attempt and fingerprint: the key's current record,
+//! even when the batch's own earlier request just acquired it); `claim_many` decides its
+//! requests in order, atomically (or atomically per key, where a store says so); `complete`, `fail`, `release` and `extend` succeed only for
 //! the key's latest lease while it is in progress, and fail with `LeaseLost` otherwise;
 //! `force_release` answers whether a record existed, `force_fail` whether it failed one.
 //!
@@ -50,16 +51,16 @@ pub enum StoreOp {
     },
     /// `claim_many`, requests as `(key, fingerprint)`.
     ClaimMany(Vec<(usize, Option<u8>)>),
-    /// One request of a `claim_many`, when batches are checked request by request
-    /// ([`Config::atomic_batches`](super::Config::atomic_batches) off): the lease it may grant
-    /// is `lease`.
-    ClaimSlot {
+    /// The requests of one `claim_many` for one key, when a store applies a batch as one
+    /// atomic step per key ([`Batches::PerKey`](super::Batches::PerKey)): decided together,
+    /// in batch order.
+    ClaimKey {
         /// Key index.
         key: usize,
-        /// Fingerprint index.
-        fp: Option<u8>,
-        /// The batch's operation and this request's place in it.
-        lease: LeaseId,
+        /// The batch's operation.
+        op: usize,
+        /// Each request's place in the batch and its fingerprint index, in batch order.
+        reqs: Vec<(usize, Option<u8>)>,
     },
     /// `complete` with `result`.
     Complete {
@@ -187,9 +188,6 @@ pub struct Rec {
 pub struct StoreModel {
     /// How many keys the history uses.
     pub keys: usize,
-    /// Whether a conflict's record must be the key's current one (state and attempt); off,
-    /// only its fingerprint is compared.
-    pub exact_conflicts: bool,
 }
 
 impl StoreModel {
@@ -241,9 +239,13 @@ impl StoreModel {
             StoreOp::Claim { key, fp } => {
                 StoreRet::Claims(vec![Self::claim(recs, *key, *fp, LeaseId { op: id, slot: 0 })])
             }
-            StoreOp::ClaimSlot { key, fp, lease } => {
-                StoreRet::Claims(vec![Self::claim(recs, *key, *fp, *lease)])
-            }
+            StoreOp::ClaimKey { key, op, reqs } => StoreRet::Claims(
+                reqs.iter()
+                    .map(|(slot, fp)| {
+                        Self::claim(recs, *key, *fp, LeaseId { op: *op, slot: *slot })
+                    })
+                    .collect(),
+            ),
             StoreOp::ClaimMany(reqs) => StoreRet::Claims(
                 reqs.iter()
                     .enumerate()
@@ -307,21 +309,6 @@ impl StoreModel {
     }
 }
 
-impl StoreModel {
-    fn agrees(&self, got: &StoreRet, want: &StoreRet) -> bool {
-        match (got, want) {
-            (StoreRet::Claims(g), StoreRet::Claims(w)) if !self.exact_conflicts => {
-                g.len() == w.len()
-                    && g.iter().zip(w).all(|pair| match pair {
-                        (Answer::Conflict { fp: a, .. }, Answer::Conflict { fp: b, .. }) => a == b,
-                        (a, b) => a == b,
-                    })
-            }
-            _ => got == want,
-        }
-    }
-}
-
 impl Model for StoreModel {
     type State = Vec<Option<Rec>>;
     type Op = StoreOp;
@@ -340,7 +327,7 @@ impl Model for StoreModel {
     ) -> Option<Self::State> {
         let mut next = state.clone();
         let answer = self.apply(&mut next, id, op);
-        ret.is_none_or(|r| self.agrees(r, &answer)).then_some(next)
+        ret.is_none_or(|r| *r == answer).then_some(next)
     }
 }
 
@@ -350,7 +337,7 @@ mod tests {
 
     #[test]
     fn second_claim_is_in_progress_and_stale_complete_is_fenced() {
-        let m = StoreModel { keys: 1, exact_conflicts: true };
+        let m = StoreModel { keys: 1 };
         let mut s = m.init();
         let first = m.apply(&mut s, 0, &StoreOp::Claim { key: 0, fp: Some(0) });
         assert_eq!(
@@ -376,7 +363,7 @@ mod tests {
 
     #[test]
     fn claim_many_decides_repeats_in_order() {
-        let m = StoreModel { keys: 1, exact_conflicts: true };
+        let m = StoreModel { keys: 1 };
         let mut s = m.init();
         let ret = m.apply(&mut s, 0, &StoreOp::ClaimMany(vec![(0, Some(0)), (0, Some(1))]));
         let StoreRet::Claims(answers) = ret else { panic!("claims") };

@@ -43,15 +43,20 @@ pub struct Config {
     pub keys: usize,
     /// Seed of the first history; history `n` uses `seed + n`.
     pub seed: u64,
-    /// Whether a `claim_many` must take effect as one atomic step (the contract's reading:
-    /// "stores apply a batch in one transaction or script"). Off, each request of a batch must
-    /// take effect on its own, in batch order, within the call.
-    pub atomic_batches: bool,
-    /// Whether histories include the operator's `force_release` and `force_fail`.
-    pub operator_ops: bool,
-    /// Whether a conflict must carry the key's current record (see
-    /// [`StoreModel::exact_conflicts`]).
-    pub exact_conflicts: bool,
+    /// What one `claim_many` must be: one atomic step, or one per key.
+    pub batches: Batches,
+}
+
+/// How much of a `claim_many` takes effect as one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Batches {
+    /// The whole batch (the contract's reading: one transaction or script).
+    #[default]
+    Atomic,
+    /// Each key's requests (a store without transactions across keys, such as Cosmos DB where
+    /// each key is its own partition): the batch takes effect key by key within the call, a
+    /// key's repeats together and in batch order.
+    PerKey,
 }
 
 impl Default for Config {
@@ -67,9 +72,7 @@ impl Default for Config {
             ops_per_task: 6,
             keys: 3,
             seed: env("IDEM_LIN_SEED").unwrap_or_else(rand::random),
-            atomic_batches: true,
-            operator_ops: true,
-            exact_conflicts: true,
+            batches: Batches::Atomic,
         }
     }
 }
@@ -129,7 +132,7 @@ where
         let seed = cfg.seed.wrapping_add(n as u64);
         let keys = (cfg.keys - n % 2).max(1);
         let (history, errors) = run_history(Arc::clone(&store), cfg, seed, keys).await;
-        let verdict = check(&StoreModel { keys, exact_conflicts: cfg.exact_conflicts }, &history);
+        let verdict = check(&StoreModel { keys }, &history);
         if !verdict.is_linearizable() {
             return Err(Violation { seed, report: describe(&history, &errors, &verdict.longest) });
         }
@@ -196,8 +199,8 @@ where
         .map(|t| {
             let shared = Arc::clone(&shared);
             let rng = StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(t as u64));
-            let (ops, operator) = (cfg.ops_per_task, cfg.operator_ops);
-            tokio::spawn(async move { task(shared, t, rng, ops, operator).await })
+            let ops = cfg.ops_per_task;
+            tokio::spawn(async move { task(shared, t, rng, ops).await })
         })
         .collect();
     for t in tasks {
@@ -214,16 +217,15 @@ where
         }
         hist.push(e);
     }
-    if !cfg.atomic_batches {
-        split_batches(&mut hist);
+    if cfg.batches == Batches::PerKey {
+        split_by_key(&mut hist);
     }
     (hist, errors)
 }
 
-/// Replaces each `claim_many` by one entry per request with the batch's call and return
-/// instants, each after the previous request of the same key (the contract orders repeats of a
-/// key inside a batch, nothing else); extra entries go at the end, so indices stay put.
-fn split_batches(hist: &mut Hist) {
+/// Replaces each `claim_many` by one entry per key it names, with the batch's call and return
+/// instants and that key's requests (extra entries go at the end, so indices stay put).
+fn split_by_key(hist: &mut Hist) {
     for i in 0..hist.len() {
         let StoreOp::ClaimMany(reqs) = &hist[i].op else { continue };
         let reqs = reqs.clone();
@@ -232,23 +234,28 @@ fn split_batches(hist: &mut Hist) {
             Some((_, StoreRet::Claims(a))) if a.len() == reqs.len() => Some(a.clone()),
             _ => None,
         };
-        let mut prev: Vec<Option<usize>> =
-            vec![None; reqs.iter().map(|r| r.0 + 1).max().unwrap_or(0)];
-        for (slot, (key, fp)) in reqs.into_iter().enumerate() {
-            let op = StoreOp::ClaimSlot { key, fp, lease: LeaseId { op: i, slot } };
+        let mut keys: Vec<usize> = reqs.iter().map(|r| r.0).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        for (n, key) in keys.into_iter().enumerate() {
+            let slots: Vec<usize> = (0..reqs.len()).filter(|&s| reqs[s].0 == key).collect();
+            let op = StoreOp::ClaimKey {
+                key,
+                op: i,
+                reqs: slots.iter().map(|&s| (s, reqs[s].1)).collect(),
+            };
             let ret = match (&ret, &answers) {
-                (Some((at, _)), Some(a)) => Some((*at, StoreRet::Claims(vec![a[slot].clone()]))),
+                (Some((at, _)), Some(a)) => {
+                    Some((*at, StoreRet::Claims(slots.iter().map(|&s| a[s].clone()).collect())))
+                }
                 _ => None,
             };
-            let entry = Entry { task, op, call, ret, after: prev[key] };
-            let at = if slot == 0 {
+            let entry = Entry { task, op, call, ret };
+            if n == 0 {
                 hist[i] = entry;
-                i
             } else {
                 hist.push(entry);
-                hist.len() - 1
-            };
-            prev[key] = Some(at);
+            }
         }
     }
 }
@@ -280,7 +287,7 @@ fn pick_fp(rng: &mut StdRng) -> Option<u8> {
     }
 }
 
-async fn task<S>(shared: Arc<Shared<S>>, t: usize, mut rng: StdRng, ops: usize, operator_ops: bool)
+async fn task<S>(shared: Arc<Shared<S>>, t: usize, mut rng: StdRng, ops: usize)
 where
     S: DedupStore + InspectStore,
 {
@@ -302,16 +309,28 @@ where
             let h = held.swap_remove(rng.random_range(0..held.len()));
             lease_op(&shared, &mut rng, id, h, &mut held).await
         } else {
-            key_op(&shared, &mut rng, id, nkeys, &mut held, operator_ops).await
+            key_op(&shared, &mut rng, id, nkeys, &mut held).await
         };
         let ret_at = Instant::now();
         let (ret, err) = match outcome {
             Ok(r) => (Some((ret_at, r)), None),
-            Err(e) => (None, Some(format!("{e:#}"))),
+            Err(e) => (None, Some(chain(&e))),
         };
-        let entry = Entry { task: t, op, call, ret, after: None };
+        let entry = Entry { task: t, op, call, ret };
         shared.log.lock().unwrap_or_else(|p| p.into_inner()).push((id, entry, err));
     }
+}
+
+/// An error and its sources, `: `-separated (a backend error's cause is in its source).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    out
 }
 
 /// An operation on a held lease; puts back what stays held (an extended lease, a spent copy).
@@ -360,18 +379,12 @@ async fn key_op<S>(
     id: usize,
     nkeys: usize,
     held: &mut Vec<Held>,
-    operator_ops: bool,
 ) -> (StoreOp, Result<StoreRet, StoreError>)
 where
     S: DedupStore + InspectStore,
 {
     let store = &shared.store;
-    // Without operator operations, their share goes to claims and purges.
-    let roll = match rng.random_range(0..100) {
-        n @ 75..93 if !operator_ops => n - 75,
-        n => n,
-    };
-    match roll {
+    match rng.random_range(0..100) {
         0..55 => {
             let (key, fp) = (rng.random_range(0..nkeys), pick_fp(rng));
             let r = store.claim(&shared.req(key, fp)).await;

@@ -50,8 +50,18 @@ async fn checker_catches_an_unfenced_complete() {
     assert_caught(Bug::Unfenced).await;
 }
 
+/// A batch decided request by request, with other callers free to land in between (what
+/// PostgreSQL, MariaDB and Redis's fast claim did before 2026-12-07): the strict model
+/// objects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checker_catches_a_batch_that_is_not_one_step() {
+    assert_caught(Bug::SplitBatch).await;
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Bug {
+    /// `claim_many` claims each request alone, yielding between two.
+    SplitBatch,
     /// A claim of a key under a live lease answers `Acquired` too (a read-then-write claim).
     DoubleGrant,
     /// `complete` ignores the lease's token: it completes whatever lease holds the key now.
@@ -85,6 +95,14 @@ impl DedupStore for Broken {
     }
 
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        if let Bug::SplitBatch = self.bug {
+            let mut claims = Vec::with_capacity(reqs.len());
+            for r in reqs {
+                claims.push(self.inner.claim(r).await?);
+                tokio::task::yield_now().await;
+            }
+            return Ok(claims);
+        }
         let claims = self.inner.claim_many(reqs).await?;
         Ok(reqs.iter().zip(claims).map(|(r, c)| self.grant(r, c)).collect())
     }

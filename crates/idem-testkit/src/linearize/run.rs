@@ -314,23 +314,11 @@ where
         let ret_at = Instant::now();
         let (ret, err) = match outcome {
             Ok(r) => (Some((ret_at, r)), None),
-            Err(e) => (None, Some(chain(&e))),
+            Err(e) => (None, Some(idem_core::ErrorChain(&e).to_string())),
         };
         let entry = Entry { task: t, op, call, ret };
         shared.log.lock().unwrap_or_else(|p| p.into_inner()).push((id, entry, err));
     }
-}
-
-/// An error and its sources, `: `-separated (a backend error's cause is in its source).
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        next = cause.source();
-    }
-    out
 }
 
 /// An operation on a held lease; puts back what stays held (an extended lease, a spent copy).

@@ -10,6 +10,7 @@ mod ops;
 mod relay;
 mod scrub;
 mod serve;
+mod signals;
 
 use clap::{Parser, Subcommand};
 

@@ -209,12 +209,9 @@ async fn relay<S: OutboxStore, P: Publisher>(
     let report: RelayReport = if args.once {
         relay.run_until_empty().await?
     } else {
-        eprintln!("relaying until Ctrl-C");
-        relay
-            .run(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?
+        let stop = crate::signals::shutdown()?;
+        eprintln!("relaying until SIGTERM or Ctrl-C");
+        relay.run(stop).await?
     };
     let secs = started.elapsed().as_secs_f64();
     println!("{report} in {secs:.1} s ({:.0} msgs/s)", report.published as f64 / secs.max(1e-9));

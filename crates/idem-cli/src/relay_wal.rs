@@ -46,12 +46,9 @@ impl Source for Wal {
         let report = if args.once {
             relay.run_until_empty().await?
         } else {
-            eprintln!("relaying slot {} until Ctrl-C", relay.store().slot());
-            relay
-                .run(async {
-                    let _ = tokio::signal::ctrl_c().await;
-                })
-                .await?
+            let stop = crate::signals::shutdown()?;
+            eprintln!("relaying slot {} until SIGTERM or Ctrl-C", relay.store().slot());
+            relay.run(stop).await?
         };
         let secs = started.elapsed().as_secs_f64();
         println!(

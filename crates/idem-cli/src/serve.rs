@@ -185,6 +185,8 @@ impl Serve<'_> {
         store: S,
         url: &str,
     ) -> anyhow::Result<()> {
+        // Before the first line that says the process is ready: see `signals::shutdown`.
+        let signal = crate::signals::shutdown()?;
         let problems = store.check().await.context("checking the store")?;
         for p in &problems {
             tracing::warn!(problem = %p, "store");
@@ -221,7 +223,6 @@ impl Serve<'_> {
             tokio::spawn(idem_serve::serve(app, self.listener, self.tls, limits, async move {
                 let _ = stop.wait_for(|s| *s).await;
             }));
-        let signal = shutdown_signal();
         tokio::pin!(signal);
         // A push consumer that ends on its own stops the process: the sidecar is no longer
         // doing its job, and its supervisor should see it. Without push consumers, the branch
@@ -247,21 +248,6 @@ impl Serve<'_> {
         match failed {
             Some(e) => Err(e),
             None => Ok(()),
-        }
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }

@@ -89,6 +89,7 @@ pub struct Lease {
     attempt: u32,
     until: Timestamp,
     previous: Option<RecordState>,
+    deaths: u32,
 }
 
 impl Lease {
@@ -101,7 +102,15 @@ impl Lease {
         until: Timestamp,
         previous: Option<RecordState>,
     ) -> Self {
-        Self { key, fingerprint, token, attempt, until, previous }
+        Self { key, fingerprint, token, attempt, until, previous, deaths: 0 }
+    }
+
+    /// For store implementations: the record's death count after this claim
+    /// ([`Record::deaths`](crate::Record::deaths)); a store that does not set it reports 0, and
+    /// the engine then never sees a crash loop.
+    pub fn with_deaths(mut self, deaths: u32) -> Self {
+        self.deaths = deaths;
+        self
     }
 
     /// The leased key.
@@ -122,6 +131,13 @@ impl Lease {
     /// 1 for the first claim; each takeover (expired lease, release, failure) adds one.
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+
+    /// How many holders of this key died holding it (their lease ran out), this claim's takeover
+    /// included: what the crash-loop limit counts. Releases (a transient failure, a claim taken
+    /// ahead and given back, a failed push) and failures never count.
+    pub fn deaths(&self) -> u32 {
+        self.deaths
     }
 
     /// When the lease ends, by the store's clock.

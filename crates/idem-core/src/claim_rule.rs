@@ -28,7 +28,8 @@ pub struct Ruling {
 /// - in progress under a live lease → [`Claim::InProgress`] with the lease's remaining time;
 /// - in progress under a lease that ran out, for a request without takeover →
 ///   [`Claim::InProgress`] with a zero remaining time;
-/// - otherwise (released, failed, an expired lease) → a takeover at `attempt + 1`.
+/// - otherwise (released, failed, an expired lease) → a takeover at `attempt + 1`; taking over
+///   an expired lease also adds one to `deaths` (its holder died holding it).
 ///
 /// ```
 /// use std::time::Duration;
@@ -60,12 +61,14 @@ pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Rul
                 attempt: 1,
                 token,
                 previous: None,
+                deaths: 0,
                 created_at: now,
                 updated_at: now,
                 lease_until: Some(until),
                 expires_at: keep,
             };
             let lease = Lease::new(req.key.clone(), req.fingerprint, token, 1, until, None);
+            // `deaths` 0: a fresh record forgets the expired one's count.
             return Ruling { claim: Claim::Acquired(lease), write: Some(rec) };
         }
     };
@@ -89,6 +92,9 @@ pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Rul
             let mut rec = rec.clone();
             rec.previous = Some(previous);
             rec.attempt = rec.attempt.saturating_add(1);
+            if previous == RecordState::InProgress {
+                rec.deaths = rec.deaths.saturating_add(1);
+            }
             rec.token = next_token(Some(rec.token), now);
             rec.state = RecordState::InProgress;
             rec.fingerprint = rec.fingerprint.or(req.fingerprint);
@@ -103,7 +109,8 @@ pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Rul
                 rec.attempt,
                 until,
                 Some(previous),
-            );
+            )
+            .with_deaths(rec.deaths);
             Ruling { claim: Claim::Acquired(lease), write: Some(rec) }
         }
     }

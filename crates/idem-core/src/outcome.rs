@@ -152,12 +152,13 @@ pub enum Cause<E> {
         /// The attempt that found the expired lease.
         attempt: u32,
     },
-    /// The key's earlier attempts kept ending with their lease running out (the process died
-    /// or hung while the handler ran): it reached the crash-loop limit and is dead-lettered
-    /// without running the handler again. The record is failed, so a resubmission runs again.
+    /// The key's holders kept dying while it ran (each one's lease ran out without an outcome:
+    /// the process died, or stalled past its lease): it reached the crash-loop limit and is
+    /// dead-lettered without running the handler again. The record is failed, so a
+    /// resubmission runs again.
     CrashLoop {
-        /// The attempts whose runs ended without an outcome or with a transient failure.
-        attempts: u32,
+        /// The holders that died running it ([`Lease::deaths`](crate::Lease::deaths)).
+        deaths: u32,
         /// The configured limit.
         limit: u32,
     },
@@ -182,10 +183,10 @@ impl<E: fmt::Display> fmt::Display for Cause<E> {
                 "in doubt: the lease of an earlier attempt ran out (found at attempt {attempt}); \
                  the effect may have happened, so the message is parked until an operator releases it"
             ),
-            Self::CrashLoop { attempts, limit } => write!(
+            Self::CrashLoop { deaths, limit } => write!(
                 f,
-                "crash loop: {attempts} attempts ended without an outcome, the last when its lease \
-                 ran out (the process died or hung in the handler); limit {limit}, not run again"
+                "crash loop: {deaths} deaths: each holder's lease ran out while its handler ran \
+                 (the process died, or stalled past its lease); limit {limit}, not run again"
             ),
             Self::Store(e) => write!(f, "{}", crate::ErrorChain(e)),
             Self::Decode(e) => write!(f, "stored result does not decode: {e}"),

@@ -94,6 +94,10 @@ pub struct Record {
     pub token: u64,
     /// The state the latest claim took the record over from, if it was a takeover.
     pub previous: Option<RecordState>,
+    /// How many claims took the key over from a lease that ran out: holders that died (or
+    /// stalled past their lease, which no other process can tell apart) while running it.
+    /// Releases, failures and claims never add to it; a fresh record starts at 0.
+    pub deaths: u32,
     /// When the record was created.
     pub created_at: Timestamp,
     /// When the record last changed.
@@ -128,6 +132,7 @@ impl Record {
             attempt: 1,
             token: 0,
             previous: None,
+            deaths: 0,
             created_at: never,
             updated_at: never,
             lease_until: None,

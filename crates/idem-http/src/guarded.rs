@@ -174,8 +174,8 @@ where
             );
             ("reused", problem(ProblemKind::Reused, detail))
         }
-        Guarded::CrashLoop { attempts, limit } => {
-            tracing::error!(target: "idem", parent: &span, attempts, limit,
+        Guarded::CrashLoop { deaths, limit } => {
+            tracing::error!(target: "idem", parent: &span, deaths, limit,
                 "request refused: crash loop");
             let detail = format!(
                 "earlier attempts of the request with this {header} ended without an answer \

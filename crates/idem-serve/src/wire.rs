@@ -116,6 +116,10 @@ pub struct LeaseBody {
     /// its effect may or may not have happened).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous: Option<String>,
+    /// Holders that died holding the key (their lease ran out), this claim's takeover
+    /// included; what a crash-loop limit counts. Absent: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub deaths: u32,
 }
 
 /// A stored record.
@@ -143,6 +147,9 @@ pub struct RecordBody {
     /// The state the latest claim took over.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous: Option<String>,
+    /// Holders that died holding the key (their lease ran out). Absent: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub deaths: u32,
     /// First claimed (µs since the epoch).
     pub created_us: i64,
     /// Last changed (µs since the epoch).
@@ -393,6 +400,11 @@ fn decode_any(text: Option<String>, b64: Option<String>) -> Result<Option<Vec<u8
     }
 }
 
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 impl LeaseBody {
     /// The wire form of a lease.
     pub fn from_lease(l: &Lease) -> Self {
@@ -404,6 +416,7 @@ impl LeaseBody {
             until_us: l.until().as_micros(),
             fingerprint: l.fingerprint().map(hex_fingerprint),
             previous: state_name(l.previous()),
+            deaths: l.deaths(),
         }
     }
 
@@ -438,7 +451,8 @@ impl LeaseBody {
             self.attempt,
             Timestamp::from_micros(self.until_us),
             previous,
-        ))
+        )
+        .with_deaths(self.deaths))
     }
 }
 
@@ -456,6 +470,7 @@ impl RecordBody {
             attempt: r.attempt,
             token: r.token.to_string(),
             previous: state_name(r.previous),
+            deaths: r.deaths,
             created_us: r.created_at.as_micros(),
             updated_us: r.updated_at.as_micros(),
             lease_until_us: r.lease_until.map(Timestamp::as_micros),
@@ -492,6 +507,7 @@ impl RecordBody {
             updated_at: Timestamp::from_micros(self.updated_us),
             lease_until: self.lease_until_us.map(Timestamp::from_micros),
             expires_at: Timestamp::from_micros(self.expires_us),
+            deaths: self.deaths,
         })
     }
 }

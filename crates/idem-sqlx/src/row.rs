@@ -24,6 +24,7 @@ pub(crate) struct RawRecord {
     pub updated_at: i64,
     pub lease_until: Option<i64>,
     pub expires_at: i64,
+    pub deaths: i64,
 }
 
 impl RawRecord {
@@ -58,21 +59,28 @@ impl RawRecord {
             updated_at: Timestamp::from_micros(self.updated_at),
             lease_until: self.lease_until.map(Timestamp::from_micros),
             expires_at: Timestamp::from_micros(self.expires_at),
+            deaths: u32::try_from(self.deaths)
+                .map_err(|_| corrupt(format!("deaths {}", self.deaths)))?,
         })
     }
 }
 
-/// The lease a winning claim returns: its `attempt, token, prev_state, fingerprint` columns,
-/// and the lease end (µs) the claim wrote.
+/// What a winning claim returns: its `attempt, token, prev_state, fingerprint, deaths`
+/// columns, and the lease end (µs) the claim wrote.
 #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
-pub(crate) fn lease_from_parts(
-    key: &DedupKey,
-    attempt: i64,
-    token: i64,
-    prev: Option<i64>,
-    fp: Option<Vec<u8>>,
-    until: i64,
-) -> Result<Lease, StoreError> {
+pub(crate) struct Won {
+    pub attempt: i64,
+    pub token: i64,
+    pub prev: Option<i64>,
+    pub fp: Option<Vec<u8>>,
+    pub deaths: i64,
+    pub until: i64,
+}
+
+/// The lease a winning claim returns (see [`Won`]).
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+pub(crate) fn lease_from_parts(key: &DedupKey, won: Won) -> Result<Lease, StoreError> {
+    let Won { attempt, token, prev, fp, deaths, until } = won;
     let corrupt = |what: String| StoreError::Corrupt { what };
     Ok(Lease::new(
         key.clone(),
@@ -87,7 +95,23 @@ pub(crate) fn lease_from_parts(
                 .ok_or_else(|| corrupt(format!("unknown previous state code {c}")))
         })
         .transpose()?,
-    ))
+    )
+    .with_deaths(u32::try_from(deaths).map_err(|_| corrupt(format!("deaths {deaths}")))?))
+}
+
+/// The lease of a claim that won, from the record its upsert wrote (read back in the same
+/// transaction); `until` stands in for a lease end the record lacks (it never does when won).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn lease_of_record(key: &DedupKey, rec: &Record, until: Timestamp) -> Lease {
+    Lease::new(
+        key.clone(),
+        rec.fingerprint,
+        rec.token,
+        rec.attempt,
+        rec.lease_until.unwrap_or(until),
+        rec.previous,
+    )
+    .with_deaths(rec.deaths)
 }
 
 /// Why a claim or mark that did not write lost.
@@ -151,7 +175,7 @@ pub(crate) fn fenced(rows: u64, lease: &Lease) -> Result<(), StoreError> {
     if rows == 1 { Ok(()) } else { Err(StoreError::LeaseLost { key: lease.key().to_string() }) }
 }
 
-/// Decodes the 13 record columns, in [`COLUMNS`] order, on any driver.
+/// Decodes the 14 record columns, in [`COLUMNS`] order, on any driver.
 pub(crate) fn decode_row<'r, R>(row: &'r R) -> Result<Record, StoreError>
 where
     R: Row,
@@ -163,7 +187,7 @@ where
     decode_row_at(row, 0)
 }
 
-/// Decodes the 13 record columns, in [`COLUMNS`] order, starting at column `first`. A NULL in a
+/// Decodes the 14 record columns, in [`COLUMNS`] order, starting at column `first`. A NULL in a
 /// NOT NULL column or a value of another type (SQLite keeps any type in any column) is
 /// corrupt, like a value out of its domain.
 pub(crate) fn decode_row_at<'r, R>(row: &'r R, first: usize) -> Result<Record, StoreError>
@@ -188,6 +212,7 @@ where
         updated_at: required(row, first + 10, "updated_at")?,
         lease_until: nullable(row, first + 11, "lease_until")?,
         expires_at: required(row, first + 12, "expires_at")?,
+        deaths: required(row, first + 13, "deaths")?,
     }
     .decode()
 }
@@ -219,8 +244,9 @@ where
 }
 
 /// Columns in the order every record `SELECT` returns them (all SQL backends).
+/// `deaths` is last: the column added after the others (see each store's migration).
 pub(crate) const COLUMNS: &str = "key_hash, scope, key_id, state, fingerprint, result, attempt, \
-     token, prev_state, created_at, updated_at, lease_until, expires_at";
+     token, prev_state, created_at, updated_at, lease_until, expires_at, deaths";
 
 /// Sums `(state, count, expired)` rows of a count query, on any driver.
 pub(crate) fn counts_of<'r, R>(rows: &'r [R]) -> Result<idem_core::Counts, StoreError>
@@ -321,10 +347,17 @@ mod props {
             option::of(int(0, 4)),
             any::<[i64; 3]>(),
             option::of(any::<i64>()),
+            int(0, u32::MAX.into()),
         );
         (head, tail).prop_map(|((key_hash, scope, key_id, state, fingerprint, result), tail)| {
-            let (attempt, token, prev_state, [created_at, updated_at, expires_at], lease_until) =
-                tail;
+            let (
+                attempt,
+                token,
+                prev_state,
+                [created_at, updated_at, expires_at],
+                lease_until,
+                deaths,
+            ) = tail;
             RawRecord {
                 key_hash,
                 scope,
@@ -339,6 +372,7 @@ mod props {
                 updated_at,
                 lease_until,
                 expires_at,
+                deaths,
             }
         })
     }
@@ -358,6 +392,8 @@ mod props {
             Some("token")
         } else if r.prev_state.is_some_and(|c| !state(c)) {
             Some("unknown previous state code")
+        } else if u32::try_from(r.deaths).is_err() {
+            Some("deaths")
         } else {
             None
         }
@@ -379,6 +415,7 @@ mod props {
             updated_at: rec.updated_at.as_micros(),
             lease_until: rec.lease_until.map(Timestamp::as_micros),
             expires_at: rec.expires_at.as_micros(),
+            deaths: rec.deaths.into(),
         }
     }
 
@@ -406,6 +443,7 @@ mod props {
             token in int(0, i64::MAX),
             prev in option::of(int(0, 4)),
             fp in option::of(hash_bytes()),
+            deaths in int(0, u32::MAX.into()),
             until in any::<i64>(),
         ) {
             let key = DedupKey::new("scope", "id")?;
@@ -417,10 +455,13 @@ mod props {
                 Some("attempt")
             } else if prev.is_some_and(|c| !(0..=4).contains(&c)) {
                 Some("unknown previous state code")
+            } else if u32::try_from(deaths).is_err() {
+                Some("deaths")
             } else {
                 None
             };
-            match (lease_from_parts(&key, attempt, token, prev, fp.clone(), until), bad) {
+            let won = Won { attempt, token, prev, fp: fp.clone(), deaths, until };
+            match (lease_from_parts(&key, won), bad) {
                 (Ok(lease), None) => {
                     prop_assert_eq!(lease.key(), &key);
                     prop_assert_eq!(i64::from(lease.attempt()), attempt);
@@ -428,6 +469,7 @@ mod props {
                     prop_assert_eq!(lease.previous().map(|p| i64::from(p.code())), prev);
                     prop_assert_eq!(lease.fingerprint().map(|f| f.0.to_vec()), fp);
                     prop_assert_eq!(lease.until(), Timestamp::from_micros(until));
+                    prop_assert_eq!(i64::from(lease.deaths()), deaths);
                 }
                 (Err(StoreError::Corrupt { what }), Some(column)) => {
                     prop_assert!(what.starts_with(column), "{:?} for {}", what, column);
@@ -455,6 +497,7 @@ mod props {
             Cell::Int(r.updated_at),
             int(r.lease_until),
             Cell::Int(r.expires_at),
+            Cell::Int(r.deaths),
         ]
     }
 
@@ -487,6 +530,7 @@ mod props {
             updated_at: int(&cells[10])?,
             lease_until: nullable_int(&cells[11])?,
             expires_at: int(&cells[12])?,
+            deaths: int(&cells[13])?,
         })
     }
 
@@ -499,8 +543,15 @@ mod props {
         use sqlx::Connection;
         let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:").await.unwrap();
         for (column, select) in [
-            ("scope", "SELECT zeroblob(32), NULL, '', 0, NULL, NULL, 0, 0, NULL, 0, 0, NULL, 0"),
-            ("state", "SELECT zeroblob(32), 's', 'i', NULL, NULL, NULL, 1, 1, NULL, 0, 0, NULL, 0"),
+            ("scope", "SELECT zeroblob(32), NULL, '', 0, NULL, NULL, 0, 0, NULL, 0, 0, NULL, 0, 0"),
+            (
+                "state",
+                "SELECT zeroblob(32), 's', 'i', NULL, NULL, NULL, 1, 1, NULL, 0, 0, NULL, 0, 0",
+            ),
+            (
+                "deaths",
+                "SELECT zeroblob(32), 's', 'i', 0, NULL, NULL, 1, 1, NULL, 0, 0, NULL, 0, NULL",
+            ),
         ] {
             let row = sqlx::query(select).fetch_one(&mut conn).await.unwrap();
             let e = decode_row(&row).unwrap_err();
@@ -509,12 +560,12 @@ mod props {
         }
     }
 
-    /// Real SQLite rows with any value of any type in any of the 13 columns: the record they
+    /// Real SQLite rows with any value of any type in any of the 14 columns: the record they
     /// hold, exactly, or corrupt — a text where an integer belongs is not read as anything.
     #[cfg(feature = "sqlite")]
     #[test]
     fn sqlite_rows_of_any_types_decode_exactly_or_are_corrupt() {
-        for_rows(with_swaps(raw().prop_map(|r| cells_of(&r)), 13), |cells, row| {
+        for_rows(with_swaps(raw().prop_map(|r| cells_of(&r)), 14), |cells, row| {
             match (decode_row(&row), raw_of(cells)) {
                 (Ok(rec), Some(raw)) => prop_assert_eq!(encode(&rec), raw),
                 (Ok(rec), None) => prop_assert!(false, "{rec:?} decoded from {cells:?}"),

@@ -169,6 +169,7 @@ macro_rules! dedup_store_conformance {
             completed_is_duplicate_with_result,
             release_allows_reclaim,
             expired_lease_is_taken_over,
+            deaths_count_only_expired_takeovers,
             a_claim_without_takeover_leaves_an_expired_lease,
             live_lease_is_not_taken_over,
             stale_lease_cannot_complete_or_release,

@@ -102,6 +102,7 @@ pub(crate) fn record_json(r: &Record) -> Value {
         "key_hash": r.key_hash.to_string(),
         "state": r.state.as_str(),
         "attempt": r.attempt,
+        "deaths": r.deaths,
         "token": r.token,
         "previous": r.previous.map(|p| p.as_str()),
         "fingerprint": r.fingerprint.map(|f| f.to_string()),

@@ -83,9 +83,9 @@ pub(crate) struct Config {
 /// [`EngineBuilder::store_timeout`]).
 pub(crate) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// How many attempts whose lease ran out a key gets before the engine dead-letters it as a
-/// crash loop (see [`EngineBuilder::crash_loop_limit`]).
-pub(crate) const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
+/// How many holders of a key may die holding it (their lease ran out) before the engine
+/// dead-letters it as a crash loop (see [`EngineBuilder::crash_loop_limit`]).
+pub const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
 
 /// Builds an [`Engine`]. Only the scope is required.
 ///
@@ -218,17 +218,22 @@ macro_rules! engine_setters {
         /// How many attempts of one key may end with their lease running out (the process
         /// died, was killed or hung while the handler ran) before the key is dead-lettered as a
         /// crash loop instead of run again (two-phase mode; default 5). A message
-        /// that aborts the process never returns an error, so no broker counts it; the store's
-        /// attempt number does. The check runs when a claim takes over an expired lease whose
-        /// attempt number has reached the limit (attempts ended by a transient failure count
-        /// too); the record is then failed with the reason, so a resubmission runs again.
+        /// that aborts the process never returns an error, so no broker counts it; the store
+        /// does: each claim that takes over a lease that ran out counts a death
+        /// ([`Lease::deaths`](crate::Lease::deaths)). When a takeover brings a key's deaths to
+        /// the limit, the record is failed with the reason, so a resubmission runs again.
+        /// Only deaths count: a transient failure, a claim taken ahead and given back (a
+        /// rebalance, a shutdown) or a failed push releases the key, and a handler that runs
+        /// long in a live process keeps its lease with a [`heartbeat`](Self::heartbeat). A
+        /// process stalled past its lease (a VM pause, `SIGSTOP`) is a death: nobody else can
+        /// tell it from one.
         /// Takeovers of a batch run one at a time after the rest of the batch, so a message
         /// that kills the process does not take its batch's other messages with it again.
         /// `u32::MAX` turns the check off. With
         /// [`ExpiredLeasePolicy::Park`](crate::engine::ExpiredLeasePolicy::Park) every takeover
         /// is parked first.
-        pub fn crash_loop_limit(mut self, attempts: u32) -> Self {
-            self.$settings.crash_loop_limit = attempts;
+        pub fn crash_loop_limit(mut self, deaths: u32) -> Self {
+            self.$settings.crash_loop_limit = deaths;
             self
         }
 

@@ -53,12 +53,12 @@ pub enum Guarded<R> {
     /// duplicate: its record carries the kept result, or is parked in doubt), in progress
     /// elsewhere, or claimed with another fingerprint. Never [`Claim::Acquired`].
     Answered(Claim),
-    /// Not run: the key's lease had run out more often than the engine's
-    /// [crash-loop limit](crate::engine::EngineBuilder::crash_loop_limit) allows; the key is failed
-    /// (a later attempt claims it again).
+    /// Not run: the key's holders died running it (their leases ran out) as often as the
+    /// engine's [crash-loop limit](crate::engine::EngineBuilder::crash_loop_limit) allows; the
+    /// key is failed (a later attempt claims it again).
     CrashLoop {
-        /// Attempts that ended without an outcome.
-        attempts: u32,
+        /// Holders that died running it.
+        deaths: u32,
         /// The limit.
         limit: u32,
     },
@@ -125,8 +125,8 @@ impl<S: DedupStore> Engine<S> {
         };
         let mut lease = match self.admit(lease, req.retain_for).await {
             Ok(lease) => lease,
-            Err(Refusal::CrashLoop { attempts, limit }) => {
-                return Guarded::CrashLoop { attempts, limit };
+            Err(Refusal::CrashLoop { deaths, limit }) => {
+                return Guarded::CrashLoop { deaths, limit };
             }
             Err(Refusal::InDoubt { attempt }) => return Guarded::InDoubt { attempt },
             Err(Refusal::Store(e)) => return Guarded::Failed(e),

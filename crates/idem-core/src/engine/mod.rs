@@ -32,7 +32,9 @@ pub use crate::outcome::{
 pub(crate) use ahead::Ahead;
 pub use backend::Backend;
 pub(crate) use backend::mode::Mode;
-pub use builder::{ConfigError, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy};
+pub use builder::{
+    ConfigError, DEFAULT_CRASH_LOOP_LIMIT, EngineBuilder, ExpiredLeasePolicy, MissingKeyPolicy,
+};
 pub(crate) use builder::{Settings, engine_setters};
 pub use context::Context;
 pub use guard::{Finish, Guarded};

@@ -188,7 +188,7 @@ impl<S: DedupStore> Engine<S> {
     }
 
     /// The takeover rule, for every acquired lease: one taken over from an expired lease runs
-    /// again, unless the expired-lease policy parks it in doubt or its attempts passed the
+    /// again, unless the expired-lease policy parks it in doubt or its deaths reached the
     /// crash-loop limit; then the key is failed (for `retain`) and the lease given back as the
     /// refusal's cause.
     pub(super) async fn admit(&self, lease: Lease, retain: Duration) -> Result<Lease, Refusal> {
@@ -198,7 +198,7 @@ impl<S: DedupStore> Engine<S> {
         }
         let attempt = lease.attempt();
         let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
-        let crash_loop = !park && attempt > cfg.crash_loop_limit;
+        let crash_loop = !park && lease.deaths() >= cfg.crash_loop_limit;
         let policy = match (park, crash_loop) {
             (true, _) => "park",
             (false, true) => "crash_loop",
@@ -212,9 +212,9 @@ impl<S: DedupStore> Engine<S> {
         let (kind, cause, refusal) = if park {
             (FailKind::InDoubt, Cause::<String>::InDoubt { attempt }, Refusal::InDoubt { attempt })
         } else {
-            let (attempts, limit) = (attempt - 1, cfg.crash_loop_limit);
-            let cause = Cause::<String>::CrashLoop { attempts, limit };
-            (FailKind::Permanent, cause, Refusal::CrashLoop { attempts, limit })
+            let (deaths, limit) = (lease.deaths(), cfg.crash_loop_limit);
+            let cause = Cause::<String>::CrashLoop { deaths, limit };
+            (FailKind::Permanent, cause, Refusal::CrashLoop { deaths, limit })
         };
         match self.fail_bounded(lease, kind, &cause.to_string(), retain).await {
             Ok(()) => Err(refusal),
@@ -486,7 +486,7 @@ impl<S> Engine<S> {
 /// Why an acquired lease does not run.
 pub(super) enum Refusal {
     /// The takeover rule failed the key: past the crash-loop limit.
-    CrashLoop { attempts: u32, limit: u32 },
+    CrashLoop { deaths: u32, limit: u32 },
     /// The takeover rule parked the key in doubt.
     InDoubt { attempt: u32 },
     /// Recording either failed.
@@ -497,8 +497,8 @@ impl Refusal {
     /// The outcome of a delivery refused this way.
     fn outcome<T, E>(self) -> Outcome<T, E> {
         match self {
-            Self::CrashLoop { attempts, limit } => {
-                Outcome::failed(FailureKind::Permanent, Cause::CrashLoop { attempts, limit })
+            Self::CrashLoop { deaths, limit } => {
+                Outcome::failed(FailureKind::Permanent, Cause::CrashLoop { deaths, limit })
             }
             Self::InDoubt { attempt } => {
                 Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt })

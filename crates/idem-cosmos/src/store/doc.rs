@@ -30,6 +30,9 @@ pub(crate) struct RecordDoc {
     pub(crate) token: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) previous: Option<i16>,
+    /// [`Record::deaths`]; absent (0) in documents written before it existed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) deaths: u32,
     pub(crate) created: i64,
     pub(crate) updated: i64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -40,6 +43,11 @@ pub(crate) struct RecordDoc {
     /// Cosmos DB's ETag, as read; never written.
     #[serde(rename = "_etag", default, skip_serializing)]
     pub(crate) etag: Option<String>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A fingerprint stored as hex, or `None` when it is not one.
@@ -83,6 +91,7 @@ impl RecordDoc {
             attempt: rec.attempt,
             token: rec.token.to_string(),
             previous: rec.previous.map(RecordState::code),
+            deaths: rec.deaths,
             created: rec.created_at.as_micros(),
             updated: rec.updated_at.as_micros(),
             lease_until: rec.lease_until.map(Timestamp::as_micros),
@@ -131,6 +140,7 @@ impl RecordDoc {
                 None => None,
                 Some(c) => Some(state(c).ok_or_else(|| corrupt("previous state"))?),
             },
+            deaths: self.deaths,
             created_at: Timestamp::from_micros(self.created),
             updated_at: Timestamp::from_micros(self.updated),
             lease_until: self.lease_until.map(Timestamp::from_micros),
@@ -159,6 +169,7 @@ mod tests {
             attempt: 2,
             token: u64::MAX,
             previous: Some(RecordState::Released),
+            deaths: 3,
             created_at: now,
             updated_at: now,
             lease_until: None,
@@ -372,6 +383,7 @@ mod props {
             attempt: 1,
             token: 1,
             previous: None,
+            deaths: 0,
             created_at: Timestamp::from_micros(0),
             updated_at: Timestamp::from_micros(0),
             lease_until: None,

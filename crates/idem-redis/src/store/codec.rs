@@ -9,6 +9,7 @@
 //! | fingerprint | `I4` length + bytes | length 0 for none |
 //! | has result, result | `B`, `I4` length + bytes | |
 //! | scope, id | `I4` length + bytes each | |
+//! | deaths | `I4` | only when above 0 (records written before it existed lack it) |
 
 use idem_core::{Fingerprint, KeyHash, Record, RecordState, StoreError, Timestamp};
 
@@ -92,6 +93,12 @@ pub(crate) fn record(v: &[u8], hash: KeyHash) -> Result<Record, StoreError> {
     };
     let scope = text(r.bytes()?, "scope")?;
     let id = text(r.bytes()?, "id")?;
+    let ends_at_id = r.0.is_empty();
+    // Absent means 0; the scripts never write a 0, so one written is not their value.
+    let deaths = if r.0.is_empty() { 0 } else { r.u32()? };
+    if deaths == 0 && !ends_at_id {
+        return Err(corrupt("deaths 0 written (the scripts leave it out)"));
+    }
     if !r.0.is_empty() {
         return Err(corrupt(format!("record value has {} bytes past its end", r.0.len())));
     }
@@ -116,6 +123,7 @@ pub(crate) fn record(v: &[u8], hash: KeyHash) -> Result<Record, StoreError> {
         updated_at: Timestamp::from_micros(updated),
         lease_until: (lease >= 0).then(|| Timestamp::from_micros(lease)),
         expires_at: Timestamp::from_micros(expires),
+        deaths,
     })
 }
 
@@ -203,11 +211,21 @@ mod props {
         let text = ".{0,6}";
         (
             (any::<[u8; 32]>(), text, text, state(), option::of(any::<[u8; 32]>())),
-            (option::of(vec(any::<u8>(), 0..8)), any::<u32>(), 0..=EXACT, option::of(state())),
+            (
+                option::of(vec(any::<u8>(), 0..8)),
+                any::<u32>(),
+                0..=EXACT,
+                option::of(state()),
+                prop_oneof![2 => Just(0u32), 1 => any::<u32>()],
+            ),
             ([-EXACT..=EXACT, -EXACT..=EXACT, -EXACT..=EXACT], option::of(0..=EXACT)),
         )
             .prop_map(
-                |((hash, scope, id, state, fp), (result, attempt, token, previous), times)| {
+                |(
+                    (hash, scope, id, state, fp),
+                    (result, attempt, token, previous, deaths),
+                    times,
+                )| {
                     let ([created, updated, expires], lease) = times;
                     Record {
                         key_hash: KeyHash(hash),
@@ -223,6 +241,7 @@ mod props {
                         updated_at: Timestamp::from_micros(updated),
                         lease_until: lease.map(Timestamp::from_micros),
                         expires_at: Timestamp::from_micros(expires),
+                        deaths,
                     }
                 },
             )
@@ -251,6 +270,9 @@ mod props {
         field(&mut v, r.result.as_deref().unwrap_or_default());
         field(&mut v, r.scope.as_bytes());
         field(&mut v, r.id.as_bytes());
+        if r.deaths > 0 {
+            v.extend(r.deaths.to_be_bytes());
+        }
         v
     }
 
@@ -321,6 +343,7 @@ mod props {
             updated_at: Timestamp::from_micros(1),
             lease_until: None,
             expires_at: Timestamp::from_micros(2),
+            deaths: 0,
         };
         let good = pack(&r);
         let changed = |at: usize, b: &[u8]| {
@@ -339,6 +362,7 @@ mod props {
             }),
             ("previous state -2", changed(1, &[0xfe])),
             ("lease end -2", changed(30, &(-2.0f64).to_be_bytes())),
+            ("deaths 0 written", [good.clone(), vec![0; 4]].concat()),
         ] {
             assert!(matches!(record(&v, r.key_hash), Err(StoreError::Corrupt { .. })), "{what}");
         }

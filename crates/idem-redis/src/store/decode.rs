@@ -68,19 +68,22 @@ pub(crate) fn claim(v: &Value, req: &ClaimRequest) -> Result<Claim, StoreError> 
         record(v, hash)?.ok_or_else(|| corrupt("claim reply with an empty record"))
     };
     match (kind, f) {
-        (Some(0), [_, token, attempt, until, prev, fp]) => {
+        (Some(0), [_, token, attempt, until, prev, fp, deaths]) => {
             let prev = int(prev, "previous state")?;
             if prev < -1 {
                 return Err(corrupt(format!("previous state code {prev}")));
             }
-            Ok(Claim::Acquired(Lease::new(
-                req.key.clone(),
-                fingerprint(fp)?,
-                u64_of(int(token, "token")?, "token")?,
-                u32_of(int(attempt, "attempt")?, "attempt")?,
-                Timestamp::from_micros(int(until, "lease end")?),
-                if prev < 0 { None } else { Some(codec::state(prev)?) },
-            )))
+            Ok(Claim::Acquired(
+                Lease::new(
+                    req.key.clone(),
+                    fingerprint(fp)?,
+                    u64_of(int(token, "token")?, "token")?,
+                    u32_of(int(attempt, "attempt")?, "attempt")?,
+                    Timestamp::from_micros(int(until, "lease end")?),
+                    if prev < 0 { None } else { Some(codec::state(prev)?) },
+                )
+                .with_deaths(u32_of(int(deaths, "deaths")?, "deaths")?),
+            ))
         }
         (Some(1), _) => Ok(Claim::Completed(rec(1)?)),
         (Some(2), [_, left, attempt]) => Ok(Claim::InProgress {
@@ -237,7 +240,7 @@ mod props {
             }
         }
 
-        /// An acquired reply `{0, token, attempt, until, prev, fp}` is the lease it describes
+        /// An acquired reply `{0, token, attempt, until, prev, fp, deaths}` is the lease it describes
         /// when every field is in its domain, and corrupt otherwise.
         #[test]
         fn acquired_replies_decode_exactly_or_are_corrupt(
@@ -246,13 +249,15 @@ mod props {
             until in int_field(i64::MIN, i64::MAX),
             prev in int_field(-1, 4),
             fp in fp_field(),
+            deaths in int_field(0, u32::MAX.into()),
         ) {
             let reply = Value::Array(vec![
-                Value::Int(0), token.0, attempt.0, until.0, prev.0, fp.0,
+                Value::Int(0), token.0, attempt.0, until.0, prev.0, fp.0, deaths.0,
             ]);
-            let want = (token.1, attempt.1, until.1, prev.1, fp.1);
+            let want = (token.1, attempt.1, until.1, prev.1, fp.1, deaths.1);
             match (claim(&reply, &request()), want) {
-                (Ok(Claim::Acquired(l)), (Some(t), Some(a), Some(u), Some(p), Some(f))) => {
+                (Ok(Claim::Acquired(l)), (Some(t), Some(a), Some(u), Some(p), Some(f), Some(d))) => {
+                    prop_assert_eq!(i64::from(l.deaths()), d);
                     prop_assert_eq!(i64::try_from(l.token()).ok(), Some(t));
                     prop_assert_eq!(i64::from(l.attempt()), a);
                     prop_assert_eq!(l.until(), Timestamp::from_micros(u));
@@ -261,7 +266,7 @@ mod props {
                     prop_assert_eq!(l.key(), &request().key);
                 }
                 (Err(StoreError::Corrupt { .. }), w) => {
-                    let all = w.0.is_some() && w.1.is_some() && w.2.is_some() && w.3.is_some() && w.4.is_some();
+                    let all = w.0.is_some() && w.1.is_some() && w.2.is_some() && w.3.is_some() && w.4.is_some() && w.5.is_some();
                     prop_assert!(!all, "corrupt, but every field is fine");
                 }
                 (got, w) => prop_assert!(false, "{got:?} for {w:?}"),
@@ -310,8 +315,15 @@ mod props {
         }
         assert_eq!(hash_of_key(hex.as_bytes(), 0).unwrap(), KeyHash([0x0f; 32]));
         let acquired = |prev: i64, fp: Value| {
-            let v =
-                [Value::Int(0), Value::Int(1), Value::Int(1), Value::Int(5), Value::Int(prev), fp];
+            let v = [
+                Value::Int(0),
+                Value::Int(1),
+                Value::Int(1),
+                Value::Int(5),
+                Value::Int(prev),
+                fp,
+                Value::Int(0),
+            ];
             claim(&Value::Array(v.to_vec()), &request())
         };
         assert!(acquired(-2, Value::BulkString(vec![])).is_err(), "previous state -2");

@@ -53,7 +53,9 @@ local function decode(v)
   r.st, r.prev, r.att, r.tok, r.cr, r.up, r.lu, r.exp, pos = struct.unpack(HDR, v)
   r.fp, pos = struct.unpack('>I4c0', v, pos)
   r.hasres, r.res, pos = struct.unpack('>BI4c0', v, pos)
-  r.sc, r.id = struct.unpack('>I4c0I4c0', v, pos)
+  r.sc, r.id, pos = struct.unpack('>I4c0I4c0', v, pos)
+  r.deaths = 0
+  if pos <= #v then r.deaths = struct.unpack('>I4', v, pos) end
   return r
 end
 local function load(k)
@@ -66,6 +68,7 @@ end
 local function save(k, r, now)
   local v = struct.pack('>BbI4dddddI4c0BI4c0I4c0I4c0', r.st, r.prev, r.att, r.tok, r.cr, r.up,
     r.lu, r.exp, #r.fp, r.fp, r.hasres, #r.res, r.res, #r.sc, r.sc, #r.id, r.id)
+  if r.deaths > 0 then v = v .. struct.pack('>I4', r.deaths) end
   local ms = math.ceil((r.exp - now) / 1000)
   if ms < 1 then ms = 1 end
   redis.call('SET', k, v, 'PX', string.format('%.0f', ms))
@@ -74,7 +77,7 @@ local function live(r, now) return r.st == 0 and r.lu > now end
 "#;
 
 /// One claim, as a function the single and batch scripts call; `r` is the decoded record
-/// (`nil`: none). Replies: `{0, token, attempt, until, prev or -1, fp}` acquired; `{1, record}`
+/// (`nil`: none). Replies: `{0, token, attempt, until, prev or -1, fp, deaths}` acquired; `{1, record}`
 /// completed or in doubt; `{2, retry_after_us, attempt}` in progress; `{3, record}` conflict.
 const CLAIM_FN: &str = r#"
 local function claim(k, r, scope, id, fp, lease, retain, now, take)
@@ -85,13 +88,14 @@ local function claim(k, r, scope, id, fp, lease, retain, now, take)
     if r then token = math.max(r.tok + 1, now) end
     if token < 1 then token = 1 end
     save(k, {st = 0, prev = -1, att = 1, tok = token, cr = now, up = now, lu = untl, exp = keep,
-      fp = fp, hasres = 0, res = '', sc = scope, id = id}, now)
-    return {0, token, 1, untl, -1, fp}
+      fp = fp, hasres = 0, res = '', sc = scope, id = id, deaths = 0}, now)
+    return {0, token, 1, untl, -1, fp, 0}
   end
   if r.fp ~= '' and fp ~= '' and r.fp ~= fp then return {3, r.raw} end
   if r.st == 1 or r.st == 4 then return {1, r.raw} end
   if live(r, now) then return {2, r.lu - now, r.att} end
   if r.st == 0 and take == 0 then return {2, 0, r.att} end
+  if r.st == 0 then r.deaths = r.deaths + 1 end
   r.prev = r.st
   r.st = 0
   r.att = r.att + 1
@@ -103,7 +107,7 @@ local function claim(k, r, scope, id, fp, lease, retain, now, take)
   r.res = ''
   if r.fp == '' then r.fp = fp end
   save(k, r, now)
-  return {0, r.tok, r.att, untl, r.prev, r.fp}
+  return {0, r.tok, r.att, untl, r.prev, r.fp, r.deaths}
 end
 "#;
 
@@ -141,7 +145,7 @@ for i = 1, #KEYS do
   end
   if fresh ~= '' and not r then
     local _, _, _, tok, _, _, lu = struct.unpack('>BbI4ddddd', fresh)
-    out[i] = {{0, tok, 1, lu, -1, ARGV[a + 3]}}
+    out[i] = {{0, tok, 1, lu, -1, ARGV[a + 3], 0}}
   else
     if not now then now = now_us(ARGV[1]) end
     out[i] = claim(KEYS[i], r, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], tonumber(ARGV[a + 4]),

@@ -291,10 +291,9 @@ pub struct PushConfig {
     /// Message headers copied onto the request besides `Content-Type`.
     #[serde(default)]
     pub forward_headers: Option<Vec<String>>,
-    /// Attempts after which a message whose last holder's lease ran out is dead-lettered as a
-    /// crash loop instead of pushed again (default 20). Higher than the engine's 5: attempts
-    /// count every failed push too (an application restarting answers nothing for a moment),
-    /// and a message cannot crash the sidecar the way it can crash an in-process handler.
+    /// Deaths after which a message is dead-lettered as a crash loop instead of pushed again
+    /// (default 5, the engine's). A death is a takeover of a lease that ran out (the sidecar
+    /// died holding the message); a failed push gives the message back and never counts.
     #[serde(default = "default_crash_loop_limit")]
     pub crash_loop_limit: u32,
     /// An HTTP(S) proxy for the pushes (default none: pushes go straight to the endpoint and
@@ -341,11 +340,8 @@ const fn default_timeout_ms() -> u64 {
 const fn default_lease_ms() -> u64 {
     60_000
 }
-/// Push mode's crash-loop limit (see [`PushConfig::crash_loop_limit`]).
-pub const DEFAULT_PUSH_CRASH_LOOP_LIMIT: u32 = 20;
-
 const fn default_crash_loop_limit() -> u32 {
-    DEFAULT_PUSH_CRASH_LOOP_LIMIT
+    idem_core::engine::DEFAULT_CRASH_LOOP_LIMIT
 }
 const fn default_concurrency() -> usize {
     16

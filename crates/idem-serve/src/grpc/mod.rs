@@ -145,6 +145,7 @@ fn lease_in(l: Option<pb::Lease>) -> Result<wire::LeaseBody, Status> {
         until_us: l.until_us,
         fingerprint: l.fingerprint,
         previous: l.previous,
+        deaths: l.deaths,
     })
 }
 
@@ -157,6 +158,7 @@ fn lease_out(l: wire::LeaseBody) -> Result<pb::Lease, Status> {
         until_us: l.until_us,
         fingerprint: l.fingerprint,
         previous: l.previous,
+        deaths: l.deaths,
     })
 }
 
@@ -171,6 +173,7 @@ fn record_out(r: wire::RecordBody) -> Result<pb::Record, Status> {
         result,
         attempt: r.attempt,
         previous: r.previous,
+        deaths: r.deaths,
         created_us: r.created_us,
         updated_us: r.updated_us,
         lease_until_us: r.lease_until_us,

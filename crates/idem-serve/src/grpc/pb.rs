@@ -37,6 +37,9 @@ pub struct Lease {
     /// The state this claim took over: in_progress, completed, released, failed, in_doubt.
     #[prost(string, optional, tag = "7")]
     pub previous: ::core::option::Option<::prost::alloc::string::String>,
+    /// Holders that died holding the key (their lease ran out), this claim's takeover included.
+    #[prost(uint32, tag = "8")]
+    pub deaths: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Record {
@@ -65,6 +68,9 @@ pub struct Record {
     pub lease_until_us: ::core::option::Option<i64>,
     #[prost(int64, tag = "12")]
     pub expires_us: i64,
+    /// Holders that died holding the key (their lease ran out).
+    #[prost(uint32, tag = "13")]
+    pub deaths: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Acquired {

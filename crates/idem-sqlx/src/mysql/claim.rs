@@ -15,7 +15,7 @@ use sqlx::{AssertSqlSafe, Row};
 
 use super::{MAX_ROWS, MySqlStore, backend, error_number, is_duplicate_key, nonce};
 use crate::MAX_RESULT_BYTES;
-use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of};
+use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of, lease_of_record};
 
 impl MySqlStore {
     /// Reads `key`'s record and the server's clock (`locked`: a locking read).
@@ -32,7 +32,7 @@ impl MySqlStore {
             .await
             .map_err(|e| backend("get", e))?;
         let Some(row) = row else { return Ok(None) };
-        let now: i64 = row.try_get(14).map_err(|e| backend("get", e))?;
+        let now: i64 = row.try_get(15).map_err(|e| backend("get", e))?;
         Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
     }
 
@@ -76,14 +76,7 @@ impl MySqlStore {
                             if !won {
                                 return lost(rec, req.fingerprint, now, req.takeover);
                             }
-                            Some(Claim::Acquired(Lease::new(
-                                req.key.clone(),
-                                rec.fingerprint,
-                                rec.token,
-                                rec.attempt,
-                                rec.lease_until.unwrap_or(now),
-                                rec.previous,
-                            )))
+                            Some(Claim::Acquired(lease_of_record(&req.key, &rec, now)))
                         });
                     }
                 }
@@ -150,8 +143,8 @@ impl MySqlStore {
         for row in &rows {
             let get = |e| backend("claim", e);
             let rec = decode_row(row)?;
-            let owner: i64 = row.try_get(13).map_err(get)?;
-            let now: i64 = row.try_get(14).map_err(get)?;
+            let owner: i64 = row.try_get(14).map_err(get)?;
+            let now: i64 = row.try_get(15).map_err(get)?;
             found.insert(rec.key_hash.0, (rec, owner, Timestamp::from_micros(now)));
         }
         Ok(reqs

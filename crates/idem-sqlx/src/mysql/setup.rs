@@ -50,12 +50,33 @@ impl MySqlStore {
                 .await
                 .map_err(|e| backend("migrate", e))?;
         }
+        let has_deaths: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.columns \
+             WHERE table_schema = DATABASE() AND table_name = ? AND column_name = 'deaths'",
+        )
+        .bind(self.table.as_str())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| backend("migrate", e))?;
+        if has_deaths == 0 {
+            match sqlx::query(AssertSqlSafe(self.sql.add_deaths.as_str())).execute(&self.pool).await
+            {
+                // 1060, duplicate column: another process migrating at the same time added it.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S21") => {}
+                done => {
+                    done.map_err(|e| backend("migrate", e))?;
+                }
+            }
+        }
         Ok(())
     }
 
-    /// The DDL [`MySqlStore::migrate`] runs, for users who own their migrations.
+    /// The DDL [`MySqlStore::migrate`] runs on a new database, for users who own their
+    /// migrations, in two steps (as shipped in `migrations/mysql/`): the tables, then
+    /// `ALTER TABLE … ADD COLUMN deaths …`, which a database that has the first step applies
+    /// once.
     pub fn schema_sql(&self) -> String {
-        self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
+        self.sql.ddl.iter().chain([&self.sql.add_deaths]).map(|s| format!("{s};\n")).collect()
     }
 
     /// Startup checks, run by a consumer's `build` ([`DedupStore::check`](idem_core::DedupStore::check)). Fails when the

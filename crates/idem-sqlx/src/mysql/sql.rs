@@ -139,6 +139,9 @@ fn takeover(now: &str, fp: &str, may: &str) -> String {
 
 pub(super) struct Sql {
     pub ddl: Vec<String>,
+    /// The second schema step: adds `deaths` (MySQL has no `ADD COLUMN IF NOT EXISTS`:
+    /// `migrate` runs it when the column is missing).
+    pub add_deaths: String,
     pub t: String,
     pub insert_marker: Stmt,
     pub insert_claim: Stmt,
@@ -167,7 +170,9 @@ impl Sql {
         let taken_state = |state: &str, lease: &str| {
             let d = dead(NOW);
             format!(
-                "attempt = IF({d}, 1, attempt + 1), prev_state = IF({d}, NULL, state), \
+                "attempt = IF({d}, 1, attempt + 1), \
+                 deaths = IF({d}, 0, IF(state = 0, deaths + 1, deaths)), \
+                 prev_state = IF({d}, NULL, state), \
                  created_at = IF({d}, {NOW}, created_at), \
                  fingerprint = IF({d}, :fp, COALESCE(fingerprint, :fp)), \
                  token = GREATEST(token + 1, {NOW}), result = NULL, owner = :owner, \
@@ -205,15 +210,18 @@ impl Sql {
                  ) ENGINE=InnoDB"
                 ),
             ],
+            add_deaths: format!(
+                "ALTER TABLE {t} ADD COLUMN deaths BIGINT NOT NULL DEFAULT 0 AFTER expires_at"
+            ),
             insert_marker: s(format!(
                 "INSERT INTO {t} ({COLUMNS}, owner) VALUES (:hash, :scope, :id, 1, :fp, NULL, 1, \
-                 {NOW}, NULL, {NOW}, {NOW}, NULL, {NOW} + :keep, :owner)"
+                 {NOW}, NULL, {NOW}, {NOW}, NULL, {NOW} + :keep, 0, :owner)"
             )),
             // MariaDB ≥ 10.5: a fresh key is one round trip (MySQL lacks RETURNING here; the
             // store then falls back to the upsert path).
             insert_claim: s(format!(
                 "INSERT INTO {t} ({COLUMNS}, owner) VALUES (:hash, :scope, :id, 0, :fp, NULL, 1, \
-                 {NOW}, NULL, {NOW}, {NOW}, {NOW} + :lease, {NOW} + :keep, :owner) \
+                 {NOW}, NULL, {NOW}, {NOW}, {NOW} + :lease, {NOW} + :keep, 0, :owner) \
                  RETURNING token, lease_until"
             )),
             take_marker: s(format!(
@@ -286,7 +294,7 @@ impl Sql {
         let now = "(CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED) + ?)";
         let state = state.code();
         let row = format!(
-            "(?, ?, ?, {state}, ?, NULL, 1, {now}, NULL, {now}, {now}, {now} + ?, {now} + ?, ?)"
+            "(?, ?, ?, {state}, ?, NULL, 1, {now}, NULL, {now}, {now}, {now} + ?, {now} + ?, 0, ?)"
         );
         let rows = vec![row; n].join(", ");
         let vnow = "VALUES(updated_at)";
@@ -300,6 +308,7 @@ impl Sql {
             "INSERT INTO {t} ({COLUMNS}, owner) VALUES {rows} ON DUPLICATE KEY UPDATE \
                owner = IF({claimable}, VALUES(owner), owner), \
                attempt = IF({mine}, IF({d}, 1, attempt + 1), attempt), \
+               deaths = IF({mine}, IF({d}, 0, IF(state = 0, deaths + 1, deaths)), deaths), \
                prev_state = IF({mine}, IF({d}, NULL, state), prev_state), \
                created_at = IF({mine} AND {d}, VALUES(created_at), created_at), \
                fingerprint = IF({mine}, IF({d}, VALUES(fingerprint), COALESCE(fingerprint, VALUES(fingerprint))), fingerprint), \

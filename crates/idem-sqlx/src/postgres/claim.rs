@@ -16,8 +16,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::{PostgresStore, backend};
 use crate::MAX_RESULT_BYTES;
 use crate::row::{
-    Loser, classify_loser, decode_row, decode_row_at, fenced, i64_of, lease_from_parts, nullable,
-    required,
+    Loser, Won, classify_loser, decode_row, decode_row_at, fenced, i64_of, lease_from_parts,
+    lease_of_record, nullable, required,
 };
 
 impl PostgresStore {
@@ -149,14 +149,7 @@ impl PostgresStore {
             let hash = req.key.hash().0;
             out.push(match found.get(&hash) {
                 Some((true, rec, _)) if first.get(&hash) == Some(&j) => {
-                    Some(Claim::Acquired(lease_from_parts(
-                        &req.key,
-                        i64::from(rec.attempt),
-                        i64_of(rec.token, "token")?,
-                        rec.previous.map(|p| i64::from(p.code())),
-                        rec.fingerprint.map(|f| f.0.to_vec()),
-                        rec.lease_until.map_or(0, Timestamp::as_micros),
-                    )?))
+                    Some(Claim::Acquired(lease_of_record(&req.key, rec, Timestamp::from_micros(0))))
                 }
                 // A repeat of a key this round won is answered from the record it wrote.
                 Some((_, rec, now)) => lost(rec.clone(), req.fingerprint, *now, req.takeover),
@@ -179,7 +172,7 @@ impl PostgresStore {
             .await
             .map_err(|e| backend("get", e))?;
         let Some(row) = row else { return Ok(None) };
-        let now: i64 = row.try_get(13).map_err(|e| backend("get", e))?;
+        let now: i64 = row.try_get(14).map_err(|e| backend("get", e))?;
         Ok(Some((decode_row(&row)?, Timestamp::from_micros(now))))
     }
 
@@ -297,7 +290,8 @@ fn lost(
     }
 }
 
-/// The lease in a winning upsert's `RETURNING attempt, token, prev_state, fingerprint, lease_until`.
+/// The lease in a winning upsert's
+/// `RETURNING attempt, token, prev_state, fingerprint, lease_until, deaths`.
 fn lease_of(key: &DedupKey, row: &PgRow) -> Result<Lease, StoreError> {
     let attempt = required(row, 0, "attempt")?;
     let token = required(row, 1, "token")?;
@@ -305,7 +299,8 @@ fn lease_of(key: &DedupKey, row: &PgRow) -> Result<Lease, StoreError> {
     let fp = nullable(row, 3, "fingerprint")?;
     // A claim always sets the lease end: a NULL is corrupt, not a lease that ended in 1970.
     let until = required(row, 4, "lease_until")?;
-    lease_from_parts(key, attempt, token, prev, fp, until)
+    let deaths = required(row, 5, "deaths")?;
+    lease_from_parts(key, Won { attempt, token, prev, fp, deaths, until })
 }
 
 impl DedupStore for PostgresStore {
@@ -453,7 +448,7 @@ fn decode_claimed(
         let won: bool = row.try_get(0).map_err(get)?;
         // The record columns follow the leading `won` flag.
         let raw = decode_row_at(row, 1)?;
-        let now: i64 = row.try_get(14).map_err(get)?;
+        let now: i64 = row.try_get(15).map_err(get)?;
         found.insert(raw.key_hash.0, (won, raw, Timestamp::from_micros(now)));
     }
     Ok(())

@@ -51,7 +51,7 @@ impl PostgresStore {
             .execute(&mut *tx)
             .await
             .map_err(|e| backend("migrate", e))?;
-        for stmt in &self.sql.ddl {
+        for stmt in self.sql.ddl.iter().chain([&self.sql.add_deaths]) {
             sqlx::query(AssertSqlSafe(stmt.as_str()))
                 .execute(&mut *tx)
                 .await
@@ -60,9 +60,11 @@ impl PostgresStore {
         tx.commit().await.map_err(|e| backend("migrate", e))
     }
 
-    /// The DDL [`PostgresStore::migrate`] runs, for users who own their migrations.
+    /// The DDL [`PostgresStore::migrate`] runs, for users who own their migrations, in two
+    /// steps (as shipped in `migrations/postgres/`): the tables, then
+    /// `ALTER TABLE … ADD COLUMN IF NOT EXISTS deaths …`.
     pub fn schema_sql(&self) -> String {
-        self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
+        self.sql.ddl.iter().chain([&self.sql.add_deaths]).map(|s| format!("{s};\n")).collect()
     }
 
     /// Startup checks, run by a consumer's `build` ([`DedupStore::check`](idem_core::DedupStore::check)). Fails when the

@@ -25,6 +25,8 @@ fn takeover(may: &str) -> String {
 
 pub(super) struct Sql {
     pub ddl: Vec<String>,
+    /// The second schema step: adds `deaths`.
+    pub add_deaths: String,
     pub claim: Arc<str>,
     pub mark: Arc<str>,
     pub claim_many: Arc<str>,
@@ -54,6 +56,7 @@ impl Sql {
             format!(
                 "ON CONFLICT (key_hash) DO UPDATE SET \
                attempt = CASE WHEN {DEAD} THEN 1 ELSE r.attempt + 1 END, \
+               deaths = CASE WHEN {DEAD} THEN 0 WHEN r.state = 0 THEN r.deaths + 1 ELSE r.deaths END, \
                prev_state = CASE WHEN {DEAD} THEN NULL ELSE r.state END, \
                created_at = CASE WHEN {DEAD} THEN EXCLUDED.created_at ELSE r.created_at END, \
                expires_at = CASE WHEN {DEAD} THEN EXCLUDED.expires_at ELSE GREATEST(r.expires_at, EXCLUDED.expires_at) END, \
@@ -72,9 +75,9 @@ impl Sql {
             format!(
                 "INSERT INTO {t} AS r ({COLUMNS}) \
                  SELECT $1::bytea, $2::text, $3::text, {state}, $4::bytea, NULL, 1, n.now, NULL, n.now, n.now, \
-                        n.now + $6::bigint, n.now + $7::bigint \
+                        n.now + $6::bigint, n.now + $7::bigint, 0 \
                  FROM (SELECT {now} AS now) n {on_conflict} \
-                 RETURNING attempt, token, prev_state, fingerprint, lease_until",
+                 RETURNING attempt, token, prev_state, fingerprint, lease_until, deaths",
                 now = now(5)
             )
         };
@@ -115,6 +118,9 @@ impl Sql {
                        next_offset BIGINT, PRIMARY KEY (scope, log, part))"
                 ),
             ],
+            add_deaths: format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS deaths BIGINT NOT NULL DEFAULT 0"
+            ),
             claim: s(upsert(0, "$8::boolean")),
             // An inbox marker is a claim completed at once (bound with a NULL lease).
             mark: s(upsert(1, "true")),
@@ -124,7 +130,7 @@ impl Sql {
                 "WITH n AS (SELECT {now} AS now), \
                  ins AS (\
                    INSERT INTO {t} AS r ({COLUMNS}) \
-                   SELECT q.h, q.s, q.i, 0, q.fp, NULL, 1, n.now, NULL, n.now, n.now, n.now + q.lease, n.now + q.keep \
+                   SELECT q.h, q.s, q.i, 0, q.fp, NULL, 1, n.now, NULL, n.now, n.now, n.now + q.lease, n.now + q.keep, 0 \
                    FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[], $7::bigint[]) \
                         AS q(h, s, i, fp, lease, keep), n \
                    {on_conflict} RETURNING {COLUMNS}) \
@@ -136,7 +142,7 @@ impl Sql {
             // only the winners' hashes (a winner needs nothing else; losers are read apart).
             mark_many: s(format!(
                 "INSERT INTO {t} AS r ({COLUMNS}) \
-                 SELECT q.h, q.s, q.i, 1, q.fp, NULL, 1, n.now, NULL, n.now, n.now, NULL, n.now + q.keep \
+                 SELECT q.h, q.s, q.i, 1, q.fp, NULL, 1, n.now, NULL, n.now, n.now, NULL, n.now + q.keep, 0 \
                  FROM unnest($1::bytea[], $2::text[], $3::text[], $4::bytea[], $6::bigint[]) \
                       AS q(h, s, i, fp, keep), (SELECT {now} AS now) n \
                  {on_conflict} RETURNING r.key_hash",

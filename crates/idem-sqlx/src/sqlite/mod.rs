@@ -26,7 +26,7 @@ pub use inbox::SqliteInbox;
 pub use outbox::SqliteOutbox;
 
 use crate::row::{
-    Loser, classify_loser, decode_row, fenced, i64_of, lease_from_parts, nullable, required,
+    Loser, Won, classify_loser, decode_row, fenced, i64_of, lease_from_parts, nullable, required,
 };
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
 use sql::Sql;
@@ -147,7 +147,22 @@ impl SqliteStore {
     /// Cancel safe in effect: each statement commits on its own and is `IF NOT EXISTS`, so
     /// running it again after a dropped call finishes the job.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        execute_ddl(&self.pool, &self.sql.ddl).await.map_err(|e| backend("migrate", e))
+        execute_ddl(&self.pool, &self.sql.ddl).await.map_err(|e| backend("migrate", e))?;
+        let has_deaths: bool = sqlx::query_scalar(
+            "SELECT count(*) > 0 FROM pragma_table_info(?1) WHERE name = 'deaths'",
+        )
+        .bind(self.table.as_str())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| backend("migrate", e))?;
+        if !has_deaths {
+            match execute_ddl(&self.pool, std::slice::from_ref(&self.sql.add_deaths)).await {
+                // Another process migrating at the same time added it first.
+                Err(e) if e.to_string().contains("duplicate column name") => {}
+                done => done.map_err(|e| backend("migrate", e))?,
+            }
+        }
+        Ok(())
     }
 
     /// Startup check, run by a consumer's `build` ([`DedupStore::check`]): fails when the
@@ -173,9 +188,12 @@ impl SqliteStore {
         }
     }
 
-    /// The DDL [`SqliteStore::migrate`] runs, for users who own their migrations.
+    /// The DDL [`SqliteStore::migrate`] runs on a new database, for users who own their
+    /// migrations, in two steps (as shipped in `migrations/sqlite/`): the tables, then
+    /// `ALTER TABLE … ADD COLUMN deaths …`, which a database that has the first step applies
+    /// once.
     pub fn schema(&self) -> String {
-        self.sql.ddl.iter().map(|s| format!("{s};\n")).collect()
+        self.sql.ddl.iter().chain([&self.sql.add_deaths]).map(|s| format!("{s};\n")).collect()
     }
 
     /// The pool.
@@ -225,7 +243,9 @@ impl SqliteStore {
         let token = required(&row, 1, "token")?;
         let prev = nullable(&row, 2, "prev_state")?;
         let fp = nullable(&row, 3, "fingerprint")?;
-        lease_from_parts(&req.key, attempt, token, prev, fp, until.as_micros()).map(Some)
+        let deaths = required(&row, 4, "deaths")?;
+        let won = Won { attempt, token, prev, fp, deaths, until: until.as_micros() };
+        lease_from_parts(&req.key, won).map(Some)
     }
 
     /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.

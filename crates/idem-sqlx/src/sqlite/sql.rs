@@ -21,6 +21,9 @@ fn takeover(may: &str) -> String {
 pub(super) struct Sql {
     pub t: String,
     pub ddl: Vec<String>,
+    /// The second schema step: adds `deaths` (SQLite has no `ADD COLUMN IF NOT EXISTS`:
+    /// `migrate` runs it when the column is missing).
+    pub add_deaths: String,
     pub claim: Arc<str>,
     pub mark: Arc<str>,
     pub select: Arc<str>,
@@ -46,9 +49,10 @@ impl Sql {
         let upsert = |state: u8, lease: &str, may: &str| {
             let takeover = takeover(may);
             format!(
-                "INSERT INTO {t} ({COLUMNS}) VALUES (?1, ?2, ?3, {state}, ?4, NULL, 1, ?8, NULL, ?5, ?5, {lease}, ?7) \
+                "INSERT INTO {t} ({COLUMNS}) VALUES (?1, ?2, ?3, {state}, ?4, NULL, 1, ?8, NULL, ?5, ?5, {lease}, ?7, 0) \
                  ON CONFLICT (key_hash) DO UPDATE SET \
                    attempt = CASE WHEN {DEAD} THEN 1 ELSE attempt + 1 END, \
+                   deaths = CASE WHEN {DEAD} THEN 0 WHEN state = 0 THEN deaths + 1 ELSE deaths END, \
                    prev_state = CASE WHEN {DEAD} THEN NULL ELSE state END, \
                    created_at = CASE WHEN {DEAD} THEN excluded.created_at ELSE created_at END, \
                    expires_at = CASE WHEN {DEAD} THEN excluded.expires_at ELSE max(expires_at, excluded.expires_at) END, \
@@ -57,7 +61,7 @@ impl Sql {
                    state = excluded.state, result = NULL, updated_at = excluded.updated_at, \
                    lease_until = excluded.lease_until \
                  WHERE {DEAD} OR {takeover} \
-                 RETURNING attempt, token, prev_state, fingerprint"
+                 RETURNING attempt, token, prev_state, fingerprint, deaths"
             )
         };
         let s = |x: String| -> Arc<str> { x.into() };
@@ -97,6 +101,7 @@ impl Sql {
                      ) WITHOUT ROWID"
                 ),
             ],
+            add_deaths: format!("ALTER TABLE {t} ADD COLUMN deaths INTEGER NOT NULL DEFAULT 0"),
             claim: s(upsert(0, "?6", "?9")),
             // An inbox marker is a claim that is completed at once: no lease.
             mark: s(upsert(1, "NULL", "1")),
@@ -154,7 +159,7 @@ impl Sql {
             .map(|i| {
                 let p = 4 + i * 4;
                 format!(
-                    "(?{p}, ?{}, ?{}, 1, ?{}, NULL, 1, ?3, NULL, ?1, ?1, NULL, ?2)",
+                    "(?{p}, ?{}, ?{}, 1, ?{}, NULL, 1, ?3, NULL, ?1, ?1, NULL, ?2, 0)",
                     p + 1,
                     p + 2,
                     p + 3
@@ -171,6 +176,7 @@ impl Sql {
             "INSERT INTO {t} ({COLUMNS}) VALUES {} \
              ON CONFLICT (key_hash) DO UPDATE SET \
                attempt = CASE WHEN {dead} THEN 1 ELSE attempt + 1 END, \
+               deaths = CASE WHEN {dead} THEN 0 WHEN state = 0 THEN deaths + 1 ELSE deaths END, \
                prev_state = CASE WHEN {dead} THEN NULL ELSE state END, \
                created_at = CASE WHEN {dead} THEN excluded.created_at ELSE created_at END, \
                expires_at = CASE WHEN {dead} THEN excluded.expires_at ELSE max(expires_at, excluded.expires_at) END, \

@@ -41,6 +41,30 @@ fn assert_unmigrated<T>(
     );
 }
 
+/// A table made before the `deaths` column existed (here: the column dropped from a migrated
+/// one, with a completed record in it): the startup check names the column, `migrate()` adds
+/// it, and the record reads back with 0 deaths and is still a duplicate.
+async fn an_old_table_gains_deaths<S, D, M>(store: S, drop_column: D, migrate: M)
+where
+    S: DedupStore + idem_core::InspectStore + Clone,
+    D: std::future::Future<Output = ()>,
+    M: std::future::Future<Output = Result<(), StoreError>>,
+{
+    use idem_core::{Claim, ClaimRequest, DedupKey};
+    let key = DedupKey::new("orders", "o-old").unwrap();
+    let req = ClaimRequest::new(key.clone(), None, Duration::from_secs(30), DAY);
+    let Claim::Acquired(lease) = store.claim(&req).await.unwrap() else { panic!("not acquired") };
+    store.complete(lease, Some(b"done"), DAY).await.unwrap();
+    drop_column.await;
+    let Err(e) = build(store.clone()).await else { panic!("built without the deaths column") };
+    assert!(e.to_string().contains("lacks the columns deaths"), "{e}");
+    migrate.await.expect("migrate adds the column");
+    build(store.clone()).await.expect("built after migrate");
+    let rec = store.get(&key).await.unwrap().expect("the record survived");
+    assert_eq!((rec.deaths, rec.result.as_deref()), (0, Some(&b"done"[..])));
+    assert!(matches!(store.claim(&req).await.unwrap(), Claim::Completed(_)));
+}
+
 /// Five messages against a table dropped after the consumer was built: every one fails
 /// (transiently, so it is retried), and the report says which store error.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -138,6 +162,22 @@ mod postgres {
         .unwrap();
         assert_eq!(default_schema, 0, "only the schema asked for was created");
         store.pool().close().await;
+    }
+
+    #[tokio::test]
+    async fn an_old_table_gains_deaths_on_migrate() {
+        let Some(url) = common::pg_url() else { return };
+        let schema = common::unique("idem_deaths");
+        let store = PostgresStore::connect(&url).await.unwrap().with_schema(&schema).unwrap();
+        let _drop =
+            common::DropSql { url, sql: format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE") };
+        store.migrate().await.unwrap();
+        let drop_column = format!("ALTER TABLE \"{schema}\".idem_records DROP COLUMN deaths");
+        let pool = store.pool().clone();
+        let drop_it = async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(drop_column)).execute(&pool).await.unwrap();
+        };
+        super::an_old_table_gains_deaths(store.clone(), drop_it, store.migrate()).await;
     }
 
     #[tokio::test]
@@ -242,6 +282,24 @@ mod mysql {
     }
 
     #[tokio::test]
+    async fn an_old_table_gains_deaths_on_migrate() {
+        let Some(url) = common::mysql_url() else { return };
+        let table = common::unique("idem_deaths");
+        let store = MySqlStore::connect(&url).await.unwrap().with_table_name(&table).unwrap();
+        let _drop = common::DropSql {
+            url,
+            sql: format!("DROP TABLE IF EXISTS `{table}`, `{table}_positions`"),
+        };
+        store.migrate().await.unwrap();
+        let drop_column = format!("ALTER TABLE `{table}` DROP COLUMN deaths");
+        let pool = store.pool().clone();
+        let drop_it = async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(drop_column)).execute(&pool).await.unwrap();
+        };
+        super::an_old_table_gains_deaths(store.clone(), drop_it, store.migrate()).await;
+    }
+
+    #[tokio::test]
     async fn every_message_failing_on_a_dropped_table_reports_why() {
         let Some(url) = common::mysql_url() else { return };
         let table = common::unique("idem_drop");
@@ -285,6 +343,18 @@ mod sqlite {
         );
         other.migrate().await.unwrap();
         build_inbox(other.inbox(DAY)).await.expect("inbox after migrate");
+    }
+
+    #[tokio::test]
+    async fn an_old_table_gains_deaths_on_migrate() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("idem.sqlite")).await.unwrap();
+        let drop_column = format!("ALTER TABLE {} DROP COLUMN deaths", store.table());
+        let pool = store.pool().clone();
+        let drop_it = async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(drop_column)).execute(&pool).await.unwrap();
+        };
+        super::an_old_table_gains_deaths(store.clone(), drop_it, store.migrate()).await;
     }
 
     /// A store migrated before the offset inbox existed has no positions table: the

@@ -126,6 +126,41 @@ pub async fn expired_lease_is_taken_over<S: Store, C: TimeControl>(h: Harness<S,
     assert_eq!(rec.attempt, 2);
 }
 
+/// Deaths count the claims that took over a lease that ran out, and nothing else: a release,
+/// a failure and the claims after them leave the count as it was; single and batch claims
+/// count alike; the record keeps it through completion.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn deaths_count_only_expired_takeovers<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let k = unique_key("conf-deaths");
+    let first = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert_eq!(first.deaths(), 0);
+    h.store.release(first).await.expect("release");
+    let second = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert_eq!((second.attempt(), second.deaths()), (2, 0), "a release is no death");
+    h.store.fail(second, FailKind::Permanent, "boom", retain(&h)).await.expect("fail");
+    let third = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert_eq!((third.attempt(), third.deaths()), (3, 0), "a failure is no death");
+    drop(third); // its holder dies
+    h.time.advance(h.unit * 3).await;
+    let fourth = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert!(fourth.took_over_expired());
+    assert_eq!((fourth.attempt(), fourth.deaths()), (4, 1));
+    drop(fourth);
+    h.time.advance(h.unit * 3).await;
+    let batch = h.store.claim_many(&[req(&h, &k, fp(1))]).await.expect("claim_many");
+    let Some(Claim::Acquired(fifth)) = batch.into_iter().next() else { panic!("not acquired") };
+    assert_eq!((fifth.attempt(), fifth.deaths()), (5, 2), "claim_many counts deaths too");
+    h.store.release(fifth).await.expect("release");
+    let sixth = acquire(&h, &req(&h, &k, fp(1))).await;
+    assert_eq!((sixth.attempt(), sixth.deaths()), (6, 2), "the count outlives a release");
+    h.store.complete(sixth, None, retain(&h)).await.expect("complete");
+    let rec = h.store.get(&k).await.expect("get").expect("record");
+    assert_eq!((rec.attempt, rec.deaths, rec.state), (6, 2, RecordState::Completed));
+}
+
 /// A request without takeover leaves a lease that ran out to its holder: `claim` and
 /// `claim_many` answer it in progress with no time left and the holder's attempt, and change
 /// nothing (the holder may still complete). A fresh key and a released one are claimed as usual.

@@ -23,10 +23,10 @@ pub use batch::{
 pub use lease::{
     a_claim_without_takeover_leaves_an_expired_lease, claim_is_exclusive,
     completed_is_duplicate_with_result, concurrent_claims_have_one_winner,
-    expired_lease_is_taken_over, extend_keeps_the_lease, fencing_tokens_strictly_increase,
-    fingerprint_mismatch_is_conflict, live_lease_is_not_taken_over,
-    missing_fingerprint_never_conflicts, release_allows_reclaim, scopes_isolate,
-    stale_lease_cannot_complete_or_release,
+    deaths_count_only_expired_takeovers, expired_lease_is_taken_over, extend_keeps_the_lease,
+    fencing_tokens_strictly_increase, fingerprint_mismatch_is_conflict,
+    live_lease_is_not_taken_over, missing_fingerprint_never_conflicts, release_allows_reclaim,
+    scopes_isolate, stale_lease_cannot_complete_or_release,
 };
 pub use records::{
     expired_record_is_claimed_afresh, failed_is_reclaimable_in_doubt_is_not,

@@ -337,7 +337,7 @@ pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
     for d in &dead {
         assert_eq!(d.message_id.as_deref(), Some(POISON), "{dead:?}");
         let reason = d.headers.get(headers::REASON).map(String::as_str).unwrap_or_default();
-        let want = format!("crash loop: {POISON_LIMIT} attempts");
+        let want = format!("crash loop: {POISON_LIMIT} deaths");
         assert!(reason.contains(&want), "reason {reason:?} lacks {want:?}");
     }
     // Every other order's effect happened; a repeat is a rerun after a takeover (the process

@@ -1,7 +1,9 @@
 //! Crash-loop detection in the engine, on `MemoryStore` with a manual clock: a message whose
 //! handler kills the process (here: the batch future is dropped while that handler runs, as a
-//! process abort drops everything) is dead-lettered once its attempts reach the limit, without
-//! running again, and the messages fetched with it are not dead-lettered with it.
+//! process abort drops everything) is dead-lettered once its deaths reach the limit, without
+//! running again, and the messages fetched with it are not dead-lettered with it. Only deaths
+//! count: a key given back (a transient failure, a failed push, a claim taken ahead and
+//! dropped) any number of times is run again after one death.
 #![allow(clippy::unwrap_used)] // test setup: a failure here is the test failing
 
 use std::collections::HashMap;
@@ -83,8 +85,8 @@ async fn a_poison_message_is_dead_lettered_at_the_limit_and_its_batch_is_not() {
         if id == POISON {
             let Outcome::Failed(f) = out else { panic!("{id}: {out:?}") };
             assert_eq!(f.kind, FailureKind::Permanent);
-            assert!(matches!(f.cause, Cause::CrashLoop { attempts: 3, limit: 3 }), "{:?}", f.cause);
-            assert!(f.cause.to_string().starts_with("crash loop: 3 attempts"), "{}", f.cause);
+            assert!(matches!(f.cause, Cause::CrashLoop { deaths: 3, limit: 3 }), "{:?}", f.cause);
+            assert!(f.cause.to_string().starts_with("crash loop: 3 deaths"), "{}", f.cause);
         } else {
             // Processed in an earlier (crashed) delivery's solo run, so a duplicate now, or
             // processed now: never failed.
@@ -136,11 +138,53 @@ async fn a_lone_message_that_keeps_dying_is_not_run_after_the_limit() {
     }
     let outs = deliver(&e, std::slice::from_ref(&msg), &effects).await.unwrap();
     assert!(
-        matches!(&outs[0], Outcome::Failed(f) if matches!(f.cause, Cause::CrashLoop { attempts: 2, limit: 2 })),
+        matches!(&outs[0], Outcome::Failed(f) if matches!(f.cause, Cause::CrashLoop { deaths: 2, limit: 2 })),
         "{outs:?}"
     );
     // A takeover under the limit runs: limit 2 let attempt 2 run (and die).
     assert!(effects.lock().unwrap().is_empty());
+}
+
+/// Attempts that gave the key back are not deaths: a message whose handler failed transiently
+/// ten times (as a push to an application that is restarting does, or a claim taken ahead and
+/// released at a rebalance) and then died once is run again, at limit 2. Counting attempts, as
+/// the engine once did, dead-lettered it at the first takeover (attempt 12 > 2).
+#[tokio::test]
+async fn keys_given_back_are_not_deaths() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(clock.clone());
+    let e = engine(store.clone(), 2);
+    let msg = order("o-9");
+    for _ in 0..10 {
+        let out: Out =
+            e.process(&msg, |_| async { Err(HandlerError::Transient("503".to_owned())) }).await;
+        assert!(matches!(&out, Outcome::Failed(f) if f.kind == FailureKind::Transient), "{out:?}");
+    }
+    // One death: the process dies holding the key (the lease is dropped, never given back).
+    let key = DedupKey::new("orders", "o-9").unwrap();
+    let req = idem_core::ClaimRequest::new(key.clone(), None, LEASE, Duration::from_secs(60));
+    let idem_core::Claim::Acquired(lease) =
+        idem_core::DedupStore::claim(&store, &req).await.unwrap()
+    else {
+        panic!("not acquired")
+    };
+    assert_eq!((lease.attempt(), lease.deaths()), (11, 0));
+    drop(lease);
+    clock.advance(LEASE + Duration::from_secs(1));
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let out: Out = e
+        .process(&msg, |ctx| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.lock().unwrap().push((ctx.attempt(), ctx.took_over_expired()));
+                Ok("done".to_owned())
+            }
+        })
+        .await;
+    assert!(matches!(out, Outcome::Processed(_)), "{out:?}");
+    assert_eq!(*runs.lock().unwrap(), [(12, true)]);
+    let rec = store.get(&key).await.unwrap().unwrap();
+    assert_eq!((rec.attempt, rec.deaths, rec.state), (12, 1, RecordState::Completed));
 }
 
 #[test]

@@ -61,6 +61,7 @@ pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Rul
                 attempt: 1,
                 token,
                 previous: None,
+                // A fresh record forgets the expired one's count.
                 deaths: 0,
                 created_at: now,
                 updated_at: now,
@@ -68,7 +69,6 @@ pub fn apply(stored: Option<&Record>, req: &ClaimRequest, now: Timestamp) -> Rul
                 expires_at: keep,
             };
             let lease = Lease::new(req.key.clone(), req.fingerprint, token, 1, until, None);
-            // `deaths` 0: a fresh record forgets the expired one's count.
             return Ruling { claim: Claim::Acquired(lease), write: Some(rec) };
         }
     };

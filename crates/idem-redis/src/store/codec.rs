@@ -93,12 +93,14 @@ pub(crate) fn record(v: &[u8], hash: KeyHash) -> Result<Record, StoreError> {
     };
     let scope = text(r.bytes()?, "scope")?;
     let id = text(r.bytes()?, "id")?;
-    let ends_at_id = r.0.is_empty();
     // Absent means 0; the scripts never write a 0, so one written is not their value.
-    let deaths = if r.0.is_empty() { 0 } else { r.u32()? };
-    if deaths == 0 && !ends_at_id {
-        return Err(corrupt("deaths 0 written (the scripts leave it out)"));
-    }
+    let deaths = match r.0.is_empty() {
+        true => 0,
+        false => match r.u32()? {
+            0 => return Err(corrupt("deaths 0 written (the scripts leave it out)")),
+            d => d,
+        },
+    };
     if !r.0.is_empty() {
         return Err(corrupt(format!("record value has {} bytes past its end", r.0.len())));
     }

@@ -114,55 +114,43 @@ pub(crate) fn lease_of_record(key: &DedupKey, rec: &Record, until: Timestamp) ->
     .with_deaths(rec.deaths)
 }
 
-/// Why a claim or mark that did not write lost.
-pub(crate) enum Loser {
-    /// Completed or parked in doubt.
-    Done(Record),
-    /// Stored with another fingerprint.
-    Conflict(Record),
-    /// Under a live lease.
-    Leased(Record),
-}
-
-/// Classifies the record a lost write found; `None` when it is claimable again (retry).
-pub(crate) fn classify_loser(
+/// The answer of a claim or mark that did not write, from the record it found: conflict,
+/// completed (or in doubt) or in progress (the store's time left on the lease); `None` when the
+/// record is claimable again (write again). `takeover`: the request's flag; a request without
+/// it leaves a lease that ran out to its holder's successor (a mark always takes over).
+pub(crate) fn lost(
     rec: Record,
     fingerprint: Option<idem_core::Fingerprint>,
     now: Timestamp,
     takeover: bool,
-) -> Option<Loser> {
+) -> Option<idem_core::Claim> {
+    use idem_core::Claim;
     if rec.is_expired_at(now) {
         return None;
     }
     if let (Some(stored), Some(asked)) = (rec.fingerprint, fingerprint)
         && stored != asked
     {
-        return Some(Loser::Conflict(rec));
+        return Some(Claim::Conflict(rec));
     }
     match rec.state {
-        RecordState::Completed | RecordState::InDoubt => Some(Loser::Done(rec)),
-        // A request without takeover leaves a lease that ran out to its holder's successor.
-        RecordState::InProgress if rec.is_leased_at(now) || !takeover => Some(Loser::Leased(rec)),
+        RecordState::Completed | RecordState::InDoubt => Some(Claim::Completed(rec)),
+        RecordState::InProgress if rec.is_leased_at(now) || !takeover => Some(Claim::InProgress {
+            retry_after: rec.lease_until.unwrap_or(now).since(now),
+            attempt: rec.attempt,
+        }),
         _ => None,
     }
 }
 
-/// The answer a lost mark found: completed, conflict or in progress (the store's time left on
-/// the lease); `None` when the record is claimable again (mark again).
+/// The answer a lost mark found ([`lost`] with takeover: a mark takes over any lease that ran
+/// out); `None` when the record is claimable again (mark again).
 pub(crate) fn claim_of(
     rec: Record,
     fingerprint: Option<idem_core::Fingerprint>,
     now: Timestamp,
 ) -> Option<idem_core::Claim> {
-    use idem_core::Claim;
-    Some(match classify_loser(rec, fingerprint, now, true)? {
-        Loser::Done(r) => Claim::Completed(r),
-        Loser::Conflict(r) => Claim::Conflict(r),
-        Loser::Leased(r) => Claim::InProgress {
-            retry_after: r.lease_until.unwrap_or(now).since(now),
-            attempt: r.attempt,
-        },
-    })
+    lost(rec, fingerprint, now, true)
 }
 
 /// The lease of a mark that took its row: held by the transaction, not by a time (no lease end,

@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use idem_core::time::duration_micros;
 use idem_core::{
-    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Fingerprint, Lease, Record,
-    RecordState, StoreError, Timestamp,
+    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Lease, Record, RecordState,
+    StoreError, Timestamp,
 };
 use sqlx::mysql::MySqlConnection;
 use sqlx::{AssertSqlSafe, Row};
 
 use super::{MAX_ROWS, MySqlStore, backend, error_number, is_duplicate_key, nonce};
 use crate::MAX_RESULT_BYTES;
-use crate::row::{Loser, classify_loser, decode_row, fenced, i64_of, lease_of_record};
+use crate::row::{decode_row, fenced, i64_of, lease_of_record, lost};
 
 impl MySqlStore {
     /// Reads `key`'s record and the server's clock (`locked`: a locking read).
@@ -184,22 +184,6 @@ impl MySqlStore {
             .await
             .map_err(|e| backend("complete", e))?;
         fenced(done.rows_affected(), lease)
-    }
-}
-
-fn lost(
-    rec: Record,
-    fingerprint: Option<Fingerprint>,
-    now: Timestamp,
-    takeover: bool,
-) -> Option<Claim> {
-    match classify_loser(rec, fingerprint, now, takeover)? {
-        Loser::Done(rec) => Some(Claim::Completed(rec)),
-        Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
-        Loser::Leased(rec) => Some(Claim::InProgress {
-            retry_after: rec.lease_until.unwrap_or(now).since(now),
-            attempt: rec.attempt,
-        }),
     }
 }
 

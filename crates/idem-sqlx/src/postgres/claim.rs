@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use idem_core::time::duration_micros;
 use idem_core::{
-    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Fingerprint, Lease, Record,
-    RecordState, StoreError, Timestamp,
+    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Lease, Record, RecordState,
+    StoreError, Timestamp,
 };
 use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{AssertSqlSafe, Row};
@@ -16,8 +16,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::{PostgresStore, backend};
 use crate::MAX_RESULT_BYTES;
 use crate::row::{
-    Loser, Won, classify_loser, decode_row, decode_row_at, fenced, i64_of, lease_from_parts,
-    lease_of_record, nullable, required,
+    Won, decode_row, decode_row_at, fenced, i64_of, lease_from_parts, lease_of_record, lost,
+    nullable, required,
 };
 
 impl PostgresStore {
@@ -270,23 +270,6 @@ impl PostgresStore {
             .await
             .map_err(|e| backend("complete", e))?;
         fenced(done.rows_affected(), lease)
-    }
-}
-
-/// The answer of a claim that did not write; `None` when the record is claimable again.
-fn lost(
-    rec: Record,
-    fingerprint: Option<Fingerprint>,
-    now: Timestamp,
-    takeover: bool,
-) -> Option<Claim> {
-    match classify_loser(rec, fingerprint, now, takeover)? {
-        Loser::Done(rec) => Some(Claim::Completed(rec)),
-        Loser::Conflict(rec) => Some(Claim::Conflict(rec)),
-        Loser::Leased(rec) => Some(Claim::InProgress {
-            retry_after: rec.lease_until.unwrap_or(now).since(now),
-            attempt: rec.attempt,
-        }),
     }
 }
 

@@ -25,9 +25,7 @@ use sqlx::sqlite::{
 pub use inbox::SqliteInbox;
 pub use outbox::SqliteOutbox;
 
-use crate::row::{
-    Loser, Won, classify_loser, decode_row, fenced, i64_of, lease_from_parts, nullable, required,
-};
+use crate::row::{Won, decode_row, fenced, i64_of, lease_from_parts, lost, nullable, required};
 use crate::{DEFAULT_TABLE, MAX_RESULT_BYTES};
 use sql::Sql;
 
@@ -262,16 +260,8 @@ impl SqliteStore {
                 return Ok(Claim::Acquired(lease));
             }
             let Some(rec) = self.fetch(conn, &req.key).await? else { continue };
-            match classify_loser(rec, req.fingerprint, now, req.takeover) {
-                Some(Loser::Done(rec)) => return Ok(Claim::Completed(rec)),
-                Some(Loser::Conflict(rec)) => return Ok(Claim::Conflict(rec)),
-                Some(Loser::Leased(rec)) => {
-                    return Ok(Claim::InProgress {
-                        retry_after: rec.lease_until.unwrap_or(now).since(now),
-                        attempt: rec.attempt,
-                    });
-                }
-                None => {}
+            if let Some(claim) = lost(rec, req.fingerprint, now, req.takeover) {
+                return Ok(claim);
             }
         }
         Err(StoreError::backend(

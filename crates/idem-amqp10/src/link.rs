@@ -149,6 +149,10 @@ impl Link {
     }
 }
 
+/// How long a quiescing link waits for the next in-flight delivery, and for all of them.
+const QUIET_GAP: Duration = Duration::from_millis(50);
+const QUIESCE_BOUND: Duration = Duration::from_secs(1);
+
 /// Credit bookkeeping: what the last grant has left, and what is received but unsettled.
 struct Credit {
     window: u32,
@@ -194,14 +198,22 @@ async fn run(
                     let _ = done.send(result);
                 }
                 Some(Command::Quiesce { done }) => {
-                    if let Err(e) = receiver.set_credit(0).await {
-                        tracing::debug!(error = %e, "stopping the link's credit failed");
+                    // Drain, not credit 0: a transfer already on the wire when the flow leaves
+                    // still has credit and arrives as a delivery (with credit 0 the client
+                    // refuses it and only the detach gives it back). The broker sends what it
+                    // has, then uses up the credit. What arrives goes to the channel, to be
+                    // released: Service Bus would otherwise keep it locked until its lock
+                    // expires. The client does not surface the broker's drain answer, so a quiet
+                    // gap ends the wait; a late straggler is returned by the detach.
+                    if let Err(e) = receiver.drain().await {
+                        tracing::debug!(error = %e, "draining the link failed");
                     }
-                    // Deliveries still in the client's buffers go to the channel too, to be
-                    // released: Service Bus would otherwise keep them locked until their locks
-                    // expire.
-                    while let Ok(Ok(d)) =
-                        tokio::time::timeout(Duration::from_millis(5), receiver.recv::<Body<Value>>()).await
+                    let until = tokio::time::Instant::now() + QUIESCE_BOUND;
+                    while let Ok(Ok(d)) = tokio::time::timeout_at(
+                        until.min(tokio::time::Instant::now() + QUIET_GAP),
+                        receiver.recv::<Body<Value>>(),
+                    )
+                    .await
                     {
                         let (info, message) = d.into_parts();
                         let _ = deliveries.send(Ok(Delivery::new(info, message)));

@@ -150,8 +150,10 @@ async fn shutdown_gives_back_the_unfetched_and_is_bounded() {
     let given_back = c.close().await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(8), "close took {:?}", started.elapsed());
     // Counted are those released explicitly (from the channel and the client's buffers); the
-    // broker returns any still on the wire when the link detaches. All 19 must come back.
-    assert!((1..=19).contains(&given_back), "{given_back} given back");
+    // broker returns any still on the wire when the link detaches. The broker's queue count only
+    // says they left the broker, not that they reached the client (under load they may not
+    // have), so the count is bounded, not fixed. All 19 must come back.
+    assert!(given_back <= 19, "{given_back} given back");
     wait_for("released messages back", Duration::from_secs(10), || async {
         b.count(&b.name).await == 19
     })

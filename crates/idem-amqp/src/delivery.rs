@@ -85,6 +85,17 @@ impl Envelope for Delivery {
         &self.inner.data
     }
 
+    /// The broker's `redelivered`, or a copy sent back through the delay queue (a retry is a
+    /// new message to the broker).
+    fn redelivery(&self) -> idem_core::extract::Redelivery {
+        let again = self.inner.redelivered || self.delays() > 0;
+        if again {
+            idem_core::extract::Redelivery::Again
+        } else {
+            idem_core::extract::Redelivery::First
+        }
+    }
+
     fn message_id(&self) -> Option<&str> {
         self.inner.properties.message_id().as_ref().map(|s| s.as_str())
     }

@@ -163,6 +163,19 @@ impl Envelope for Delivery {
         &self.inner.payload
     }
 
+    /// A `delivery-count` above 0, `first-acquirer` false, or a copy idem rescheduled
+    /// ([`delays`](Delivery::delays): a retry is a new message to the broker).
+    fn redelivery(&self) -> idem_core::extract::Redelivery {
+        let header = self.inner.message.header.as_ref();
+        let again =
+            self.delays() > 0 || header.is_some_and(|h| h.delivery_count > 0 || !h.first_acquirer);
+        if again {
+            idem_core::extract::Redelivery::Again
+        } else {
+            idem_core::extract::Redelivery::First
+        }
+    }
+
     fn message_id(&self) -> Option<&str> {
         self.inner.message_id.as_deref()
     }

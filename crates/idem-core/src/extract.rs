@@ -20,11 +20,43 @@ pub trait Envelope {
     fn correlation_id(&self) -> Option<&str> {
         self.header("correlation-id")
     }
+    /// What the broker says about earlier deliveries of this message
+    /// ([`Redelivery`]). Inbox mode runs a message that is not a first delivery alone, after
+    /// the rest of its batch, under a crash note, so one that kills the process is counted and
+    /// dead-lettered as a crash loop; first deliveries pay nothing for it. Default:
+    /// [`Redelivery::First`] (no crash-loop detection in inbox mode).
+    fn redelivery(&self) -> Redelivery {
+        Redelivery::First
+    }
     /// Where the message sits in an ordered log (Kafka, Event Hubs): what the
     /// [offset inbox](crate::inbox::OffsetInbox) decides by. Default: `None` (not a log).
     fn log_position(&self) -> Option<LogPosition<'_>> {
         None
     }
+}
+
+/// What a broker says about a message's earlier deliveries ([`Envelope::redelivery`]).
+///
+/// ```
+/// use idem_core::extract::{Envelope, Message, Redelivery};
+///
+/// let m = Message::new(b"{}".to_vec()).with_redelivery(Redelivery::Again);
+/// assert_eq!(m.redelivery(), Redelivery::Again);
+/// assert_eq!(Message::new(b"{}".to_vec()).redelivery(), Redelivery::First);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Redelivery {
+    /// Its first delivery, as far as the broker can tell.
+    #[default]
+    First,
+    /// Delivered before and never settled: RabbitMQ's `redelivered`, a JetStream or Redis
+    /// Streams delivery count above 1, AMQP 1.0's `delivery-count` or `first-acquirer`, a copy
+    /// idem rescheduled through a delay queue. A process may have died running it.
+    Again,
+    /// Perhaps delivered before: a Kafka record among the first read from its partition after
+    /// an assignment (Kafka keeps no delivery count).
+    Possible,
 }
 
 /// Where a delivery sits in an ordered log: its partition and offset, and where the consumer's
@@ -86,6 +118,8 @@ pub struct Message {
     pub headers: Vec<(String, String)>,
     /// Correlation id.
     pub correlation_id: Option<String>,
+    /// What the broker says about earlier deliveries (see [`Envelope::redelivery`]).
+    pub redelivery: Redelivery,
 }
 
 impl Message {
@@ -114,11 +148,22 @@ impl Message {
         self.correlation_id = Some(id.into());
         self
     }
+
+    /// Says what the broker said about earlier deliveries (see [`Envelope::redelivery`]).
+    #[must_use]
+    pub fn with_redelivery(mut self, redelivery: Redelivery) -> Self {
+        self.redelivery = redelivery;
+        self
+    }
 }
 
 impl Envelope for Message {
     fn payload(&self) -> &[u8] {
         &self.payload
+    }
+
+    fn redelivery(&self) -> Redelivery {
+        self.redelivery
     }
     fn message_id(&self) -> Option<&str> {
         self.message_id.as_deref()

@@ -32,6 +32,9 @@ pub struct Delivery {
     /// Where this member's reading of the partition continued from (see
     /// [`LogPosition::from`]).
     pub(crate) from: Option<i64>,
+    /// Read again after its partition was assigned: among the first records read there, which
+    /// a member that died may have been processing (see [`Envelope::redelivery`]).
+    pub(crate) reread: bool,
 }
 
 /// The record itself, shared by the clones handlers get.
@@ -59,7 +62,7 @@ impl Delivery {
             headers: Vec::new(),
             timestamp: None,
         };
-        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None, reread: false }
     }
 
     /// Adds a header.
@@ -87,7 +90,7 @@ impl Delivery {
             headers,
             timestamp: m.timestamp().to_millis(),
         };
-        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None }
+        Self { inner: Arc::new(record), attempts: 0, epoch: 0, from: None, reread: false }
     }
 
     /// The topic.
@@ -157,6 +160,18 @@ impl Envelope for Delivery {
     /// continued from: what the offset inbox decides by.
     fn log_position(&self) -> Option<LogPosition<'_>> {
         Some(LogPosition::new(self.topic(), self.partition(), self.offset()).read_from(self.from))
+    }
+
+    /// [`Redelivery::Possible`](idem_core::extract::Redelivery::Possible) for the first records
+    /// read from its partition since it was assigned (twice the largest batch): a member that
+    /// died may have been processing them. Kafka keeps no delivery count, and the committed
+    /// offset may lag the last batch settled by one batch.
+    fn redelivery(&self) -> idem_core::extract::Redelivery {
+        if self.reread {
+            idem_core::extract::Redelivery::Possible
+        } else {
+            idem_core::extract::Redelivery::First
+        }
     }
 
     /// The last header of that name whose value is UTF-8 (Kafka headers are bytes).

@@ -86,6 +86,7 @@ impl State {
             self.verified.remove(tp);
             self.next_from.remove(tp);
             self.bridges.remove(tp);
+            self.reread_below.remove(tp);
             let e = self.epoch;
             self.revoked_at.insert(tp.clone(), e);
         }

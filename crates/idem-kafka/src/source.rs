@@ -67,6 +67,10 @@ pub(crate) struct State {
     pub(crate) next_from: HashMap<Tp, i64>,
     /// Per partition, dead-lettered messages: the offset after each → its `from`.
     pub(crate) bridges: HashMap<Tp, HashMap<i64, Option<i64>>>,
+    /// Per partition, the offset below which records count as read again (see
+    /// [`Envelope::redelivery`](idem_core::extract::Envelope::redelivery)): set by the first
+    /// record read after its assignment.
+    pub(crate) reread_below: HashMap<Tp, i64>,
 }
 
 impl State {
@@ -288,6 +292,9 @@ impl Source for KafkaSource {
             let mut st = self.state();
             m.epoch = st.epoch;
             st.read_from(&mut m);
+            let window = i64::try_from(max.saturating_mul(2)).unwrap_or(i64::MAX);
+            let below = *st.reread_below.entry(m.tp()).or_insert(m.offset().saturating_add(window));
+            m.reread = m.offset() < below;
             // A message of a revoked partition polled before its revocation is processed but
             // not tracked.
             if st.owns(&m) {

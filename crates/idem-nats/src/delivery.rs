@@ -128,6 +128,14 @@ impl Envelope for Delivery {
         &self.inner.payload
     }
 
+    fn redelivery(&self) -> idem_core::extract::Redelivery {
+        if self.inner.delivered > 1 {
+            idem_core::extract::Redelivery::Again
+        } else {
+            idem_core::extract::Redelivery::First
+        }
+    }
+
     fn message_id(&self) -> Option<&str> {
         self.header(MSG_ID_HEADER)
     }

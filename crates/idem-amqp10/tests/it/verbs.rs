@@ -13,7 +13,7 @@ use common::Broker;
 use idem_amqp10::{Amqp10Config, Amqp10Consumer, DeadLetters, Delivery, Error};
 use idem_core::MemoryStore;
 use idem_core::engine::{Context, HandlerError};
-use idem_core::extract::CloudEvents;
+use idem_core::extract::{CloudEvents, Envelope, Redelivery};
 use idem_testkit::wait_for;
 
 type C = Amqp10Consumer<MemoryStore>;
@@ -95,12 +95,17 @@ async fn released_redelivers_a_transient_failure() {
     b.publish(Some("o-1"), b"{}", &[]).await;
     let c = consumer(Amqp10Config::new(b.url.clone(), b.address())).await;
     let failed_once = std::sync::Arc::new(AtomicBool::new(false));
-    let handler = move |_: Context, _: Delivery| {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen_by = std::sync::Arc::clone(&seen);
+    let handler = move |_: Context, d: Delivery| {
+        seen_by.lock().unwrap().push(d.redelivery());
         let first = !failed_once.swap(true, Ordering::SeqCst);
         async move { if first { Err(HandlerError::Transient("flaky".to_owned())) } else { Ok(()) } }
     };
     let r = poll_until(&c, handler, |r| r.processed == 1).await;
     assert_eq!((r.failed_transient, r.processed), (1, 1), "{r}");
+    // The broker tells the released copy apart (what inbox mode's crash notes go by).
+    assert_eq!(*seen.lock().unwrap(), [Redelivery::First, Redelivery::Again]);
     c.close().await.unwrap();
     assert_eq!(b.count(&b.name).await, 0);
     b.cleanup().await;

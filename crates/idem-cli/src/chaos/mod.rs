@@ -155,8 +155,9 @@ pub(crate) struct ChaosArgs {
     keep: bool,
     /// Ids (beyond --messages) whose handler calls abort() in the worker, as a handler that
     /// overflows its stack or is OOM-killed would: each must be dead-lettered as a crash loop
-    /// once its attempts reach the limit (5). Needs two-phase mode (a redis:// store): an inbox
-    /// transaction that dies with its process leaves no attempt to count.
+    /// once its deaths reach the limit (5): in two-phase mode (a redis:// store) by its lease,
+    /// in inbox mode (a SQL store) by the crash note its redeliveries run under. Not with
+    /// --offsets (positions only: no key to count on).
     #[arg(long, default_value_t = 0)]
     poison: usize,
     /// Kafka with a SQL store: the offset inbox (each partition's position commits with the
@@ -206,10 +207,10 @@ pub(crate) async fn run(args: ChaosArgs) -> anyhow::Result<u8> {
              and neither --offsets nor --fault"
         );
     }
-    if args.poison > 0 && !matches!(store, StoreUrl::Redis(_)) {
+    if args.poison > 0 && args.offsets {
         bail!(
-            "--poison needs two-phase mode (a redis:// store): an inbox transaction that dies \
-             with its process leaves no attempt count, so it cannot tell a crash loop"
+            "--poison needs markers (two-phase mode, or the transactional inbox): the offset \
+             inbox keeps positions only, so it has no key to count a crash loop's deaths on"
         );
     }
     let plan = Plan::new(&args)?;

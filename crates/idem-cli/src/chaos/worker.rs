@@ -123,6 +123,9 @@ macro_rules! sql_writer {
             let (pool, sql) = (pool.clone(), sql.clone());
             Box::pin(async move {
                 let (id, body) = read?;
+                if body == POISON {
+                    std::process::abort(); // as a stack overflow or the OOM killer would
+                }
                 let q = sqlx::query(AssertSqlSafe(sql)).bind(id).bind(body);
                 let done = if outside { q.execute(&pool).await } else { q.execute(&mut *tx).await };
                 done.map_err(|e| HandlerError::Transient(e.to_string()))?;

@@ -91,6 +91,14 @@ impl Envelope for MemoryDelivery {
         &self.inner.payload
     }
 
+    fn redelivery(&self) -> crate::extract::Redelivery {
+        if self.deliveries > 1 {
+            crate::extract::Redelivery::Again
+        } else {
+            crate::extract::Redelivery::First
+        }
+    }
+
     fn message_id(&self) -> Option<&str> {
         self.inner.id.as_deref()
     }

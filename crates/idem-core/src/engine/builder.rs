@@ -163,8 +163,8 @@ macro_rules! engine_setters {
         }
 
         /// How long a claim holds a key before another delivery may take it over (two-phase
-        /// mode; default 30 s). Make it longer than the slowest handler, or set a
-        /// [`heartbeat`](Self::heartbeat).
+        /// mode, and inbox mode's crash notes of redelivered messages; default 30 s). Make it
+        /// longer than the slowest handler, or set a [`heartbeat`](Self::heartbeat) (two-phase).
         pub fn lease(mut self, lease: std::time::Duration) -> Self {
             self.$settings.lease = lease;
             self
@@ -217,7 +217,7 @@ macro_rules! engine_setters {
 
         /// How many attempts of one key may end with their lease running out (the process
         /// died, was killed or hung while the handler ran) before the key is dead-lettered as a
-        /// crash loop instead of run again (two-phase mode; default 5). A message
+        /// crash loop instead of run again (default 5). A message
         /// that aborts the process never returns an error, so no broker counts it; the store
         /// does: each claim that takes over a lease that ran out counts a death
         /// ([`Lease::deaths`](crate::Lease::deaths)). When a takeover brings a key's deaths to
@@ -229,6 +229,15 @@ macro_rules! engine_setters {
         /// tell it from one.
         /// Takeovers of a batch run one at a time after the rest of the batch, so a message
         /// that kills the process does not take its batch's other messages with it again.
+        /// Inbox mode: a message the broker flags as a redelivery
+        /// ([`Envelope::redelivery`](crate::extract::Envelope::redelivery)) runs alone, after
+        /// the rest of its batch, under a crash note — a two-phase claim of a key of its own
+        /// with this [`lease`](Self::lease), taken outside the transaction — so a process that
+        /// dies running it leaves a note that runs out, and the next run counts the death. A
+        /// certain redelivery counts one death more (the first one, in the batch's transaction,
+        /// leaves no trace: first deliveries write no note), so a message given back alive
+        /// (a transient failure, a shutdown) that later kills the process is dead-lettered one
+        /// death early. Inboxes without notes (Cosmos DB) do not detect crash loops.
         /// `u32::MAX` turns the check off. With
         /// [`ExpiredLeasePolicy::Park`](crate::engine::ExpiredLeasePolicy::Park) every takeover
         /// is parked first.

@@ -9,12 +9,12 @@ use serde::de::DeserializeOwned;
 
 use super::batch::{Decided, Item, Round};
 use super::txn::{backoff, failed_round};
-use super::{Engine, Handler, HandlerError, Outcome};
+use super::{Cause, Engine, FailureKind, Handler, HandlerError, Outcome};
 use crate::answer::{Answer, outcome_of};
-use crate::extract::Envelope;
+use crate::extract::{Envelope, Redelivery};
 use crate::inbox::tx::{Lender, kept};
 use crate::inbox::{Inbox, Savepoint, Tx, TxInbox, WrongCount};
-use crate::{Claim, DedupKey, Fingerprint, StoreError};
+use crate::{Claim, ClaimRequest, DedupKey, Fingerprint, StoreError};
 
 /// What the transaction is called in errors and logs.
 const WHAT: &str = "inbox";
@@ -53,18 +53,43 @@ where
         _: Option<Self::Ahead>,
     ) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
-            if !I::ANSWERS_AT_COMMIT {
-                return self.engine.bounded_tx(WHAT, &round, self.round(&round)).await;
+            // Redeliveries run after the rest, one at a time, each under a crash note.
+            let (suspects, round): (Vec<Item>, Vec<Item>) =
+                round.into_iter().partition(|(i, r)| {
+                    I::CRASH_NOTES && r.is_some() && self.msgs[*i].redelivery() != Redelivery::First
+                });
+            let mut decided = Vec::with_capacity(round.len() + suspects.len());
+            if I::ANSWERS_AT_COMMIT {
+                // One message per transaction: its marker is written with its effects.
+                for item in round {
+                    let one = std::slice::from_ref(&item);
+                    decided.extend(self.engine.bounded_tx(WHAT, one, self.round(one, None)).await);
+                }
+            } else if !round.is_empty() {
+                decided = self.engine.bounded_tx(WHAT, &round, self.round(&round, None)).await;
             }
-            // One message per transaction: its marker is written with its effects.
-            let mut decided = Vec::with_capacity(round.len());
-            for item in round {
-                let one = std::slice::from_ref(&item);
-                decided.extend(self.engine.bounded_tx(WHAT, one, self.round(one)).await);
+            for item in suspects {
+                decided.extend(self.suspect(item).await);
             }
             decided
         }
     }
+}
+
+/// The crash note of `key`: a key of its own (the scope gains a suffix) in the markers' store.
+fn note_key(key: &DedupKey) -> Result<DedupKey, crate::KeyError> {
+    DedupKey::with_limit(format!("{}{NOTE_SUFFIX}", key.scope()), key.id(), usize::MAX)
+}
+
+/// What a crash note's scope adds to its message's.
+pub(crate) const NOTE_SUFFIX: &str = ":crash-note";
+
+/// A suspect at the crash-loop limit: its deaths (the note's, plus the one its redelivery
+/// says) and the limit.
+#[derive(Debug, Clone, Copy)]
+struct Stop {
+    deaths: u32,
+    limit: u32,
 }
 
 /// How the fast path of a round ended.
@@ -90,13 +115,52 @@ where
         self.engine.store().inner()
     }
 
+    /// A redelivered message, alone: its crash note claimed outside any transaction (a death
+    /// of the process that ran it last is counted by that claim), then its own transaction —
+    /// unless the deaths reached the crash-loop limit and the mark would run it — then the
+    /// note given back. A message the broker says was delivered before
+    /// ([`Redelivery::Again`]) counts one death more than its note holds: a process may have
+    /// died running the batch it came in, before any note was written (first deliveries write
+    /// none). A [`Redelivery::Possible`] one (Kafka) counts only the deaths its notes saw.
+    async fn suspect(&self, item: Item) -> Vec<Decided<T, E>> {
+        let one = std::slice::from_ref(&item);
+        let Some(req) = &item.1 else { return self.round(one, None).await };
+        let Ok(key) = note_key(&req.key) else { return self.round(one, None).await };
+        let note = ClaimRequest::new(key, None, self.engine.lease(), self.inbox().retention());
+        let lease = match self.engine.bounded("note", self.inbox().note_run(&note)).await {
+            Ok(Some(Claim::Acquired(lease))) => lease,
+            Ok(Some(Claim::InProgress { retry_after, .. })) => {
+                // Another consumer runs it, or the last one's note has not run out yet.
+                let outcome = Outcome::InProgressElsewhere { retry_after };
+                return vec![Decided { index: item.0, outcome, attempt: 0 }];
+            }
+            Ok(_) => return self.engine.bounded_tx(WHAT, one, self.round(one, None)).await,
+            Err(e) => {
+                self.engine.observe_store_error("note", &e);
+                return failed_round(WHAT, one, e);
+            }
+        };
+        let again = u32::from(self.msgs[item.0].redelivery() == Redelivery::Again);
+        let (deaths, limit) =
+            (lease.deaths().saturating_add(again), self.engine.cfg.crash_loop_limit);
+        let stop = (deaths >= limit).then_some(Stop { deaths, limit });
+        tracing::debug!(target: "idem", key = %req.key, deaths, limit,
+            "a redelivered message runs alone under its crash note");
+        let decided = self.engine.bounded_tx(WHAT, one, self.round(one, stop)).await;
+        if let Err(e) = self.engine.bounded("note", self.inbox().note_done(lease)).await {
+            self.engine.observe_store_error("note", &e);
+            tracing::debug!(target: "idem", error = %e, "giving a crash note back failed; it runs out with its lease");
+        }
+        decided
+    }
+
     /// The fast path, and after a handler failure the savepoint path for the rest; the whole
     /// round again when the database aborted its transaction to keep it serializable.
-    async fn round(&self, round: &[Item]) -> Vec<Decided<T, E>> {
+    async fn round(&self, round: &[Item], stop: Option<Stop>) -> Vec<Decided<T, E>> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let e = match self.fast(round).await {
+            let e = match self.fast(round, stop).await {
                 Fast::Done(decided) => return decided,
                 Fast::Serialization(e) => e,
                 Fast::HandlerFailed { at, error } => {
@@ -130,8 +194,10 @@ where
     }
 
     /// Begin, mark all, run the handlers of the acquired keys in delivery order, store their
-    /// results, commit.
-    async fn fast(&self, round: &[Item]) -> Fast<T, E> {
+    /// results, commit. With `stop` (a suspect's round of one, at the crash-loop limit) a key
+    /// the mark acquires is not run: the transaction is rolled back and the message failed as
+    /// a crash loop.
+    async fn fast(&self, round: &[Item], stop: Option<Stop>) -> Fast<T, E> {
         let inbox = self.inbox();
         let all_failed = |e: StoreError| Fast::Done(failed_round(WHAT, round, e));
         let keyed: Vec<(DedupKey, Option<Fingerprint>)> = round
@@ -192,7 +258,20 @@ where
                             decided.push(Decided { index: *i, outcome, attempt });
                             continue;
                         }
-                        Answer::Run(_) => Some(req.key.clone()),
+                        Answer::Run(_) => {
+                            if let Some(Stop { deaths, limit }) = stop {
+                                if let Some(tx) = lender.take()
+                                    && let Err(e) = inbox.rollback(tx).await
+                                {
+                                    tracing::debug!(target: "idem", error = %e, "rolling back a crash loop's mark");
+                                }
+                                let cause = Cause::CrashLoop { deaths, limit };
+                                let outcome = Outcome::failed(FailureKind::Permanent, cause);
+                                decided.push(Decided { index: *i, outcome, attempt: 1 });
+                                return Fast::Done(decided);
+                            }
+                            Some(req.key.clone())
+                        }
                     }
                 }
                 None => {

@@ -107,6 +107,14 @@ impl Envelope for Delivery {
         self.field(&self.inner.roles.payload).unwrap_or_default()
     }
 
+    fn redelivery(&self) -> idem_core::extract::Redelivery {
+        if self.delivered > 1 {
+            idem_core::extract::Redelivery::Again
+        } else {
+            idem_core::extract::Redelivery::First
+        }
+    }
+
     fn message_id(&self) -> Option<&str> {
         self.header(&self.inner.roles.id)
     }

@@ -78,7 +78,10 @@ pub(super) async fn consume<H: CrashHarness>(
     // Every scenario with the poison scenario's limit (3): only deaths count, so the keys the
     // other scenarios take over (a kill, a cut, rebalances on Kafka, claims taken ahead and
     // given back) stay far below it.
-    let b = configure(Consumer::builder(h.config()), batch, hook).crash_loop_limit(POISON_LIMIT);
+    // The lease is the crash notes' too (inbox mode): a dead child's note runs out in 2 s.
+    let b = configure(Consumer::builder(h.config()), batch, hook)
+        .crash_loop_limit(POISON_LIMIT)
+        .lease(LEASE);
     let runs = Runs { n: AtomicUsize::new(0), started };
     let insert = files.insert();
     match (files.mode, files.records) {
@@ -144,7 +147,7 @@ pub(super) async fn two_phase<C: SourceConfig, S: DedupStore>(
     runs: &Runs,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Report {
-    let consumer = b.lease(LEASE).retain(DAY).build().await.expect("two-phase consumer");
+    let consumer = b.retain(DAY).build().await.expect("two-phase consumer");
     let handler = |ctx: Context, m: <C::Source as Source>::Delivery| {
         let (key, hang) = runs.start(&m);
         let (ledger, insert) = (ledger.clone(), insert.to_owned());
@@ -226,9 +229,6 @@ pub(super) async fn run_child<H: CrashHarness>(
     files: &Files,
     until: Option<&str>,
 ) -> Vec<String> {
-    let mode = if files.mode == Mode::Inbox { "inbox" } else { "two-phase" };
-    let records = if files.records == Records::Postgres { "postgres" } else { "sqlite" };
-    let (store, ledger, harness) = (&files.store, &files.ledger, h.spec());
-    let spec = format!("{role}|{mode}|{records}|{store}|{ledger}|{harness}");
+    let spec = files.child_spec(role, &h.spec());
     crate::process::run_child(entry, (CHILD_ENV, &spec), until, LIMIT).await
 }

@@ -33,10 +33,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::consumer::{Settlement, Source};
-use idem_sqlx::PostgresStore;
+use idem_sqlx::{PostgresStore, SqliteStore};
 use sqlx::AssertSqlSafe;
 
-use crate::source::{BoxFuture, SourceHarness};
+use crate::source::{BoxFuture, DropSql, SourceHarness, rand_u64};
 
 pub use child::child;
 use child::*;
@@ -157,6 +157,37 @@ impl Files {
         }
     }
 
+    /// The run's records in `mode`: SQLite files in `dir`, or a fresh PostgreSQL schema named
+    /// `prefix_<random>` (migrated; dropped when the returned guard is). `None` when PostgreSQL
+    /// is unreachable outside CI (the case is skipped).
+    async fn create(
+        mode: Mode,
+        records: Records,
+        dir: &std::path::Path,
+        prefix: &str,
+    ) -> Option<(Self, Option<DropSql>)> {
+        let p = |f: &str| dir.join(f).to_string_lossy().into_owned();
+        let mut files =
+            Files { mode, records, store: p("idem.sqlite"), ledger: p("ledger.sqlite") };
+        if records == Records::Postgres {
+            let url = crate::service::require("PostgreSQL", PG_VAR, PG_DEFAULT)?;
+            files.store = format!("{prefix}_{:016x}", rand_u64());
+            let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", files.store);
+            let guard = DropSql { url, sql };
+            files.postgres().await.migrate().await.unwrap();
+            return Some((files, Some(guard)));
+        }
+        SqliteStore::open(&files.store).await.unwrap(); // creates the records table
+        Some((files, None))
+    }
+
+    /// A child's instructions ([`CHILD_ENV`]) for `role` on the harness `spec`.
+    fn child_spec(&self, role: &str, harness: &str) -> String {
+        let mode = if self.mode == Mode::Inbox { "inbox" } else { "two-phase" };
+        let records = if self.records == Records::Postgres { "postgres" } else { "sqlite" };
+        format!("{role}|{mode}|{records}|{}|{}|{harness}", self.store, self.ledger)
+    }
+
     async fn postgres(&self) -> PostgresStore {
         PostgresStore::connect(&pg_url()).await.unwrap().with_schema(&self.store).unwrap()
     }
@@ -214,7 +245,7 @@ fn pg_url() -> String {
 /// `crash_two_phase_mode` on fresh harnesses from `$make` (an async closure taking the case's
 /// name and returning `Option<harness>`, as for
 /// [`source_conformance!`](crate::source_conformance)), `crash_loop_is_dead_lettered` (see
-/// [`poison`]), and the `crash_child` entry their child processes run (ignored when run alone).
+/// [`poison`]; `crash_loop_is_dead_lettered_inbox` the same in inbox mode on PostgreSQL), and the `crash_child` entry their child processes run (ignored when run alone).
 /// With `postgres` last, also
 /// `crash_inbox_mode_postgres` and `crash_two_phase_mode_postgres`: the store's records in
 /// PostgreSQL. The harness type must implement [`CrashHarness`]. It may be used once per
@@ -258,7 +289,16 @@ macro_rules! __crash_cases {
         async fn crash_loop_is_dead_lettered() {
             let Some(h) = ($make)("crash_loop_is_dead_lettered").await else { return };
             let entry = $crate::crash::entry(module_path!());
-            $crate::crash::poison::<$harness>(h, &entry).await;
+            let (mode, records) = ($crate::crash::Mode::TwoPhase, $crate::crash::Records::Sqlite);
+            $crate::crash::poison::<$harness>(h, mode, records, &entry).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_loop_is_dead_lettered_inbox() {
+            let Some(h) = ($make)("crash_loop_is_dead_lettered_inbox").await else { return };
+            let entry = $crate::crash::entry(module_path!());
+            let (mode, records) = ($crate::crash::Mode::Inbox, $crate::crash::Records::Postgres);
+            $crate::crash::poison::<$harness>(h, mode, records, &entry).await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

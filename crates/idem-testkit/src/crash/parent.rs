@@ -9,10 +9,7 @@ use std::time::Duration;
 use idem_core::OutcomeKind;
 use idem_core::consumer::{Report, headers};
 use idem_core::extract::Envelope;
-use idem_sqlx::SqliteStore;
 use tokio::io::AsyncBufReadExt;
-
-use crate::source::{DropSql, rand_u64};
 
 use super::*;
 
@@ -131,18 +128,9 @@ pub fn entry(module_path: &str) -> String {
 pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, records: Records, entry: &str) {
     crate::process::log_from_env();
     let dir = tempfile::tempdir().unwrap();
-    let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
-    let mut files = Files { mode, records, store: p("idem.sqlite"), ledger: p("ledger.sqlite") };
-    let mut _drop = None;
-    if records == Records::Postgres {
-        let Some(url) = crate::service::require("PostgreSQL", PG_VAR, PG_DEFAULT) else { return };
-        files.store = format!("idem_crash_{:016x}", rand_u64());
-        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", files.store);
-        _drop = Some(DropSql { url, sql });
-        files.postgres().await.migrate().await.unwrap();
-    } else {
-        SqliteStore::open(&files.store).await.unwrap(); // creates the records table
-    }
+    let Some((files, _drop)) = Files::create(mode, records, dir.path(), "idem_crash").await else {
+        return;
+    };
     let ledger = files.ledger().await;
     ledger.create().await;
     for i in 0..ORDERS {
@@ -229,31 +217,31 @@ pub async fn scenario<H: CrashHarness>(h: H, mode: Mode, records: Records, entry
     h.cleanup().await;
 }
 
-/// The crash-loop scenario on a fresh destination of `h` (two-phase, records in SQLite): 200
-/// orders with one poison message among them, whose handler calls `std::process::abort()`.
-/// A supervisor starts a consumer process again each time one dies, as a service manager
-/// would. Passes when the processes died exactly three times (the crash-loop limit these
-/// consumers run with), the poison message was dead-lettered with a `crash loop` reason naming
-/// the attempts, every other order's effect happened (repeats only as reruns under a later
-/// attempt after a takeover, never twice under one attempt), nothing else was dead-lettered and
-/// nothing is left unsettled.
+/// The crash-loop scenario on a fresh destination of `h`, in `mode` with the records in
+/// `records`: 200 orders with one poison message among them, whose handler calls
+/// `std::process::abort()`. A supervisor starts a consumer process again each time one dies, as
+/// a service manager would. Passes when the processes died exactly three times (the crash-loop
+/// limit these consumers run with), the poison message was dead-lettered with a `crash loop`
+/// reason naming the deaths, every other order's effect happened (two-phase: repeats only as
+/// reruns under a later attempt after a takeover, never twice under one attempt; inbox: exactly
+/// once), nothing else was dead-lettered and nothing is left unsettled.
+///
+/// In inbox mode the first death leaves no trace (first deliveries write no note): the
+/// redeliveries run one at a time under crash notes, and the note's first run counts it.
 ///
 /// # Panics
-/// When a promise does not hold (the test failing).
+/// When a promise does not hold (the test failing), or when PostgreSQL is unreachable under
+/// `CI=true` (locally the case is skipped).
 ///
 /// # Cancel safety
-/// Dropped midway, the running child is killed with its handle.
-pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
+/// Dropped midway, the running child is killed with its handle and the PostgreSQL schema is
+/// dropped.
+pub async fn poison<H: CrashHarness>(h: H, mode: Mode, records: Records, entry: &str) {
     crate::process::log_from_env();
     let dir = tempfile::tempdir().unwrap();
-    let p = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
-    let files = Files {
-        mode: Mode::TwoPhase,
-        records: Records::Sqlite,
-        store: p("idem.sqlite"),
-        ledger: p("ledger.sqlite"),
+    let Some((files, _drop)) = Files::create(mode, records, dir.path(), "idem_poison").await else {
+        return;
     };
-    SqliteStore::open(&files.store).await.unwrap();
     let ledger = files.ledger().await;
     ledger.create().await;
     for i in 0..POISON_ORDERS {
@@ -262,7 +250,7 @@ pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
         }
         h.publish(&format!("o-{i}"), format!(r#"{{"order":{i}}}"#).as_bytes()).await;
     }
-    let spec = format!("poison|two-phase|sqlite|{}|{}|{}", files.store, files.ledger, h.spec());
+    let spec = files.child_spec("poison", &h.spec());
     let mut watchdog = Watchdog::default();
     let mut crashes = 0;
     let mut printed = Vec::new();
@@ -347,6 +335,10 @@ pub async fn poison<H: CrashHarness>(h: H, entry: &str) {
     assert_eq!(effects.len(), POISON_ORDERS);
     let twice: Vec<_> = ledger.attempts().await.into_iter().filter(|(_, n)| *n > 1).collect();
     assert!(twice.is_empty(), "effects repeated under one attempt: {twice:?}");
+    if mode == Mode::Inbox {
+        let twice: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
+        assert!(twice.is_empty(), "effects not exactly once: {twice:?}");
+    }
     assert!(h.settled().await, "something was left unsettled");
     h.cleanup().await;
 }

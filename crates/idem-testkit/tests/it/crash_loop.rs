@@ -198,3 +198,203 @@ fn a_zero_limit_is_refused_naming_the_setting() {
     assert!(matches!(err, ConfigError::ZeroLimit { field: "crash_loop_limit" }));
     assert!(err.to_string().contains("crash_loop_limit must be at least 1"), "{err}");
 }
+
+/// Inbox mode, over a SQLite inbox with a manual clock: the first deliveries write no note;
+/// their redeliveries run one at a time, each under a crash note (a two-phase claim of a key
+/// of its own in the markers' table). The batch whose poison handler "kills the process" (the
+/// batch dropped while it runs) comes back until the poison has died 3 times, the limit — the
+/// first death, in the batch's one transaction, counted by the redelivery itself — and is
+/// then dead-lettered without running; every other message's effect commits exactly once.
+mod inbox {
+    use idem_core::extract::Redelivery;
+    use idem_core::inbox::{Inbox, Tx};
+    use idem_sqlx::{SqliteInbox, SqliteStore};
+
+    use super::*;
+
+    type Ledger = Arc<Mutex<Vec<String>>>;
+
+    async fn engine(
+        dir: &tempfile::TempDir,
+        clock: &ManualClock,
+        limit: u32,
+    ) -> Engine<Inbox<SqliteInbox>> {
+        let store = SqliteStore::open(dir.path().join("idem.sqlite"))
+            .await
+            .unwrap()
+            .with_clock(clock.clone());
+        sqlx::raw_sql("CREATE TABLE IF NOT EXISTS ledger (k TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        Engine::builder(Inbox::new(store.inbox(Duration::from_secs(86_400))))
+            .scope("orders")
+            .lease(LEASE)
+            .crash_loop_limit(limit)
+            .build()
+            .unwrap()
+    }
+
+    /// One delivery of `msgs` as a batch: the poison's handler "kills the process". The
+    /// ledger row is written on the batch's transaction; `runs` counts handler starts.
+    async fn deliver(
+        e: &Engine<Inbox<SqliteInbox>>,
+        msgs: &[Message],
+        runs: &Ledger,
+    ) -> Option<Vec<Out>> {
+        let crashed = tokio::sync::Notify::new();
+        let handler = |mut tx: Tx<SqliteInbox>, m: Message| {
+            let (runs, crashed) = (Arc::clone(runs), &crashed);
+            let key = m.message_id.clone().unwrap_or_default();
+            async move {
+                runs.lock().unwrap().push(key.clone());
+                if key == POISON {
+                    crashed.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                sqlx::query("INSERT INTO ledger (k) VALUES (?)")
+                    .bind(&key)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(|e| HandlerError::Transient(e.to_string()))?;
+                Ok::<_, HandlerError<String>>("done".to_owned())
+            }
+        };
+        tokio::select! {
+            outs = e.decide_batch(msgs, &handler) => Some(outs),
+            () = crashed.notified() => None,
+        }
+    }
+
+    async fn ledger(e: &Engine<Inbox<SqliteInbox>>) -> HashMap<String, i64> {
+        let rows: Vec<(String, i64)> = sqlx::query_as("SELECT k, COUNT(*) FROM ledger GROUP BY k")
+            .fetch_all(e.store().inner().pool())
+            .await
+            .unwrap();
+        rows.into_iter().collect()
+    }
+
+    #[tokio::test]
+    async fn a_poison_message_is_dead_lettered_at_the_limit_and_its_batch_is_not() {
+        let (dir, clock) = (tempfile::tempdir().unwrap(), ManualClock::new());
+        let e = engine(&dir, &clock, 3).await;
+        let first: Vec<Message> = (0..6).map(|i| order(&format!("o-{i}"))).collect();
+        let again: Vec<Message> =
+            first.iter().cloned().map(|m| m.with_redelivery(Redelivery::Again)).collect();
+        let runs: Ledger = Arc::default();
+        let mut crashes = 0;
+        let mut msgs = &first;
+        let outs = loop {
+            match deliver(&e, msgs, &runs).await {
+                Some(outs) => break outs,
+                None => crashes += 1,
+            }
+            assert!(crashes <= 10, "still crashing after {crashes} deliveries");
+            msgs = &again;
+            // The dead process's note runs out with its lease.
+            clock.advance(LEASE + Duration::from_secs(1));
+        };
+        // The batch's one transaction died, then two runs under the note; the fourth
+        // delivery's note claim found the limit reached.
+        assert_eq!(crashes, 3);
+        let poison_runs = runs.lock().unwrap().iter().filter(|k| *k == POISON).count();
+        assert_eq!(poison_runs, 3, "{:?}", runs.lock().unwrap());
+        for (m, out) in first.iter().zip(&outs) {
+            let id = m.message_id.as_deref().unwrap();
+            if id == POISON {
+                let Outcome::Failed(f) = out else { panic!("{id}: {out:?}") };
+                assert_eq!(f.kind, FailureKind::Permanent);
+                assert!(
+                    matches!(f.cause, Cause::CrashLoop { deaths: 3, limit: 3 }),
+                    "{:?}",
+                    f.cause
+                );
+            } else {
+                assert!(
+                    matches!(out, Outcome::Duplicate(_) | Outcome::Processed(_)),
+                    "{id}: {out:?}"
+                );
+            }
+        }
+        // Every other message's effect exactly once; the poison's never.
+        let effects = ledger(&e).await;
+        assert_eq!(effects.len(), 5, "{effects:?}");
+        assert!(effects.values().all(|n| *n == 1), "{effects:?}");
+        assert!(!effects.contains_key(POISON));
+        // No marker for the poison: a resubmission after the fix runs.
+        let fixed = deliver(&e, &[order(POISON).with_message_id("o-2-fixed")], &runs).await;
+        assert!(matches!(fixed.as_deref(), Some([Outcome::Processed(_)])), "{fixed:?}");
+    }
+
+    /// A Kafka record read first after an assignment is `Possible`: it runs under a note from
+    /// its first read, so only the notes count, and the poison dies exactly the limit's times
+    /// (with the `Again` rule's extra death it would be dead-lettered after two).
+    #[tokio::test]
+    async fn possible_redeliveries_count_only_what_their_notes_saw() {
+        let (dir, clock) = (tempfile::tempdir().unwrap(), ManualClock::new());
+        let e = engine(&dir, &clock, 3).await;
+        let msgs: Vec<Message> = (0..4)
+            .map(|i| order(&format!("o-{i}")).with_redelivery(Redelivery::Possible))
+            .collect();
+        let runs: Ledger = Arc::default();
+        let mut crashes = 0;
+        let outs = loop {
+            match deliver(&e, &msgs, &runs).await {
+                Some(outs) => break outs,
+                None => crashes += 1,
+            }
+            assert!(crashes <= 10, "still crashing after {crashes} deliveries");
+            clock.advance(LEASE + Duration::from_secs(1));
+        };
+        assert_eq!(crashes, 3);
+        assert!(
+            matches!(&outs[2], Outcome::Failed(f) if matches!(f.cause, Cause::CrashLoop { deaths: 3, limit: 3 })),
+            "{outs:?}"
+        );
+        let effects = ledger(&e).await;
+        assert_eq!(effects.len(), 3, "{effects:?}");
+        assert!(effects.values().all(|n| *n == 1), "{effects:?}");
+    }
+
+    /// A redelivery given back alive is not a death: a message that fails transiently ten
+    /// times, each time redelivered, runs again every time (its note is given back each time),
+    /// at limit 2. A note that was not given back would be taken over after its lease and
+    /// dead-letter it.
+    #[tokio::test]
+    async fn redeliveries_given_back_are_not_deaths() {
+        let (dir, clock) = (tempfile::tempdir().unwrap(), ManualClock::new());
+        let e = engine(&dir, &clock, 2).await;
+        let msg = order("o-9").with_redelivery(Redelivery::Again);
+        let failing = |_tx: Tx<SqliteInbox>, _m: Message| async {
+            Err::<String, _>(HandlerError::Transient("503".to_owned()))
+        };
+        for _ in 0..10 {
+            let out = e.decide_batch(std::slice::from_ref(&msg), &failing).await;
+            assert!(
+                matches!(&out[..], [Outcome::Failed(f)] if f.kind == FailureKind::Transient),
+                "{out:?}"
+            );
+            clock.advance(LEASE + Duration::from_secs(1));
+        }
+        let runs: Ledger = Arc::default();
+        let out = deliver(&e, std::slice::from_ref(&msg), &runs).await;
+        assert!(matches!(out.as_deref(), Some([Outcome::Processed(_)])), "{out:?}");
+        assert_eq!(ledger(&e).await.get("o-9"), Some(&1));
+    }
+
+    /// A note still held (the last process died less than a lease ago, or another consumer
+    /// runs the message) answers "in progress elsewhere" with the time left, and runs nothing.
+    #[tokio::test]
+    async fn a_held_note_waits_for_its_lease() {
+        let (dir, clock) = (tempfile::tempdir().unwrap(), ManualClock::new());
+        let e = engine(&dir, &clock, 3).await;
+        let runs: Ledger = Arc::default();
+        let poison = [order(POISON).with_redelivery(Redelivery::Again)];
+        assert!(deliver(&e, &poison, &runs).await.is_none());
+        clock.advance(Duration::from_secs(10));
+        let out = deliver(&e, &poison, &runs).await.unwrap();
+        let [Outcome::InProgressElsewhere { retry_after }] = &out[..] else { panic!("{out:?}") };
+        assert!(*retry_after <= LEASE - Duration::from_secs(10), "{retry_after:?}");
+        assert_eq!(runs.lock().unwrap().len(), 1);
+    }
+}

@@ -237,7 +237,8 @@ macro_rules! engine_setters {
         /// certain redelivery counts one death more (the first one, in the batch's transaction,
         /// leaves no trace: first deliveries write no note), so a message given back alive
         /// (a transient failure, a shutdown) that later kills the process is dead-lettered one
-        /// death early. Inboxes without notes (Cosmos DB) do not detect crash loops.
+        /// death early. An inbox without notes (Cosmos DB without `CosmosInbox::crash_notes`)
+        /// detects no crash loop.
         /// `u32::MAX` turns the check off. With
         /// [`ExpiredLeasePolicy::Park`](crate::engine::ExpiredLeasePolicy::Park) every takeover
         /// is parked first.

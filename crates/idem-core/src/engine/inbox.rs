@@ -82,7 +82,7 @@ fn note_key(key: &DedupKey) -> Result<DedupKey, crate::KeyError> {
 }
 
 /// What a crash note's scope adds to its message's.
-pub(crate) const NOTE_SUFFIX: &str = ":crash-note";
+const NOTE_SUFFIX: &str = ":crash-note";
 
 /// A suspect at the crash-loop limit: its deaths (the note's, plus the one its redelivery
 /// says) and the limit.
@@ -124,8 +124,9 @@ where
     /// none). A [`Redelivery::Possible`] one (Kafka) counts only the deaths its notes saw.
     async fn suspect(&self, item: Item) -> Vec<Decided<T, E>> {
         let one = std::slice::from_ref(&item);
-        let Some(req) = &item.1 else { return self.round(one, None).await };
-        let Ok(key) = note_key(&req.key) else { return self.round(one, None).await };
+        let unnoted = || self.engine.bounded_tx(WHAT, one, self.round(one, None));
+        let Some(req) = &item.1 else { return unnoted().await };
+        let Ok(key) = note_key(&req.key) else { return unnoted().await };
         let note = ClaimRequest::new(key, None, self.engine.lease(), self.inbox().retention());
         let lease = match self.engine.bounded("note", self.inbox().note_run(&note)).await {
             Ok(Some(Claim::Acquired(lease))) => lease,
@@ -134,7 +135,7 @@ where
                 let outcome = Outcome::InProgressElsewhere { retry_after };
                 return vec![Decided { index: item.0, outcome, attempt: 0 }];
             }
-            Ok(_) => return self.engine.bounded_tx(WHAT, one, self.round(one, None)).await,
+            Ok(_) => return unnoted().await,
             Err(e) => {
                 self.engine.observe_store_error("note", &e);
                 return failed_round(WHAT, one, e);

@@ -72,6 +72,8 @@ pub struct CosmosInbox {
     retention: Duration,
     throttle: ThrottlePolicy,
     clock: std::sync::Arc<dyn Clock>,
+    /// Where redelivered messages' crash notes are claimed ([`Self::crash_notes`]).
+    notes: Option<crate::CosmosStore>,
 }
 
 impl std::fmt::Debug for CosmosInbox {
@@ -79,6 +81,7 @@ impl std::fmt::Debug for CosmosInbox {
         f.debug_struct("CosmosInbox")
             .field("partition_path", &self.partition_path)
             .field("retention", &self.retention)
+            .field("crash_notes", &self.notes.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -101,7 +104,21 @@ impl CosmosInbox {
             retention: Duration::from_secs(7 * 24 * 3600),
             throttle: ThrottlePolicy::default(),
             clock: std::sync::Arc::new(SystemClock),
+            notes: None,
         })
+    }
+
+    /// Keeps crash notes in `store` (a container of its own, partitioned on `/pk`: see
+    /// [`CosmosStore::container_properties`](crate::CosmosStore::container_properties)), so a
+    /// message that kills the process is counted and dead-lettered as a crash loop, as on the
+    /// SQL inboxes: a redelivered message runs under a two-phase claim of a note there, outside
+    /// its batch. Without it a crash loop is not detected. One difference: a mark is answered
+    /// only at commit, so a message at the limit is dead-lettered even when an earlier delivery
+    /// had committed it (its effect happened once; the dead letter is a copy).
+    #[must_use]
+    pub fn crash_notes(mut self, store: crate::CosmosStore) -> Self {
+        self.notes = Some(store);
+        self
     }
 
     /// Keeps markers this long (their `ttl`).

@@ -191,3 +191,63 @@ async fn keyless_messages_commit_unmarked() {
     }
     assert!(!exists(&orders, "o-9", "o-9").await);
 }
+
+/// Crash notes in a `/pk` container of their own: a poison message whose handler "kills the
+/// process" (the batch dropped while it runs) is dead-lettered after 3 deaths at limit 3 — the
+/// first in its batch, uncounted until its redeliveries run under notes — and its batch-mates'
+/// documents are written once each.
+#[tokio::test]
+async fn a_poison_message_is_dead_lettered_as_a_crash_loop() {
+    use idem_core::engine::Cause;
+    use idem_core::extract::Redelivery;
+    use idem_core::time::ManualClock;
+    use std::time::Duration;
+
+    let emu = common::Emulator::start().await;
+    let orders = emu.container("/orderId").await;
+    let clock = ManualClock::new();
+    let notes = idem_cosmos::CosmosStore::new(emu.container("/pk").await).with_clock(clock.clone());
+    let inbox = CosmosInbox::new(orders.clone(), "/orderId").expect("inbox").crash_notes(notes);
+    let lease = Duration::from_secs(30);
+    let engine = Engine::builder(Inbox::new(inbox))
+        .scope("orders")
+        .lease(lease)
+        .crash_loop_limit(3)
+        .build()
+        .expect("engine");
+    let first: Vec<Message> =
+        (0..4).map(|i| order(&format!("m-{i}"), &format!("o-{i}"), i)).collect();
+    let again: Vec<Message> =
+        first.iter().cloned().map(|m| m.with_redelivery(Redelivery::Again)).collect();
+    let crashed = tokio::sync::Notify::new();
+    let handler = |tx: Tx<CosmosInbox>, m: Message| {
+        let poison = m.message_id.as_deref() == Some("m-2");
+        let crashed = &crashed;
+        async move {
+            if poison {
+                crashed.notify_one();
+                std::future::pending::<()>().await;
+            }
+            handle(tx, m, false).await
+        }
+    };
+    let (mut crashes, mut msgs) = (0, &first);
+    let outs = loop {
+        tokio::select! {
+            outs = engine.decide_batch(msgs, &handler) => break outs,
+            () = crashed.notified() => crashes += 1,
+        }
+        assert!(crashes <= 10, "still crashing after {crashes} deliveries");
+        msgs = &again;
+        clock.advance(lease + Duration::from_secs(1));
+    };
+    assert_eq!(crashes, 3);
+    let Outcome::Failed(f) = &outs[2] else { panic!("{outs:?}") };
+    assert!(matches!(f.cause, Cause::CrashLoop { deaths: 3, limit: 3 }), "{:?}", f.cause);
+    for i in [0, 1, 3] {
+        assert!(matches!(outs[i], Outcome::Processed(_) | Outcome::Duplicate(_)), "{outs:?}");
+        let id = format!("o-{i}");
+        assert!(exists(&orders, &id, &id).await, "{id}");
+    }
+    assert!(!exists(&orders, "o-2", "o-2").await);
+}

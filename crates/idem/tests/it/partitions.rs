@@ -174,6 +174,8 @@ impl Net {
 struct Child {
     process: tokio::process::Child,
     lines: Arc<Mutex<Vec<(Instant, String)>>>,
+    /// Reads the child's stdout into `lines` until it closes.
+    reader: tokio::task::JoinHandle<()>,
 }
 
 impl Child {
@@ -190,7 +192,7 @@ impl Child {
         let mut process = cmd.spawn().expect("spawn the child in the namespace");
         let lines = Arc::new(Mutex::new(Vec::new()));
         let (out, seen) = (process.stdout.take().unwrap(), Arc::clone(&lines));
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             let mut out = BufReader::new(out).lines();
             while let Ok(Some(l)) = out.next_line().await {
                 // libtest prints `test … ... ` on the same line first.
@@ -198,7 +200,7 @@ impl Child {
                 seen.lock().unwrap().push((Instant::now(), l));
             }
         });
-        Self { process, lines }
+        Self { process, lines, reader }
     }
 
     /// The lines starting with `prefix` that arrived after `since`.
@@ -213,6 +215,12 @@ impl Child {
         let status = tokio::time::timeout(LIMIT, self.process.wait())
             .await
             .expect("the child stops when asked")
+            .unwrap();
+        // The process has exited, but its last lines may still be in the pipe: read to its end
+        // before looking (a `CHILD_DONE` printed just before the exit was once missed).
+        tokio::time::timeout(LIMIT, self.reader)
+            .await
+            .expect("the child's stdout closes when it exits")
             .unwrap();
         let lines: Vec<String> = self.lines.lock().unwrap().iter().map(|l| l.1.clone()).collect();
         assert!(status.success(), "the child failed: {lines:?}");

@@ -14,7 +14,7 @@ use crate::answer::{Answer, outcome_of};
 use crate::extract::{Envelope, Redelivery};
 use crate::inbox::tx::{Lender, kept};
 use crate::inbox::{Inbox, Savepoint, Tx, TxInbox, WrongCount};
-use crate::{Claim, ClaimRequest, DedupKey, Fingerprint, StoreError};
+use crate::{Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, StoreError};
 
 /// What the transaction is called in errors and logs.
 const WHAT: &str = "inbox";
@@ -54,9 +54,10 @@ where
     ) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             // Redeliveries run after the rest, one at a time, each under a crash note.
+            let notes = self.inbox().crash_note_store().is_some();
             let (suspects, round): (Vec<Item>, Vec<Item>) =
                 round.into_iter().partition(|(i, r)| {
-                    I::CRASH_NOTES && r.is_some() && self.msgs[*i].redelivery() != Redelivery::First
+                    notes && r.is_some() && self.msgs[*i].redelivery() != Redelivery::First
                 });
             let mut decided = Vec::with_capacity(round.len() + suspects.len());
             if I::ANSWERS_AT_COMMIT {
@@ -127,10 +128,11 @@ where
         let unnoted = || self.engine.bounded_tx(WHAT, one, self.round(one, None));
         let Some(req) = &item.1 else { return unnoted().await };
         let Ok(key) = note_key(&req.key) else { return unnoted().await };
+        let Some(notes) = self.inbox().crash_note_store() else { return unnoted().await };
         let note = ClaimRequest::new(key, None, self.engine.lease(), self.inbox().retention());
-        let lease = match self.engine.bounded("note", self.inbox().note_run(&note)).await {
-            Ok(Some(Claim::Acquired(lease))) => lease,
-            Ok(Some(Claim::InProgress { retry_after, .. })) => {
+        let lease = match self.engine.bounded("note", notes.claim(&note)).await {
+            Ok(Claim::Acquired(lease)) => lease,
+            Ok(Claim::InProgress { retry_after, .. }) => {
                 // Another consumer runs it, or the last one's note has not run out yet.
                 let outcome = Outcome::InProgressElsewhere { retry_after };
                 return vec![Decided { index: item.0, outcome, attempt: 0 }];
@@ -148,7 +150,7 @@ where
         tracing::debug!(target: "idem", key = %req.key, deaths, limit,
             "a redelivered message runs alone under its crash note");
         let decided = self.engine.bounded_tx(WHAT, one, self.round(one, stop)).await;
-        if let Err(e) = self.engine.bounded("note", self.inbox().note_done(lease)).await {
+        if let Err(e) = self.engine.bounded("note", notes.release(lease)).await {
             self.engine.observe_store_error("note", &e);
             tracing::debug!(target: "idem", error = %e, "giving a crash note back failed; it runs out with its lease");
         }

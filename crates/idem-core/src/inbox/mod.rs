@@ -181,44 +181,15 @@ pub trait TxInbox: Send + Sync + Sized + 'static {
         tx: Self::Transaction,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Whether the inbox keeps crash notes ([`note_run`](Self::note_run)): what catches a
-    /// message that kills the process in inbox mode. Default: it does not.
-    const CRASH_NOTES: bool = false;
-
-    /// Notes, outside any transaction, that a redelivered message is about to run alone: a
-    /// two-phase claim of `note` (a key of its own, derived from the message's) in the store
-    /// that keeps the markers, so a process that dies running it leaves a lease that runs out,
-    /// and the next claim counts a death ([`Lease::deaths`](crate::Lease::deaths)). Answers as
-    /// [`DedupStore::claim`](crate::DedupStore::claim); `None` when the inbox keeps no notes
-    /// (the default).
-    ///
-    /// # Errors
-    /// Backend errors.
-    ///
-    /// # Cancel safety
-    /// Cancel safe: a claim dropped midway holds the note until its lease runs out.
-    fn note_run(
-        &self,
-        note: &crate::ClaimRequest,
-    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
-        let _ = note;
-        async { Ok(None) }
-    }
-
-    /// Gives a note back once its message's run ended in this live process, whatever its
-    /// outcome (the death count stays with it).
-    ///
-    /// # Errors
-    /// Backend errors (the note then frees itself when its lease runs out).
-    ///
-    /// # Cancel safety
-    /// Cancel safe.
-    fn note_done(
-        &self,
-        lease: crate::Lease,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = lease;
-        async { Ok(()) }
+    /// Where the inbox keeps crash notes, if it does: what catches a message that kills the
+    /// process in inbox mode. A message the broker redelivered runs alone, under a two-phase
+    /// claim of a note (a key of its own, derived from the message's) in this store, taken
+    /// outside any transaction and given back when its run ends in a live process; a process
+    /// that dies running it leaves the note's lease to run out, and the next claim counts a
+    /// death ([`Lease::deaths`](crate::Lease::deaths)). SQL inboxes keep their notes in the
+    /// markers' own table. Default: none (no crash-loop detection).
+    fn crash_note_store(&self) -> Option<&impl crate::DedupStore> {
+        None::<&crate::MemoryStore>
     }
 
     /// Whether a failure to commit can never succeed (an entity too large to store): the

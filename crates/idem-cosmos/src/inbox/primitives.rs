@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idem_core::inbox::{Savepoint, TxInbox};
-use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Fingerprint, Lease, StoreError};
+use idem_core::{Claim, DedupKey, DedupStore, Fingerprint, StoreError};
 
 use super::CosmosInbox;
 use super::docs::{BatchDocs, PendingMarker};
@@ -19,21 +19,10 @@ impl TxInbox for CosmosInbox {
     /// The marker is written with the documents, in the batch: a mark can only be answered by
     /// the commit.
     const ANSWERS_AT_COMMIT: bool = true;
-    const CRASH_NOTES: bool = true;
 
-    /// A claim in the notes' store, when there is one ([`CosmosInbox::crash_notes`]).
-    async fn note_run(&self, note: &ClaimRequest) -> Result<Option<Claim>, StoreError> {
-        match &self.notes {
-            Some(store) => DedupStore::claim(store, note).await.map(Some),
-            None => Ok(None),
-        }
-    }
-
-    async fn note_done(&self, lease: Lease) -> Result<(), StoreError> {
-        match &self.notes {
-            Some(store) => DedupStore::release(store, lease).await,
-            None => Ok(()),
-        }
+    /// The notes' store, when there is one ([`CosmosInbox::crash_notes`]).
+    fn crash_note_store(&self) -> Option<&impl DedupStore> {
+        self.notes.as_ref()
     }
 
     fn connection(tx: &mut BatchDocs) -> &mut BatchDocs {

@@ -100,15 +100,9 @@ impl TxInbox for PostgresInbox {
         crate::serialization::store_error_is_serialization_failure(e)
     }
 
-    const CRASH_NOTES: bool = true;
-
-    /// A two-phase claim of the note in the markers' own table.
-    async fn note_run(&self, note: &idem_core::ClaimRequest) -> Result<Option<Claim>, StoreError> {
-        idem_core::DedupStore::claim(&self.store, note).await.map(Some)
-    }
-
-    async fn note_done(&self, lease: idem_core::Lease) -> Result<(), StoreError> {
-        idem_core::DedupStore::release(&self.store, lease).await
+    /// The store itself: notes live in the markers' table.
+    fn crash_note_store(&self) -> Option<&impl idem_core::DedupStore> {
+        Some(&self.store)
     }
 
     fn retention(&self) -> Duration {

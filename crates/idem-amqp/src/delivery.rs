@@ -88,12 +88,7 @@ impl Envelope for Delivery {
     /// The broker's `redelivered`, or a copy sent back through the delay queue (a retry is a
     /// new message to the broker).
     fn redelivery(&self) -> idem_core::extract::Redelivery {
-        let again = self.inner.redelivered || self.delays() > 0;
-        if again {
-            idem_core::extract::Redelivery::Again
-        } else {
-            idem_core::extract::Redelivery::First
-        }
+        idem_core::extract::Redelivery::again_if(self.inner.redelivered || self.delays() > 0)
     }
 
     fn message_id(&self) -> Option<&str> {

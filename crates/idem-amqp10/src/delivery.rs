@@ -167,13 +167,9 @@ impl Envelope for Delivery {
     /// ([`delays`](Delivery::delays): a retry is a new message to the broker).
     fn redelivery(&self) -> idem_core::extract::Redelivery {
         let header = self.inner.message.header.as_ref();
-        let again =
-            self.delays() > 0 || header.is_some_and(|h| h.delivery_count > 0 || !h.first_acquirer);
-        if again {
-            idem_core::extract::Redelivery::Again
-        } else {
-            idem_core::extract::Redelivery::First
-        }
+        idem_core::extract::Redelivery::again_if(
+            self.delays() > 0 || header.is_some_and(|h| h.delivery_count > 0 || !h.first_acquirer),
+        )
     }
 
     fn message_id(&self) -> Option<&str> {

@@ -59,6 +59,21 @@ pub enum Redelivery {
     Possible,
 }
 
+impl Redelivery {
+    /// [`Again`](Self::Again) when the broker says so, else [`First`](Self::First): what a
+    /// source with a redelivery flag or a delivery count answers.
+    ///
+    /// ```
+    /// use idem_core::extract::Redelivery;
+    ///
+    /// assert_eq!(Redelivery::again_if(3 > 1), Redelivery::Again);
+    /// assert_eq!(Redelivery::again_if(false), Redelivery::First);
+    /// ```
+    pub fn again_if(again: bool) -> Self {
+        if again { Self::Again } else { Self::First }
+    }
+}
+
 /// Where a delivery sits in an ordered log: its partition and offset, and where the consumer's
 /// reading of that partition continued from ([`read_from`](Self::read_from)).
 ///

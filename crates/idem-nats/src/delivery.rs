@@ -129,11 +129,7 @@ impl Envelope for Delivery {
     }
 
     fn redelivery(&self) -> idem_core::extract::Redelivery {
-        if self.inner.delivered > 1 {
-            idem_core::extract::Redelivery::Again
-        } else {
-            idem_core::extract::Redelivery::First
-        }
+        idem_core::extract::Redelivery::again_if(self.inner.delivered > 1)
     }
 
     fn message_id(&self) -> Option<&str> {

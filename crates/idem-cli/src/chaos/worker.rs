@@ -102,12 +102,14 @@ fn ready() -> anyhow::Result<()> {
 const ABORT_AFTER: usize = 20;
 static OUTSIDE_EFFECTS: AtomicUsize = AtomicUsize::new(0);
 
-/// `(id, body)` of a chaos message; a payload that is not one is a permanent failure.
+/// `(id, body)` of a chaos message; a payload that is not one is a permanent failure. A poison
+/// message (`--poison`) aborts the worker here, as a stack overflow or the OOM killer would.
 fn read(m: &impl Envelope) -> Result<(String, String), HandlerError<String>> {
     let v: serde_json::Value = serde_json::from_slice(m.payload())
         .map_err(|e| HandlerError::Permanent(format!("payload: {e}")))?;
     let field = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
     match (field("id"), field("body")) {
+        (Some(_), Some(body)) if body == POISON => std::process::abort(),
         (Some(id), Some(body)) => Ok((id, body)),
         _ => Err(HandlerError::Permanent("payload without id and body".into())),
     }
@@ -123,9 +125,6 @@ macro_rules! sql_writer {
             let (pool, sql) = (pool.clone(), sql.clone());
             Box::pin(async move {
                 let (id, body) = read?;
-                if body == POISON {
-                    std::process::abort(); // as a stack overflow or the OOM killer would
-                }
                 let q = sqlx::query(AssertSqlSafe(sql)).bind(id).bind(body);
                 let done = if outside { q.execute(&pool).await } else { q.execute(&mut *tx).await };
                 done.map_err(|e| HandlerError::Transient(e.to_string()))?;
@@ -207,9 +206,6 @@ where
                     let (mut conn, key) = (conn.clone(), key.clone());
                     Box::pin(async move {
                         let (id, body) = read?;
-                        if body == POISON {
-                            std::process::abort(); // as a stack overflow or the OOM killer would
-                        }
                         let entry = format!("{id}:{}:{body}", ctx.attempt());
                         let _: i64 = conn
                             .rpush(key, entry)

@@ -92,11 +92,7 @@ impl Envelope for MemoryDelivery {
     }
 
     fn redelivery(&self) -> crate::extract::Redelivery {
-        if self.deliveries > 1 {
-            crate::extract::Redelivery::Again
-        } else {
-            crate::extract::Redelivery::First
-        }
+        crate::extract::Redelivery::again_if(self.deliveries > 1)
     }
 
     fn message_id(&self) -> Option<&str> {

@@ -125,8 +125,8 @@ impl<S: DedupStore> Engine<S> {
         };
         let mut lease = match self.admit(lease, req.retain_for).await {
             Ok(lease) => lease,
-            Err(Refusal::CrashLoop { deaths, limit }) => {
-                return Guarded::CrashLoop { deaths, limit };
+            Err(Refusal::CrashLoop(c)) => {
+                return Guarded::CrashLoop { deaths: c.deaths, limit: c.limit };
             }
             Err(Refusal::InDoubt { attempt }) => return Guarded::InDoubt { attempt },
             Err(Refusal::Store(e)) => return Guarded::Failed(e),

@@ -8,8 +8,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::batch::{Decided, Item, Round};
+use super::two_phase::CrashLoop;
 use super::txn::{backoff, failed_round};
-use super::{Cause, Engine, FailureKind, Handler, HandlerError, Outcome};
+use super::{Engine, Handler, HandlerError, Outcome};
 use crate::answer::{Answer, outcome_of};
 use crate::extract::{Envelope, Redelivery};
 use crate::inbox::tx::{Lender, kept};
@@ -54,10 +55,12 @@ where
     ) -> impl Future<Output = Vec<Decided<T, E>>> + Send + '_ {
         async move {
             // Redeliveries run after the rest, one at a time, each under a crash note.
-            let notes = self.inbox().crash_note_store().is_some();
+            let notes = self.inbox().crash_note_store();
             let (suspects, round): (Vec<Item>, Vec<Item>) =
                 round.into_iter().partition(|(i, r)| {
-                    notes && r.is_some() && self.msgs[*i].redelivery() != Redelivery::First
+                    notes.is_some()
+                        && r.is_some()
+                        && self.msgs[*i].redelivery() != Redelivery::First
                 });
             let mut decided = Vec::with_capacity(round.len() + suspects.len());
             if I::ANSWERS_AT_COMMIT {
@@ -69,8 +72,10 @@ where
             } else if !round.is_empty() {
                 decided = self.engine.bounded_tx(WHAT, &round, self.round(&round, None)).await;
             }
-            for item in suspects {
-                decided.extend(self.suspect(item).await);
+            if let Some(notes) = notes {
+                for item in suspects {
+                    decided.extend(self.suspect(notes, item).await);
+                }
             }
             decided
         }
@@ -84,14 +89,6 @@ fn note_key(key: &DedupKey) -> Result<DedupKey, crate::KeyError> {
 
 /// What a crash note's scope adds to its message's.
 const NOTE_SUFFIX: &str = ":crash-note";
-
-/// A suspect at the crash-loop limit: its deaths (the note's, plus the one its redelivery
-/// says) and the limit.
-#[derive(Debug, Clone, Copy)]
-struct Stop {
-    deaths: u32,
-    limit: u32,
-}
 
 /// How the fast path of a round ended.
 enum Fast<T, E> {
@@ -123,12 +120,11 @@ where
     /// ([`Redelivery::Again`]) counts one death more than its note holds: a process may have
     /// died running the batch it came in, before any note was written (first deliveries write
     /// none). A [`Redelivery::Possible`] one (Kafka) counts only the deaths its notes saw.
-    async fn suspect(&self, item: Item) -> Vec<Decided<T, E>> {
+    async fn suspect(&self, notes: &impl DedupStore, item: Item) -> Vec<Decided<T, E>> {
         let one = std::slice::from_ref(&item);
         let unnoted = || self.engine.bounded_tx(WHAT, one, self.round(one, None));
         let Some(req) = &item.1 else { return unnoted().await };
         let Ok(key) = note_key(&req.key) else { return unnoted().await };
-        let Some(notes) = self.inbox().crash_note_store() else { return unnoted().await };
         let note = ClaimRequest::new(key, None, self.engine.lease(), self.inbox().retention());
         let lease = match self.engine.bounded("note", notes.claim(&note)).await {
             Ok(Claim::Acquired(lease)) => lease,
@@ -144,10 +140,9 @@ where
             }
         };
         let again = u32::from(self.msgs[item.0].redelivery() == Redelivery::Again);
-        let (deaths, limit) =
-            (lease.deaths().saturating_add(again), self.engine.cfg.crash_loop_limit);
-        let stop = (deaths >= limit).then_some(Stop { deaths, limit });
-        tracing::debug!(target: "idem", key = %req.key, deaths, limit,
+        let deaths = lease.deaths().saturating_add(again);
+        let stop = self.engine.crash_loop(deaths);
+        tracing::debug!(target: "idem", key = %req.key, deaths,
             "a redelivered message runs alone under its crash note");
         let decided = self.engine.bounded_tx(WHAT, one, self.round(one, stop)).await;
         if let Err(e) = self.engine.bounded("note", notes.release(lease)).await {
@@ -159,7 +154,7 @@ where
 
     /// The fast path, and after a handler failure the savepoint path for the rest; the whole
     /// round again when the database aborted its transaction to keep it serializable.
-    async fn round(&self, round: &[Item], stop: Option<Stop>) -> Vec<Decided<T, E>> {
+    async fn round(&self, round: &[Item], stop: Option<CrashLoop>) -> Vec<Decided<T, E>> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -200,7 +195,7 @@ where
     /// results, commit. With `stop` (a suspect's round of one, at the crash-loop limit) a key
     /// the mark acquires is not run: the transaction is rolled back and the message failed as
     /// a crash loop.
-    async fn fast(&self, round: &[Item], stop: Option<Stop>) -> Fast<T, E> {
+    async fn fast(&self, round: &[Item], stop: Option<CrashLoop>) -> Fast<T, E> {
         let inbox = self.inbox();
         let all_failed = |e: StoreError| Fast::Done(failed_round(WHAT, round, e));
         let keyed: Vec<(DedupKey, Option<Fingerprint>)> = round
@@ -262,14 +257,13 @@ where
                             continue;
                         }
                         Answer::Run(_) => {
-                            if let Some(Stop { deaths, limit }) = stop {
+                            if let Some(crash_loop) = stop {
                                 if let Some(tx) = lender.take()
                                     && let Err(e) = inbox.rollback(tx).await
                                 {
                                     tracing::debug!(target: "idem", error = %e, "rolling back a crash loop's mark");
                                 }
-                                let cause = Cause::CrashLoop { deaths, limit };
-                                let outcome = Outcome::failed(FailureKind::Permanent, cause);
+                                let outcome = crash_loop.outcome();
                                 decided.push(Decided { index: *i, outcome, attempt: 1 });
                                 return Fast::Done(decided);
                             }

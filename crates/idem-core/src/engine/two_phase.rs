@@ -198,23 +198,22 @@ impl<S: DedupStore> Engine<S> {
         }
         let attempt = lease.attempt();
         let park = cfg.expired_lease == ExpiredLeasePolicy::Park;
-        let crash_loop = !park && lease.deaths() >= cfg.crash_loop_limit;
+        let crash_loop = if park { None } else { self.crash_loop(lease.deaths()) };
         let policy = match (park, crash_loop) {
             (true, _) => "park",
-            (false, true) => "crash_loop",
-            (false, false) => "run",
+            (false, Some(_)) => "crash_loop",
+            (false, None) => "run",
         };
         metrics::counter!(TAKEOVERS_TOTAL, "scope" => cfg.scope.clone(), "policy" => policy)
             .increment(1);
-        if !park && !crash_loop {
-            return Ok(lease);
-        }
-        let (kind, cause, refusal) = if park {
-            (FailKind::InDoubt, Cause::<String>::InDoubt { attempt }, Refusal::InDoubt { attempt })
-        } else {
-            let (deaths, limit) = (lease.deaths(), cfg.crash_loop_limit);
-            let cause = Cause::<String>::CrashLoop { deaths, limit };
-            (FailKind::Permanent, cause, Refusal::CrashLoop { deaths, limit })
+        let (kind, cause, refusal) = match crash_loop {
+            _ if park => (
+                FailKind::InDoubt,
+                Cause::<String>::InDoubt { attempt },
+                Refusal::InDoubt { attempt },
+            ),
+            Some(c) => (FailKind::Permanent, c.cause::<String>(), Refusal::CrashLoop(c)),
+            None => return Ok(lease),
         };
         match self.fail_bounded(lease, kind, &cause.to_string(), retain).await {
             Ok(()) => Err(refusal),
@@ -483,10 +482,38 @@ impl<S> Engine<S> {
     }
 }
 
+impl<B> Engine<B> {
+    /// The crash-loop rule, once for every mode: a key whose holders died `deaths` times is not
+    /// run again once that reaches the limit.
+    pub(super) fn crash_loop(&self, deaths: u32) -> Option<CrashLoop> {
+        let limit = self.cfg.crash_loop_limit;
+        (deaths >= limit).then_some(CrashLoop { deaths, limit })
+    }
+}
+
+/// A key past the crash-loop limit: its deaths and the limit.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CrashLoop {
+    pub(super) deaths: u32,
+    pub(super) limit: u32,
+}
+
+impl CrashLoop {
+    /// Why the key failed.
+    pub(super) fn cause<E>(self) -> Cause<E> {
+        Cause::CrashLoop { deaths: self.deaths, limit: self.limit }
+    }
+
+    /// The outcome of a delivery refused for it: dead-lettered.
+    pub(super) fn outcome<T, E>(self) -> Outcome<T, E> {
+        Outcome::failed(FailureKind::Permanent, self.cause())
+    }
+}
+
 /// Why an acquired lease does not run.
 pub(super) enum Refusal {
     /// The takeover rule failed the key: past the crash-loop limit.
-    CrashLoop { deaths: u32, limit: u32 },
+    CrashLoop(CrashLoop),
     /// The takeover rule parked the key in doubt.
     InDoubt { attempt: u32 },
     /// Recording either failed.
@@ -497,9 +524,7 @@ impl Refusal {
     /// The outcome of a delivery refused this way.
     fn outcome<T, E>(self) -> Outcome<T, E> {
         match self {
-            Self::CrashLoop { deaths, limit } => {
-                Outcome::failed(FailureKind::Permanent, Cause::CrashLoop { deaths, limit })
-            }
+            Self::CrashLoop(c) => c.outcome(),
             Self::InDoubt { attempt } => {
                 Outcome::failed(FailureKind::Permanent, Cause::InDoubt { attempt })
             }

@@ -108,11 +108,7 @@ impl Envelope for Delivery {
     }
 
     fn redelivery(&self) -> idem_core::extract::Redelivery {
-        if self.delivered > 1 {
-            idem_core::extract::Redelivery::Again
-        } else {
-            idem_core::extract::Redelivery::First
-        }
+        idem_core::extract::Redelivery::again_if(self.delivered > 1)
     }
 
     fn message_id(&self) -> Option<&str> {

@@ -245,7 +245,8 @@ fn pg_url() -> String {
 /// `crash_two_phase_mode` on fresh harnesses from `$make` (an async closure taking the case's
 /// name and returning `Option<harness>`, as for
 /// [`source_conformance!`](crate::source_conformance)), `crash_loop_is_dead_lettered` (see
-/// [`poison`]; `crash_loop_is_dead_lettered_inbox` the same in inbox mode on PostgreSQL), and the `crash_child` entry their child processes run (ignored when run alone).
+/// [`poison`]; `crash_loop_is_dead_lettered_inbox` the same in inbox mode on PostgreSQL),
+/// and the `crash_child` entry their child processes run (ignored when run alone).
 /// With `postgres` last, also
 /// `crash_inbox_mode_postgres` and `crash_two_phase_mode_postgres`: the store's records in
 /// PostgreSQL. The harness type must implement [`CrashHarness`]. It may be used once per

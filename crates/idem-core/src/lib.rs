@@ -53,7 +53,9 @@ pub use key::{DEFAULT_MAX_KEY_BYTES, DedupKey, KeyError, KeyHash};
 pub use memory::MemoryStore;
 pub use record::{Record, RecordState};
 pub use retention::RedeliveryWindow;
-pub use store::{Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError};
+pub use store::{
+    CompleteAndClaim, Completion, Counts, DedupStore, InspectStore, ListFilter, StoreError,
+};
 pub use telemetry::describe_metrics;
 pub use time::Timestamp;
 pub use version::{Advance, VersionGuard};

@@ -203,6 +203,32 @@ pub trait DedupStore: Send + Sync + 'static {
         }
     }
 
+    /// Whether [`complete_and_claim`](Self::complete_and_claim) sends its completions and claims
+    /// in one write (one round trip). When it does, a pipelined consumer holds the claims it
+    /// takes ahead for the next completion to carry them. Default `false`.
+    fn combines_writes(&self) -> bool {
+        false
+    }
+
+    /// Records `items` as [`complete_many`](Self::complete_many) does and claims `reqs` (other
+    /// keys) as [`claim_many`](Self::claim_many) does, in one call: each half answers as that
+    /// method would, and neither waits for the other's answer to be applied. A store that can
+    /// send both in one write overrides this and [`combines_writes`](Self::combines_writes);
+    /// the default runs the two calls concurrently.
+    ///
+    /// # Errors
+    /// Each half carries its own outer error, as its method would.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`claim_many`](Self::claim_many).
+    fn complete_and_claim(
+        &self,
+        items: Vec<Completion>,
+        reqs: &[ClaimRequest],
+    ) -> impl Future<Output = CompleteAndClaim> + Send {
+        async move { futures_util::future::join(self.complete_many(items), self.claim_many(reqs)).await }
+    }
+
     /// Ends the lease without a result: permanently failed (re-claimable, so a dead-lettered
     /// message resubmitted later runs again) or parked in doubt (stays until an operator releases
     /// it). `reason` is stored for operators.
@@ -270,6 +296,11 @@ pub trait DedupStore: Send + Sync + 'static {
         async { Ok(Vec::new()) }
     }
 }
+
+/// What [`DedupStore::complete_and_claim`] answers: the completions' answers as
+/// [`DedupStore::complete_many`] gives them, and the claims as [`DedupStore::claim_many`] does.
+pub type CompleteAndClaim =
+    (Result<Vec<Result<(), StoreError>>, StoreError>, Result<Vec<Claim>, StoreError>);
 
 /// One completion of a [`DedupStore::complete_many`] batch.
 #[derive(Debug)]

@@ -54,8 +54,14 @@ type BoxErr = Box<dyn std::error::Error + Send + Sync>;
 
 /// `IDEM_BENCH_WORKERS` sets the runtime's worker threads (default: one per core).
 fn main() -> Result<(), BoxErr> {
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = std::env::var("IDEM_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()) {
+    let workers = std::env::var("IDEM_BENCH_WORKERS").ok();
+    // `0`: tokio's current-thread runtime, everything on the main thread (as a one-message-at-a-
+    // time consumer would run: no wake-up crosses threads).
+    let mut rt = match workers.as_deref() {
+        Some("0") => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    if let Some(n) = workers.and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0) {
         rt.worker_threads(n);
     }
     rt.enable_all().build()?.block_on(run())

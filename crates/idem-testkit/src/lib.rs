@@ -185,6 +185,7 @@ macro_rules! dedup_store_conformance {
             claim_many_mixed_states_match_single_claims,
             claim_many_large_batch,
             complete_many_tells_a_spent_lease_it_is_lost,
+            complete_and_claim_answers_both_halves,
             failed_is_reclaimable_in_doubt_is_not,
             force_release_fences_the_holder,
             force_fail_fences_the_holder,

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::{BoxFuture, Consumer, Decided, Error, Report, Source};
-use crate::engine::{Backend, Handler};
+use crate::engine::{Backend, Driver, Handler, Ticket, TicketId};
 use crate::telemetry::FETCH_FAILURES_TOTAL;
 
 impl<S: Source, B: Backend> Consumer<S, B> {
@@ -94,9 +94,9 @@ impl<S: Source, B: Backend> Consumer<S, B> {
             }
             if stopping {
                 lane.backoff = None;
-                if let Some(go) = lane.go.take() {
+                if let Some((go, _)) = lane.go.take() {
                     // Its future releases the batch; a closed receiver means it ended already.
-                    let _ = go.send(false);
+                    let _ = go.send(Go::Release);
                 }
             }
             if lane.settling.is_none()
@@ -104,12 +104,14 @@ impl<S: Source, B: Backend> Consumer<S, B> {
             {
                 lane.settling = Some(Box::pin(self.settle(d)));
             }
-            // The next batch's turn (not when told to release: its `go` is spent).
+            // The next batch's turn (not when told to release: its `go` is spent). Its seat for
+            // claims riding on its completion is taken now, before the batch after it is
+            // fetched and claimed ahead.
             if lane.current.is_none()
                 && lane.decided.is_none()
-                && let Some(go) = lane.go.take()
+                && let Some((go, ticket)) = lane.go.take()
             {
-                let _ = go.send(true);
+                let _ = go.send(Go::Run(B::seat(&self.engine, ticket)));
                 lane.current = lane.next.take();
             }
             let room = if pipelined { lane.next.is_none() } else { lane.is_idle() };
@@ -134,23 +136,6 @@ impl<S: Source, B: Backend> Consumer<S, B> {
                         Err(e) => fail(e, &mut stopping),
                     }
                 }
-                r = slot(&mut lane.current), if lane.current.is_some() => {
-                    lane.current = None;
-                    match r {
-                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
-                        Ok(Turned::Released(r)) => *report += r,
-                        Err(e) => fail(e, &mut stopping),
-                    }
-                }
-                // Only ends before its turn when told to release its batch.
-                r = slot(&mut lane.next), if lane.next.is_some() => {
-                    lane.next = None;
-                    match r {
-                        Ok(Turned::Released(r)) => *report += r,
-                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
-                        Err(e) => fail(e, &mut stopping),
-                    }
-                }
                 r = slot(&mut lane.fetching), if lane.fetching.is_some() => {
                     lane.fetching = None;
                     match r {
@@ -158,8 +143,9 @@ impl<S: Source, B: Backend> Consumer<S, B> {
                             failures = 0;
                             if !batch.is_empty() {
                                 let (go, turn) = tokio::sync::oneshot::channel();
-                                lane.next = Some(Box::pin(self.turn(batch, handler, turn)));
-                                lane.go = Some(go);
+                                let ticket = B::ticket(&self.engine);
+                                lane.go = Some((go, ticket.id()));
+                                lane.next = Some(Box::pin(self.turn(batch, handler, turn, ticket)));
                             }
                         }
                         Err(Err(e)) => fail(e, &mut stopping),
@@ -179,6 +165,27 @@ impl<S: Source, B: Backend> Consumer<S, B> {
                         }
                     }
                 }
+                // After the fetch: a batch fetched now is coming (its ticket taken) before the
+                // current one records its completion, which waits for its claims and carries
+                // them (see `Backend::seat`). Before the batch waiting for its turn: the current
+                // batch claims its keys first.
+                r = slot(&mut lane.current), if lane.current.is_some() => {
+                    lane.current = None;
+                    match r {
+                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
+                        Ok(Turned::Released(r)) => *report += r,
+                        Err(e) => fail(e, &mut stopping),
+                    }
+                }
+                // Only ends before its turn when told to release its batch.
+                r = slot(&mut lane.next), if lane.next.is_some() => {
+                    lane.next = None;
+                    match r {
+                        Ok(Turned::Released(r)) => *report += r,
+                        Ok(Turned::Decided(d)) => lane.decided = Some(d),
+                        Err(e) => fail(e, &mut stopping),
+                    }
+                }
                 () = slot(&mut lane.backoff), if lane.backoff.is_some() => lane.backoff = None,
                 () = &mut shutdown, if !stopping => stopping = true,
             }
@@ -191,7 +198,8 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         &self,
         batch: Vec<S::Delivery>,
         handler: &H,
-        turn: tokio::sync::oneshot::Receiver<bool>,
+        turn: tokio::sync::oneshot::Receiver<Go>,
+        ticket: Ticket,
     ) -> Result<Turned<S::Delivery>, Error<S::Error>>
     where
         H: Handler<B::Ctx, S::Delivery>,
@@ -199,10 +207,10 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         let (ahead, go) = {
             let wait = std::pin::pin!(async {
                 let ahead = match self.settings.pipelined {
-                    true => B::claim_ahead(&self.engine, &batch).await,
+                    true => B::claim_ahead(&self.engine, &batch, ticket).await,
                     false => None,
                 };
-                (ahead, turn.await.unwrap_or(false))
+                (ahead, turn.await.unwrap_or(Go::Release))
             });
             let beat = std::pin::pin!(self.source.keep_alive(&batch));
             match futures_util::future::select(wait, beat).await {
@@ -210,13 +218,13 @@ impl<S: Source, B: Backend> Consumer<S, B> {
                 futures_util::future::Either::Right(((), wait)) => wait.await,
             }
         };
-        if !go {
+        let Go::Run(seat) = go else {
             if let Some(ahead) = ahead {
                 B::drop_ahead(&self.engine, ahead).await;
             }
             return self.release(batch).await.map(Turned::Released);
-        }
-        self.decide_ref(batch, handler, ahead).await.map(Turned::Decided)
+        };
+        self.decide_ref(batch, handler, ahead, seat).await.map(Turned::Decided)
     }
 }
 
@@ -228,6 +236,13 @@ async fn is_ready(fut: Pin<&mut impl Future<Output = ()>>) -> bool {
         std::task::Poll::Ready(ready)
     })
     .await
+}
+
+/// What a batch waiting for its turn is told: run (with its seat for riding claims, if any), or
+/// give the batch back.
+enum Go {
+    Run(Option<Driver>),
+    Release,
 }
 
 /// What a fetched batch became when its turn came (or shutdown came first).
@@ -247,7 +262,7 @@ struct Lane<'a, S: Source> {
     fetching: Option<BoxFuture<'a, Fetched<S>>>,
     backoff: Option<Pin<Box<tokio::time::Sleep>>>,
     next: Option<Step<'a, S>>,
-    go: Option<tokio::sync::oneshot::Sender<bool>>,
+    go: Option<(tokio::sync::oneshot::Sender<Go>, TicketId)>,
     current: Option<Step<'a, S>>,
     decided: Option<Decided<S::Delivery>>,
     settling: Option<BoxFuture<'a, Result<Report, Error<S::Error>>>>,

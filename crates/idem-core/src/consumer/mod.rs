@@ -48,7 +48,7 @@ pub use memory::{MemoryDelivery, MemoryQueue};
 pub use report::Report;
 pub use source::{DeadLetter, Opening, Settlement, Source, SourceConfig, retry_delay};
 
-use crate::engine::{Ahead, Backend, Cause, Engine, Handler, Outcome, Verb};
+use crate::engine::{Ahead, Backend, Cause, Driver, Engine, Handler, Outcome, Verb};
 use crate::telemetry::{BATCH_SIZE, SOURCE_LAG_MESSAGES};
 use builder::Settings;
 
@@ -144,7 +144,7 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         H: Handler<B::Ctx, S::Delivery>,
     {
         let batch = self.fetch().await?;
-        let decided = self.decide_ref(batch, &handler, None).await?;
+        let decided = self.decide_ref(batch, &handler, None, None).await?;
         self.settle(decided).await
     }
 
@@ -204,7 +204,7 @@ impl<S: Source, B: Backend> Consumer<S, B> {
     where
         H: Handler<B::Ctx, S::Delivery>,
     {
-        self.decide_ref(batch, &handler, None).await
+        self.decide_ref(batch, &handler, None, None).await
     }
 
     async fn decide_ref<H>(
@@ -212,6 +212,7 @@ impl<S: Source, B: Backend> Consumer<S, B> {
         batch: Vec<S::Delivery>,
         handler: &H,
         ahead: Option<Ahead>,
+        seat: Option<Driver>,
     ) -> Result<Decided<S::Delivery>, Error<S::Error>>
     where
         H: Handler<B::Ctx, S::Delivery>,
@@ -224,7 +225,8 @@ impl<S: Source, B: Backend> Consumer<S, B> {
                 .record(batch.len() as f64);
         }
         let outcomes = {
-            let decide = std::pin::pin!(self.engine.decide_batch_ahead(&batch, handler, ahead));
+            let decide =
+                std::pin::pin!(self.engine.decide_batch_ahead(&batch, handler, ahead, seat));
             let beat = std::pin::pin!(self.source.keep_alive(&batch));
             match futures_util::future::select(decide, beat).await {
                 futures_util::future::Either::Left((outcomes, _)) => outcomes,

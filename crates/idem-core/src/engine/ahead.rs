@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use super::Engine;
 use super::prepare::Prepared;
+use super::ride::Ticket;
 use crate::extract::Envelope;
 use crate::{Claim, ClaimRequest, DedupStore, KeyHash, StoreError};
 
@@ -95,9 +96,14 @@ impl<B> Engine<B> {
 }
 
 impl<S: DedupStore> Engine<S> {
-    /// Claims the first round of `msgs` now (one `claim_many`), for a later decision of the
+    /// Claims the first round of `msgs` now (one `claim_many`, or riding on the completion of
+    /// another batch than `ticket`'s: see [`ride`](super::ride)), for a later decision of the
     /// same batch.
-    pub(crate) async fn claim_ahead<M: Envelope>(&self, msgs: &[M]) -> Option<Ahead> {
+    pub(crate) async fn claim_ahead<M: Envelope>(
+        &self,
+        msgs: &[M],
+        ticket: Ticket,
+    ) -> Option<Ahead> {
         // Takeovers are running alone: a key claimed now would be held if one of them kills
         // the process again, and counted as its suspect.
         if self.solo_running() {
@@ -108,7 +114,16 @@ impl<S: DedupStore> Engine<S> {
             return None;
         }
         let taken = Instant::now();
-        let claims = self.claim_all(&reqs).await;
+        // On a store that sends a completion and claims in one write, they ride on the next
+        // completion of a decision in flight (one write for both), or go now when none is due.
+        let rode = match self.store.combines_writes() {
+            true => self.rides.ride(&reqs, ticket).await,
+            false => None,
+        };
+        let claims = match rode {
+            Some(claims) => claims,
+            None => self.claim_all(&reqs).await,
+        };
         let claims = reqs.iter().map(|r| r.key.hash()).zip(claims).collect();
         let ahead = Ahead { taken, prepared, claims };
         if self.solo_running() {

@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use super::ahead::Ahead;
 use super::inbox::InboxRound;
 use super::offset::OffsetRound;
+use super::ride::{Driver, Ticket, TicketId};
 use super::two_phase::TwoPhase;
 use super::{Context, Engine, HandlerError, Outcome};
 use crate::extract::Envelope;
@@ -70,9 +71,25 @@ pub(crate) mod mode {
         fn claim_ahead<'a, M: Envelope + Sync>(
             engine: &'a Engine<Self>,
             batch: &'a [M],
+            ticket: Ticket,
         ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
-            let _ = (engine, batch);
+            let _ = (engine, batch, ticket);
             async { None }
+        }
+
+        /// A seat for the claims of later batches to ride on the completion of the batch whose
+        /// turn comes now (two-phase, on a store that combines writes): see
+        /// [`ride`](super::super::ride). Taken by the lane before it fetches the next batch.
+        fn seat(engine: &Engine<Self>, ticket: TicketId) -> Option<Driver> {
+            let _ = (engine, ticket);
+            None
+        }
+
+        /// A ticket for a batch just fetched (see [`ride`](super::super::ride)), handed to
+        /// [`claim_ahead`](Self::claim_ahead).
+        fn ticket(engine: &Engine<Self>) -> Ticket {
+            let _ = engine;
+            Ticket::new()
         }
 
         /// Gives back what [`claim_ahead`](Self::claim_ahead) took and no decision used.
@@ -81,8 +98,8 @@ pub(crate) mod mode {
             async {}
         }
 
-        /// Decides `batch` (with the claims taken ahead for it, if any); see the contract of
-        /// [`Backend`].
+        /// Decides `batch` (with the claims taken ahead for it, if any, and its seat for claims
+        /// riding on its completion); see the contract of [`Backend`].
         ///
         /// # Cancel safety
         /// As [`Engine::decide_batch`].
@@ -91,6 +108,7 @@ pub(crate) mod mode {
             batch: &'a [M],
             handler: &'a H,
             ahead: Option<Ahead>,
+            seat: Option<Driver>,
         ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
         where
             M: Envelope + Clone + Send + Sync + 'static,
@@ -124,12 +142,21 @@ impl<S: DedupStore> Mode for S {
     fn claim_ahead<'a, M: Envelope + Sync>(
         engine: &'a Engine<Self>,
         batch: &'a [M],
+        ticket: Ticket,
     ) -> impl Future<Output = Option<Ahead>> + Send + 'a {
-        engine.claim_ahead(batch)
+        engine.claim_ahead(batch, ticket)
     }
 
     fn drop_ahead(engine: &Engine<Self>, ahead: Ahead) -> impl Future<Output = ()> + Send + '_ {
         engine.drop_ahead(ahead)
+    }
+
+    fn seat(engine: &Engine<Self>, ticket: TicketId) -> Option<Driver> {
+        engine.carpool_seat(ticket)
+    }
+
+    fn ticket(engine: &Engine<Self>) -> Ticket {
+        engine.ticket()
     }
 
     fn decide<'a, M, H, Fut, T, E>(
@@ -137,6 +164,7 @@ impl<S: DedupStore> Mode for S {
         batch: &'a [M],
         handler: &'a H,
         ahead: Option<Ahead>,
+        seat: Option<Driver>,
     ) -> impl Future<Output = Vec<Outcome<T, E>>> + Send + 'a
     where
         M: Envelope + Clone + Send + Sync + 'static,
@@ -149,7 +177,8 @@ impl<S: DedupStore> Mode for S {
         async move {
             let mut ahead = ahead;
             let prepared = ahead.as_mut().map(Ahead::take_prepared).unwrap_or_default();
-            let mode = TwoPhase::new(engine, &by_index, batch);
+            let driver = seat.or_else(|| engine.carpool_seat(Ticket::new().id()));
+            let mode = TwoPhase::new(engine, &by_index, batch).carrying(driver.as_ref());
             engine.decide_in_rounds(batch, &mode, prepared, ahead).await
         }
     }
@@ -178,6 +207,7 @@ impl<I: TxInbox> Mode for Inbox<I> {
         batch: &'a [M],
         handler: &'a H,
         _: Option<Ahead>,
+        _: Option<Driver>,
     ) -> Vec<Outcome<T, E>>
     where
         M: Envelope + Clone + Send + Sync + 'static,
@@ -215,6 +245,7 @@ impl<I: TxPositions> Mode for OffsetInbox<I> {
         batch: &'a [M],
         handler: &'a H,
         _: Option<Ahead>,
+        _: Option<Driver>,
     ) -> Vec<Outcome<T, E>>
     where
         M: Envelope + Clone + Send + Sync + 'static,

@@ -343,6 +343,7 @@ impl Settings {
                 store_timeout: self.store_timeout,
             }),
             solo: Arc::default(),
+            rides: Arc::default(),
         };
         if let Some(w) = window {
             w.check(S::retention(&engine))?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batch::Decided;
+use super::ride::{Driver, Riders};
 use super::{Cause, Engine, FailureKind, Outcome};
 use crate::store::Completion;
 use crate::telemetry::{self, COMPLETE_RETRIES_TOTAL};
@@ -64,10 +65,19 @@ impl<S: DedupStore> Engine<S> {
     /// [`complete_retrying`](Self::complete_retrying) for a batch: one answer per completion,
     /// in order. A retryable failure of the whole `complete_many`, or of single completions,
     /// is tried again for the completions it concerns.
-    async fn complete_many_retrying(&self, items: Vec<Completion>) -> Vec<Result<(), StoreError>> {
+    /// The first try carries the claims riding with `driver` (see [`ride`](super::ride)).
+    async fn complete_many_retrying(
+        &self,
+        items: Vec<Completion>,
+        driver: Option<&Driver>,
+    ) -> Vec<Result<(), StoreError>> {
         let mut answers: Vec<Option<Result<(), StoreError>>> = items.iter().map(|_| None).collect();
         let mut pending: Vec<(usize, Completion)> = items.into_iter().enumerate().collect();
         let mut pauses = RetryPauses::new(self.cfg.complete_retry);
+        let mut riders = match driver {
+            Some(d) => Some(d.take().await).filter(|r| !r.is_empty()),
+            None => None,
+        };
         while !pending.is_empty() {
             let again: Vec<(usize, Completion)> = pending
                 .iter()
@@ -83,7 +93,10 @@ impl<S: DedupStore> Engine<S> {
             let n = pending.len();
             let batch = pending.into_iter().map(|(_, c)| c).collect();
             let started = Instant::now();
-            let done = self.bounded("complete_many", self.store.complete_many(batch)).await;
+            let done = match riders.take() {
+                None => self.bounded("complete_many", self.store.complete_many(batch)).await,
+                Some(riders) => self.complete_carrying(batch, riders).await,
+            };
             self.observe_complete(started);
             let got = match done {
                 Ok(r) if r.len() == n => {
@@ -134,11 +147,39 @@ impl<S: DedupStore> Engine<S> {
             .collect()
     }
 
+    /// `complete_many` of `batch` with the claims of `riders` in the same write
+    /// ([`DedupStore::complete_and_claim`]), each rider answered. Riders whose claims failed
+    /// (or the whole call timed out) are dropped unanswered: they claim again, alone.
+    async fn complete_carrying(
+        &self,
+        batch: Vec<Completion>,
+        riders: Riders,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let reqs = riders.requests();
+        let both = self.store.complete_and_claim(batch, &reqs);
+        let (done, claims) =
+            match self.bounded("complete_and_claim", async { Ok(both.await) }).await {
+                Ok(both) => both,
+                Err(e) => return Err(e),
+            };
+        match claims {
+            Ok(c) if c.len() == reqs.len() => riders.answer(c),
+            Ok(_) => {
+                let e = StoreError::backend("claim_many", true, WrongCount);
+                self.observe_store_error("claim_many", &e);
+            }
+            Err(e) => self.observe_store_error("claim_many", &e),
+        }
+        done
+    }
+
     /// Records the completions of a round's decisions in one `complete_many` (group commit),
-    /// then closes each decision with its outcome.
+    /// then closes each decision with its outcome. The first carries the claims riding with
+    /// `driver`.
     pub(super) async fn complete_all<T, E: Display>(
         &self,
         decided: Vec<(usize, Decision<T, E>)>,
+        driver: Option<&Driver>,
     ) -> Vec<Decided<T, E>> {
         let mut completions = Vec::new();
         let mut waiting = Vec::with_capacity(decided.len());
@@ -158,7 +199,7 @@ impl<S: DedupStore> Engine<S> {
         }
         let mut answers = match completions.len() {
             0 => Vec::new().into_iter(),
-            _ => self.complete_many_retrying(completions).await.into_iter(),
+            _ => self.complete_many_retrying(completions, driver).await.into_iter(),
         };
         waiting
             .into_iter()
@@ -222,5 +263,5 @@ fn shared_failure(n: usize, e: StoreError) -> std::vec::IntoIter<Result<(), Stor
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("the store answered complete_many with the wrong number of results")]
+#[error("the store answered with the wrong number of results")]
 struct WrongCount;

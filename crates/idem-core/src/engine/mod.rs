@@ -19,6 +19,7 @@ pub(crate) mod inbox;
 mod observe;
 mod offset;
 pub(crate) mod prepare;
+mod ride;
 mod two_phase;
 mod txn;
 
@@ -40,6 +41,7 @@ pub use context::Context;
 pub use guard::{Finish, Guarded};
 pub use handler::Handler;
 pub use prepare::KeyFailure;
+pub(crate) use ride::{Driver, Ticket, TicketId};
 
 use crate::extract::Envelope;
 use builder::Config;
@@ -80,11 +82,18 @@ pub struct Engine<B> {
     /// is, no claims are taken ahead, so a takeover that kills the process again holds no
     /// other key.
     solo: Arc<AtomicUsize>,
+    /// Claims ahead waiting for a completion to carry them (see [`ride`]).
+    rides: Arc<ride::Rides>,
 }
 
 impl<B: Clone> Clone for Engine<B> {
     fn clone(&self) -> Self {
-        Self { store: self.store.clone(), cfg: Arc::clone(&self.cfg), solo: Arc::clone(&self.solo) }
+        Self {
+            store: self.store.clone(),
+            cfg: Arc::clone(&self.cfg),
+            solo: Arc::clone(&self.solo),
+            rides: Arc::clone(&self.rides),
+        }
     }
 }
 
@@ -152,7 +161,7 @@ impl<B: Backend> Engine<B> {
         M: Envelope + Clone + Send + Sync + 'static,
         H: Handler<B::Ctx, M>,
     {
-        self.decide_batch_ahead(batch, handler, None).await
+        self.decide_batch_ahead(batch, handler, None, None).await
     }
 
     /// [`decide_batch`](Self::decide_batch) with the claims [`claim_ahead`](Backend::claim_ahead)
@@ -162,6 +171,7 @@ impl<B: Backend> Engine<B> {
         batch: &[M],
         handler: &H,
         ahead: Option<Ahead>,
+        seat: Option<Driver>,
     ) -> Vec<Outcome<H::Value, H::Error>>
     where
         M: Envelope + Clone + Send + Sync + 'static,
@@ -171,7 +181,9 @@ impl<B: Backend> Engine<B> {
         // Left to the caller, rustc must prove it for every lifetime of the backend's future
         // and fails ("implementation of `Send` is not general enough") for a spawned run.
         let fut: BoxFuture<'_, Vec<Outcome<H::Value, H::Error>>> =
-            Box::pin(B::decide::<M, H, H::Fut, H::Value, H::Error>(self, batch, handler, ahead));
+            Box::pin(B::decide::<M, H, H::Fut, H::Value, H::Error>(
+                self, batch, handler, ahead, seat,
+            ));
         fut.await
     }
 }

@@ -13,6 +13,7 @@ use super::ahead::Ahead;
 use super::batch::{Decided, Item, Round};
 use super::complete::{Decision, Ran, close, completed};
 use super::prepare::Prepared;
+use super::ride::{Driver, Ticket, TicketId};
 use super::{
     Cause, Context, Engine, ExpiredLeasePolicy, FailureKind, Handler, HandlerError, Outcome,
 };
@@ -301,11 +302,36 @@ pub(super) struct TwoPhase<'e, S, H, M> {
     engine: &'e Engine<S>,
     handler: &'e H,
     msgs: &'e [M],
+    /// The decision's seat for claims riding on its completion (a consumer's decisions).
+    driver: Option<&'e Driver>,
 }
 
 impl<'e, S, H, M> TwoPhase<'e, S, H, M> {
     pub(super) fn new(engine: &'e Engine<S>, handler: &'e H, msgs: &'e [M]) -> Self {
-        Self { engine, handler, msgs }
+        Self { engine, handler, msgs, driver: None }
+    }
+
+    /// Carries the claims riding with `driver` on the round's first completion.
+    pub(super) fn carrying(mut self, driver: Option<&'e Driver>) -> Self {
+        self.driver = driver;
+        self
+    }
+}
+
+impl<S: DedupStore> Engine<S> {
+    /// A seat for claims ahead to ride on this decision's completion, when the store sends a
+    /// completion and claims in one write.
+    pub(super) fn carpool_seat(&self, ticket: TicketId) -> Option<Driver> {
+        self.store.combines_writes().then(|| self.rides.drive(ticket))
+    }
+
+    /// A ticket for a batch just fetched: coming, when the store sends a completion and claims
+    /// in one write.
+    pub(super) fn ticket(&self) -> Ticket {
+        match self.store.combines_writes() {
+            true => self.rides.ticket(),
+            false => Ticket::new(),
+        }
     }
 }
 
@@ -414,7 +440,7 @@ where
                 };
                 let _solo = (!suspects.is_empty()).then(|| Solo::enter(engine));
                 let decided = futures_util::future::join_all(rest.into_iter().map(decide)).await;
-                let mut done = engine.complete_all(decided).await;
+                let mut done = engine.complete_all(decided, self.driver).await;
                 // Takeovers of expired leases run alone, one after another, once the rest of
                 // the round is recorded, each claimed (taken over) only when its turn comes: if
                 // one of them kills the process again, no other key is held by it, so only
@@ -424,7 +450,7 @@ where
                     let claim = claim
                         .unwrap_or_else(|| Err(StoreError::backend("claim", true, Unanswered)));
                     let decided = vec![decide(((i, req), claim)).await];
-                    done.extend(engine.complete_all(decided).await);
+                    done.extend(engine.complete_all(decided, self.driver).await);
                 }
                 done
             };

@@ -5,3 +5,4 @@ mod consumer;
 mod hostile;
 mod job;
 mod pipeline;
+mod ride;

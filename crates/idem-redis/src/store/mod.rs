@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use idem_core::time::duration_micros;
 use idem_core::{
-    Claim, ClaimRequest, Completion, DedupKey, DedupStore, FailKind, Lease, StoreError, Timestamp,
+    Claim, ClaimRequest, CompleteAndClaim, Completion, DedupKey, DedupStore, FailKind, Lease,
+    StoreError, Timestamp,
 };
 use redis::Value;
 
@@ -146,6 +147,18 @@ impl RedisStore {
         reqs: &[ClaimRequest],
         est: Option<clock::Estimate>,
     ) -> Result<Vec<Claim>, StoreError> {
+        let inv = self.claim_many_invocation(reqs, est);
+        let v: Value =
+            inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;
+        decode::claims(&v, reqs)
+    }
+
+    /// The batch claim script's invocation for `reqs`.
+    fn claim_many_invocation(
+        &self,
+        reqs: &[ClaimRequest],
+        est: Option<clock::Estimate>,
+    ) -> redis::ScriptInvocation<'_> {
         let mut inv = self.scripts.claim_many.prepare_invoke();
         inv.arg(self.offset_us());
         for r in reqs {
@@ -160,9 +173,7 @@ impl RedisStore {
                 .arg(fresh.as_ref().map_or_else(Vec::new, |f| f.pack(r)))
                 .arg(fresh.map_or(0, |f| f.ttl_ms));
         }
-        let v: Value =
-            inv.invoke_async(&mut self.conn.clone()).await.map_err(|e| backend("claim_many", e))?;
-        decode::claims(&v, reqs)
+        inv
     }
 
     /// The fast claim's `SET`.
@@ -195,6 +206,21 @@ impl RedisStore {
         &self,
         items: &[Completion],
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut batch = self.completion_script(items);
+        if !batch.sent.is_empty() {
+            let done: Vec<i64> = batch
+                .inv
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(|e| backend("complete", e))?;
+            self.replicated("complete").await?;
+            batch.answer(items, done)?;
+        }
+        Ok(batch.answers())
+    }
+
+    /// The completion script's invocation for `items` (those too large answered already).
+    fn completion_script(&self, items: &[Completion]) -> CompletionScript<'_> {
         let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
         let mut inv = self.scripts.complete_many.prepare_invoke();
         // With the fast path's clock estimate the script skips `TIME` (one call fewer).
@@ -218,22 +244,85 @@ impl RedisStore {
                 .arg(result.unwrap_or_default())
                 .arg(duration_micros(c.retain_for));
         }
-        if !sent.is_empty() {
-            let done: Vec<i64> = inv
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| backend("complete", e))?;
-            if done.len() != sent.len() {
-                return Err(StoreError::Corrupt {
-                    what: format!("complete_many answered {} of {}", done.len(), sent.len()),
-                });
-            }
-            self.replicated("complete").await?;
-            for (i, ok) in sent.into_iter().zip(done) {
-                out[i] = Some(fenced(ok == 1, &items[i].lease));
-            }
+        CompletionScript { inv, out, sent }
+    }
+
+    /// Completes `items` and claims `reqs` in one pipeline (see
+    /// [`DedupStore::complete_and_claim`]): the completion script, then the claims — one fresh
+    /// `SET … NX GET` for a single request with the clock estimate, the batch claim script
+    /// otherwise. A script the server lost (`NOSCRIPT`) and a fresh claim that needs the
+    /// script are sent again on their own.
+    async fn complete_and_claim_now(
+        &self,
+        items: &[Completion],
+        reqs: &[ClaimRequest],
+    ) -> CompleteAndClaim {
+        let est = match self.estimate().await {
+            Ok(est) => est,
+            Err(e) => return (Err(e.copy_for("complete")), Err(e)),
+        };
+        let mut batch = self.completion_script(items);
+        let fresh = match (reqs, est) {
+            ([req], Some(est)) => Some((req, fast::Fresh::new(req, est.now_us), est)),
+            _ => None,
+        };
+        let claims = self.claim_many_invocation(reqs, est);
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        if !batch.sent.is_empty() {
+            pipe.invoke_script(&batch.inv);
         }
-        Ok(out.into_iter().flatten().collect())
+        match &fresh {
+            Some((req, f, _)) => pipe.add_command(self.fresh_set(req, f)),
+            None => pipe.invoke_script(&claims),
+        };
+        let mut replies: Vec<redis::RedisResult<Value>> =
+            match pipe.query_async(&mut self.conn.clone()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    let e = backend("complete_and_claim", e);
+                    return (Err(e.copy_for("complete")), Err(e.copy_for("claim_many")));
+                }
+            };
+        let expected = 1 + usize::from(!batch.sent.is_empty());
+        if replies.len() != expected {
+            let e = StoreError::Corrupt {
+                what: format!("a pipeline of {expected} answered {}", replies.len()),
+            };
+            return (Err(e.copy_for("complete")), Err(e));
+        }
+        let claimed = replies.pop();
+        let done = match replies.pop() {
+            None => Ok(batch.answers()),
+            Some(Err(e)) if is_noscript(&e) => self.complete_now(items).await,
+            Some(Err(e)) => Err(backend("complete", e)),
+            Some(Ok(v)) => match redis::from_redis_value::<Vec<i64>>(v) {
+                Ok(done) => batch.answer(items, done).map(|()| batch.answers()),
+                Err(e) => Err(StoreError::Corrupt { what: format!("complete_many: {e}") }),
+            },
+        };
+        let claims = match (claimed, fresh) {
+            (Some(Ok(reply)), Some((req, f, est))) => {
+                match Self::fast_answer(req, &f, est, &reply) {
+                    Ok(Some(answer)) => Ok(vec![answer]),
+                    Ok(None) => self.claim_script(req).await.map(|a| vec![a]),
+                    Err(e) => Err(e),
+                }
+            }
+            (Some(Ok(v)), None) => decode::claims(&v, reqs),
+            (Some(Err(e)), _) if is_noscript(&e) => self.claim_many_script(reqs, est).await,
+            (Some(Err(e)), _) => Err(backend("claim_many", e)),
+            (None, _) => Err(StoreError::Corrupt { what: "a claim without an answer".into() }),
+        };
+        let acquired =
+            claims.as_ref().is_ok_and(|c| c.iter().any(|a| matches!(a, Claim::Acquired(_))));
+        let completed = done.as_ref().is_ok_and(|d| d.iter().any(Result::is_ok));
+        if (acquired || completed)
+            && let Err(e) = self.replicated("complete_and_claim").await
+        {
+            return (Err(e.copy_for("complete")), Err(e));
+        }
+        (done, claims)
     }
 
     async fn finish(
@@ -262,6 +351,40 @@ impl RedisStore {
         fenced(ok == 1, lease)?;
         self.replicated(op).await
     }
+}
+
+/// The completion script for a batch, and its answers so far.
+struct CompletionScript<'a> {
+    inv: redis::ScriptInvocation<'a>,
+    /// One per item: answered already (too large) or `None`, sent.
+    out: Vec<Option<Result<(), StoreError>>>,
+    /// The indices of the items in the script.
+    sent: Vec<usize>,
+}
+
+impl CompletionScript<'_> {
+    /// Takes the script's reply (1: completed, else the lease was lost) for the items sent.
+    fn answer(&mut self, items: &[Completion], done: Vec<i64>) -> Result<(), StoreError> {
+        if done.len() != self.sent.len() {
+            return Err(StoreError::Corrupt {
+                what: format!("complete_many answered {} of {}", done.len(), self.sent.len()),
+            });
+        }
+        for (&i, ok) in self.sent.iter().zip(done) {
+            self.out[i] = Some(fenced(ok == 1, &items[i].lease));
+        }
+        Ok(())
+    }
+
+    /// Every item's answer, in order.
+    fn answers(self) -> Vec<Result<(), StoreError>> {
+        self.out.into_iter().flatten().collect()
+    }
+}
+
+/// Whether the server did not know a script (flushed, or restarted without it).
+fn is_noscript(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
 fn fenced(ok: bool, lease: &Lease) -> Result<(), StoreError> {
@@ -325,8 +448,12 @@ impl DedupStore for RedisStore {
         Ok(answer)
     }
 
-    /// One script: the batch is one atomic step (the fast claim's `SET … NX GET` inside it).
+    /// One script: the batch is one atomic step (the fast claim's `SET … NX GET` inside it). A
+    /// batch of one is a single [`claim`](DedupStore::claim): a plain `SET` when the key is fresh.
     async fn claim_many(&self, reqs: &[ClaimRequest]) -> Result<Vec<Claim>, StoreError> {
+        if let [req] = reqs {
+            return self.claim(req).await.map(|a| vec![a]);
+        }
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
@@ -363,6 +490,22 @@ impl DedupStore for RedisStore {
         items: Vec<Completion>,
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
         self.complete_now(&items).await
+    }
+
+    /// One pipeline: the completion script and the claims, one round trip.
+    fn combines_writes(&self) -> bool {
+        true
+    }
+
+    async fn complete_and_claim(
+        &self,
+        items: Vec<Completion>,
+        reqs: &[ClaimRequest],
+    ) -> CompleteAndClaim {
+        if reqs.is_empty() {
+            return (self.complete_many(items).await, Ok(Vec::new()));
+        }
+        self.complete_and_claim_now(&items, reqs).await
     }
 
     async fn fail(

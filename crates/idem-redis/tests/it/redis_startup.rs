@@ -8,7 +8,7 @@ use crate::common;
 use std::time::Duration;
 
 use common::{PrivateCluster, spawn};
-use idem_core::{Claim, ClaimRequest, DedupKey, DedupStore, Lease};
+use idem_core::{Claim, ClaimRequest, Completion, DedupKey, DedupStore, Lease};
 use idem_redis::{Error, RedisStore, ServerSettings};
 
 /// On a cluster, every master is checked, and the error names the one that evicts.
@@ -178,7 +178,7 @@ async fn concurrent_claims_share_one_connection_and_a_batch_is_one_round_trip() 
     // no `GET`, and no `TIME` (the fresh records carry the store's estimate of the server
     // clock). A first batch loads the script: EVALSHA answers NOSCRIPT once on a fresh server.
     assert!(store.fast_claim(), "Redis 7 takes the fast path");
-    let _ = store.claim_many(&[req(998)]).await.expect("claim_many");
+    let _ = store.claim_many(&[req(998), req(999)]).await.expect("claim_many");
     let (e0, s0, g0, t0) = stats(conn.clone()).await;
     let reqs: Vec<ClaimRequest> = (100..400).map(req).collect();
     let claims = store.claim_many(&reqs).await.expect("claim_many");
@@ -311,4 +311,77 @@ async fn cancelled_coalesced_completions_strand_nothing() {
         .expect("a later completion is answered")
         .expect("complete");
     assert!(matches!(store.claim(&req).await.expect("claim"), Claim::Completed(_)));
+}
+
+/// A consumer at one message in flight sends the completion of message k and the claim of
+/// message k + 1 in one pipeline: one completion script and one plain `SET` (no claim script,
+/// no `TIME`), and a batch of one claimed alone is a plain `SET` too. A script the server lost
+/// (`NOSCRIPT`: flushed, or a restart) is sent again, for the completion and for a batch claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_and_the_next_claim_are_one_write() {
+    let Some(server) = spawn(&["--appendonly", "no"]) else { return };
+    let store = RedisStore::connect(&server.url).await.expect("connect");
+    let mut conn = store.connection().clone();
+    let req = |i: usize| {
+        ClaimRequest::new(
+            DedupKey::new("ride", format!("k-{i}")).expect("key"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        )
+    };
+    let done = |lease: Lease| Completion {
+        lease,
+        result: Some(b"r".to_vec()),
+        retain_for: Duration::from_secs(60),
+    };
+    let stats = |mut conn: idem_redis::RedisConnection| async move {
+        let s: String =
+            redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.expect("info");
+        (evalsha_calls(&s), calls(&s, "set"), calls(&s, "time"), calls(&s, "script|load"))
+    };
+    let acquired = |claims: Result<Vec<Claim>, idem_core::StoreError>| -> Vec<Lease> {
+        claims
+            .expect("claim half")
+            .into_iter()
+            .map(|c| match c {
+                Claim::Acquired(l) => l,
+                other => panic!("expected a fresh key acquired, got {other:?}"),
+            })
+            .collect()
+    };
+
+    let (t0, s0) = (stats(conn.clone()).await.2, stats(conn.clone()).await.1);
+    let mut lease = acquired(store.claim_many(&[req(0)]).await).pop().expect("lease");
+    let (_, s1, t1, _) = stats(conn.clone()).await;
+    assert_eq!((s1 - s0, t1 - t0 <= 1), (1, true), "a batch of one: one plain SET");
+
+    // The first completion script on this server: NOSCRIPT, loaded, sent again.
+    let (completed, claims) = store.complete_and_claim(vec![done(lease)], &[req(1)]).await;
+    assert!(completed.expect("complete half")[0].is_ok());
+    lease = acquired(claims).pop().expect("lease");
+    for i in 2..12 {
+        let (e0, s0, t0, _) = stats(conn.clone()).await;
+        let (completed, claims) = store.complete_and_claim(vec![done(lease)], &[req(i)]).await;
+        let (e1, s1, t1, _) = stats(conn.clone()).await;
+        assert!(completed.expect("complete half")[0].is_ok());
+        lease = acquired(claims).pop().expect("lease");
+        // commandstats counts the script's own `SET` too: 2 = the completion's + the claim's.
+        assert_eq!((e1 - e0, s1 - s0, t1 - t0), (1, 2, 0), "one script, one plain SET, no TIME");
+    }
+
+    // Scripts flushed: both the completion and a batch claim are loaded and sent again.
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut conn).await.expect("flush");
+    let (.., l0) = stats(conn.clone()).await;
+    let (completed, claims) =
+        store.complete_and_claim(vec![done(lease)], &[req(20), req(21)]).await;
+    assert!(completed.expect("complete half after SCRIPT FLUSH")[0].is_ok());
+    let leases = acquired(claims);
+    let (.., l1) = stats(conn.clone()).await;
+    assert_eq!((leases.len(), l1 - l0), (2, 2), "both scripts loaded again");
+    let key = req(11).key;
+    match store.claim(&req(11)).await.expect("claim") {
+        Claim::Completed(rec) => assert_eq!(rec.result.as_deref(), Some(&b"r"[..]), "{key}"),
+        other => panic!("{key} must be completed, got {other:?}"),
+    }
 }

@@ -182,3 +182,82 @@ pub async fn complete_many_tells_a_spent_lease_it_is_lost<S: Store, C: TimeContr
         }
     }
 }
+
+/// `complete_and_claim` answers each half as `complete_many` and `claim_many` would: a live
+/// lease completes and a spent one is told `LeaseLost`; a single fresh key and a batch over keys
+/// in several states are claimed in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn complete_and_claim_answers_both_halves<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let [live, spent, fresh, n, done, conflict] =
+        std::array::from_fn(|_| unique_key("conf-complete-claim"));
+    let l = acquire(&h, &req(&h, &spent, fp(1))).await;
+    let repeat = spent_copy(&l);
+    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    let l = acquire(&h, &req(&h, &done, fp(1))).await;
+    h.store.complete(l, Some(b"d"), retain(&h)).await.expect("complete");
+    let l = acquire(&h, &req(&h, &conflict, fp(1))).await;
+    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    let live_lease = acquire(&h, &req(&h, &live, fp(1))).await;
+    let done_with = |lease, result: &[u8]| Completion {
+        lease,
+        result: Some(result.to_vec()),
+        retain_for: retain(&h),
+    };
+
+    // One completion and one fresh key: the shape of a consumer at one message in flight.
+    let items = vec![done_with(live_lease, b"live"), done_with(repeat, b"again")];
+    let (completed, claims) = h.store.complete_and_claim(items, &[req(&h, &fresh, fp(1))]).await;
+    let completed = completed.expect("complete half");
+    assert!(completed[0].is_ok(), "a live lease: {:?}", completed[0]);
+    assert!(
+        matches!(completed[1], Err(StoreError::LeaseLost { .. })),
+        "a spent lease: {:?}",
+        completed[1]
+    );
+    let mut claims = claims.expect("claim half");
+    let fresh_lease = match (claims.pop(), claims.is_empty()) {
+        (Some(Claim::Acquired(l)), true) => l,
+        other => panic!("a fresh key alone must be acquired, got {other:?}"),
+    };
+    assert_eq!(fresh_lease.key(), &fresh);
+
+    // The fresh lease completes while a batch in every state is claimed.
+    let batch = vec![
+        req(&h, &n, fp(1)),
+        req(&h, &done, fp(1)),
+        req(&h, &conflict, fp(2)),
+        req(&h, &n, fp(1)),
+        req(&h, &live, fp(1)),
+    ];
+    let items = vec![done_with(fresh_lease, b"fresh")];
+    let (completed, claims) = h.store.complete_and_claim(items, &batch).await;
+    assert!(completed.expect("complete half")[0].is_ok());
+    let claims = claims.expect("claim half");
+    assert_eq!(claims.len(), 5);
+    let mut it = claims.into_iter();
+    let Some(Claim::Acquired(ln)) = it.next() else { panic!("a new key must be acquired") };
+    assert_eq!(ln.key(), &n);
+    match it.next() {
+        Some(Claim::Completed(r)) => assert_eq!(r.result.as_deref(), Some(&b"d"[..])),
+        other => panic!("a completed key: {other:?}"),
+    }
+    assert!(matches!(it.next(), Some(Claim::Conflict(_))), "other content");
+    assert!(matches!(it.next(), Some(Claim::InProgress { .. })), "a repeat in the batch");
+    match it.next() {
+        Some(Claim::Completed(r)) => assert_eq!(r.result.as_deref(), Some(&b"live"[..])),
+        other => panic!("the key completed by the first call: {other:?}"),
+    }
+    for (key, result) in [(&fresh, &b"fresh"[..]), (&live, b"live")] {
+        match h.store.claim(&req(&h, key, fp(1))).await.expect("claim") {
+            Claim::Completed(rec) => assert_eq!(rec.result.as_deref(), Some(result), "{key}"),
+            other => panic!("{key} must be completed, got {other:?}"),
+        }
+    }
+    h.store.complete(ln, None, retain(&h)).await.expect("complete n");
+    let (completed, claims) = h.store.complete_and_claim(Vec::new(), &[]).await;
+    assert!(completed.expect("nothing to complete").is_empty());
+    assert!(claims.expect("nothing to claim").is_empty());
+}

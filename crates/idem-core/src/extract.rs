@@ -234,6 +234,18 @@ pub trait KeyExtractor: Send + Sync + fmt::Debug + 'static {
     /// # Errors
     /// [`ExtractError::Missing`] when the message has no key where this extractor looks.
     fn extract(&self, msg: &dyn Envelope) -> Result<String, ExtractError>;
+
+    /// The key id for `msg`, whose payload the engine parsed as JSON already (`json`, to read
+    /// its fingerprint): an extractor that reads the payload as JSON reads `json` instead of
+    /// parsing it again. It must answer what [`extract`](Self::extract) answers. Default:
+    /// `extract`.
+    ///
+    /// # Errors
+    /// As [`extract`](Self::extract).
+    fn extract_parsed(&self, msg: &dyn Envelope, json: &Value) -> Result<String, ExtractError> {
+        let _ = json;
+        self.extract(msg)
+    }
 }
 
 /// The producer's message id (the default extractor).
@@ -289,6 +301,10 @@ impl KeyExtractor for JsonPointer {
         let v: Value = serde_json::from_slice(msg.payload())
             .map_err(|source| ExtractError::NotJson { what: what(), source })?;
         scalar_with(what, v.pointer(&self.0))
+    }
+
+    fn extract_parsed(&self, _: &dyn Envelope, json: &Value) -> Result<String, ExtractError> {
+        scalar_with(|| format!("JSON pointer `{}`", self.0), json.pointer(&self.0))
     }
 }
 
@@ -364,9 +380,22 @@ pub struct FirstOf(pub Vec<Box<dyn KeyExtractor>>);
 
 impl KeyExtractor for FirstOf {
     fn extract(&self, msg: &dyn Envelope) -> Result<String, ExtractError> {
+        self.first(|x| x.extract(msg))
+    }
+
+    fn extract_parsed(&self, msg: &dyn Envelope, json: &Value) -> Result<String, ExtractError> {
+        self.first(|x| x.extract_parsed(msg, json))
+    }
+}
+
+impl FirstOf {
+    fn first(
+        &self,
+        extract: impl Fn(&dyn KeyExtractor) -> Result<String, ExtractError>,
+    ) -> Result<String, ExtractError> {
         let mut missing = Vec::new();
         for x in &self.0 {
-            match x.extract(msg) {
+            match extract(x.as_ref()) {
                 Ok(k) => return Ok(k),
                 Err(ExtractError::Missing { what }) => missing.push(what),
                 Err(e) => return Err(e),
@@ -390,9 +419,22 @@ pub struct Join(pub Vec<Box<dyn KeyExtractor>>);
 
 impl KeyExtractor for Join {
     fn extract(&self, msg: &dyn Envelope) -> Result<String, ExtractError> {
+        self.join(|x| x.extract(msg))
+    }
+
+    fn extract_parsed(&self, msg: &dyn Envelope, json: &Value) -> Result<String, ExtractError> {
+        self.join(|x| x.extract_parsed(msg, json))
+    }
+}
+
+impl Join {
+    fn join(
+        &self,
+        extract: impl Fn(&dyn KeyExtractor) -> Result<String, ExtractError>,
+    ) -> Result<String, ExtractError> {
         let mut out = String::new();
         for x in &self.0 {
-            let part = x.extract(msg)?;
+            let part = extract(x.as_ref())?;
             out.push_str(&format!("{}:{part}", part.len()));
         }
         Ok(out)

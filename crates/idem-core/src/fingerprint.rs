@@ -117,6 +117,23 @@ impl FingerprintSpec {
             Self::None => None,
         })
     }
+
+    /// Whether fingerprinting parses the payload as JSON (so a key extractor can read the same
+    /// parse: see [`KeyExtractor::extract_parsed`](crate::extract::KeyExtractor::extract_parsed)).
+    pub fn reads_json(&self) -> bool {
+        matches!(self, Self::Auto | Self::CanonicalJson | Self::JsonPointers(_))
+    }
+
+    /// Fingerprints a payload that parsed as `json`: what [`fingerprint`](Self::fingerprint)
+    /// answers for it, without parsing it again.
+    pub fn fingerprint_parsed(&self, payload: &[u8], json: &Value) -> Option<Fingerprint> {
+        match self {
+            Self::Auto | Self::CanonicalJson => Some(Fingerprint::of_json(json)),
+            Self::Bytes => Some(Fingerprint::of_bytes(payload)),
+            Self::JsonPointers(ptrs) => Some(Fingerprint::of_json_pointers(json, ptrs)),
+            Self::None => None,
+        }
+    }
 }
 
 /// Canonical JSON in the style of RFC 8785 (JCS): object keys sorted by their UTF-16 code units

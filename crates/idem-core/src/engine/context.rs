@@ -1,12 +1,15 @@
 //! What a handler is told about the delivery it runs for.
 
+use std::sync::OnceLock;
+
 use crate::DedupKey;
 
 /// Per-delivery context handed to a handler.
 #[derive(Debug, Clone)]
 pub struct Context {
     pub(crate) key: Option<DedupKey>,
-    pub(crate) downstream_key: Option<String>,
+    /// Derived from the key when first asked for (a hash most handlers never need).
+    downstream_key: OnceLock<String>,
     pub(crate) attempt: u32,
     pub(crate) token: u64,
     pub(crate) took_over: bool,
@@ -15,13 +18,13 @@ pub struct Context {
 impl Context {
     /// The context of a message without a key, processed without dedup.
     pub(crate) fn unkeyed() -> Self {
-        Self { key: None, downstream_key: None, attempt: 1, token: 0, took_over: false }
+        Self { key: None, downstream_key: OnceLock::new(), attempt: 1, token: 0, took_over: false }
     }
 
     /// The context of a delivery holding `lease`.
     pub(crate) fn of(lease: &crate::Lease) -> Self {
         Self {
-            downstream_key: Some(lease.key().downstream_key()),
+            downstream_key: OnceLock::new(),
             key: Some(lease.key().clone()),
             attempt: lease.attempt(),
             token: lease.token(),
@@ -37,7 +40,8 @@ impl Context {
     /// An idempotency key for calls to other services (a payment API), derived from the dedup key:
     /// the same on every attempt and redelivery, so the callee deduplicates a repeated call.
     pub fn downstream_key(&self) -> Option<&str> {
-        self.downstream_key.as_deref()
+        let key = self.key.as_ref()?;
+        Some(self.downstream_key.get_or_init(|| key.downstream_key()))
     }
 
     /// 1 on the first claim; more when an earlier attempt failed, was released or crashed.

@@ -47,7 +47,20 @@ impl<B> Engine<B> {
     /// # Errors
     /// [`KeyFailure`]: what would fail the delivery (missing or invalid key).
     pub fn key_of<M: Envelope>(&self, msg: &M) -> Result<DedupKey, KeyFailure> {
-        let id = self.cfg.extractor.extract(msg as &dyn Envelope).map_err(|e| {
+        self.key_from(self.cfg.extractor.extract(msg as &dyn Envelope))
+    }
+
+    /// [`key_of`](Self::key_of) for a payload parsed as `json` already.
+    fn key_of_parsed<M: Envelope>(
+        &self,
+        msg: &M,
+        json: &serde_json::Value,
+    ) -> Result<DedupKey, KeyFailure> {
+        self.key_from(self.cfg.extractor.extract_parsed(msg as &dyn Envelope, json))
+    }
+
+    fn key_from(&self, id: Result<String, ExtractError>) -> Result<DedupKey, KeyFailure> {
+        let id = id.map_err(|e| {
             if e.is_missing() { KeyFailure::Missing(e) } else { KeyFailure::Extract(e) }
         })?;
         DedupKey::with_limit(self.cfg.scope.clone(), id, self.cfg.max_key_bytes)
@@ -66,8 +79,16 @@ impl<B> Engine<B> {
     }
 
     /// The key and fingerprint of `msg` as a claim request, or the outcome that needs no store.
+    /// A payload the fingerprint reads as JSON is parsed once, for the key extractor too.
     pub(crate) fn prepare<M: Envelope, T, E>(&self, msg: &M) -> Prepared<T, E> {
-        let key = match self.key_of(msg) {
+        let spec = &self.cfg.fingerprint;
+        let parsed: Option<serde_json::Value> =
+            spec.reads_json().then(|| serde_json::from_slice(msg.payload()).ok()).flatten();
+        let key = match parsed.as_ref() {
+            Some(json) => self.key_of_parsed(msg, json),
+            None => self.key_of(msg),
+        };
+        let key = match key {
             Ok(k) => k,
             Err(KeyFailure::Missing(_))
                 if self.cfg.missing_key == MissingKeyPolicy::ProcessWithoutDedup =>
@@ -76,7 +97,11 @@ impl<B> Engine<B> {
             }
             Err(e) => return Prepared::Done(Outcome::failed(FailureKind::Permanent, e.into())),
         };
-        match self.cfg.fingerprint.fingerprint(msg.payload()) {
+        let fp = match parsed.as_ref() {
+            Some(json) => Ok(spec.fingerprint_parsed(msg.payload(), json)),
+            None => spec.fingerprint(msg.payload()),
+        };
+        match fp {
             Ok(fp) => Prepared::Claim(ClaimRequest::new(key, fp, self.cfg.lease, self.cfg.retain)),
             Err(e) => Prepared::Done(Outcome::failed(FailureKind::Permanent, Cause::Payload(e))),
         }

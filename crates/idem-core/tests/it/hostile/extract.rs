@@ -263,3 +263,42 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// The engine parses a payload once for its key and its fingerprint: an extractor reading
+    /// that parse answers exactly what it answers parsing the payload itself (keys and error
+    /// messages alike), for every extractor and any payload that is JSON.
+    #[test]
+    fn extract_parsed_answers_what_extract_answers(
+        payload in payload(),
+        pointer in prop_oneof![text(), r"(/[a-z~01]{0,3}){0,3}", Just("/source".to_owned())],
+        headers in headers(),
+    ) {
+        let Ok(json) = serde_json::from_slice::<Value>(&payload) else { return Ok(()) };
+        let msg = message(payload, &headers);
+        let extractors: Vec<Box<dyn KeyExtractor>> = vec![
+            Box::new(JsonPointer::new(pointer.clone())),
+            Box::new(MessageId),
+            Box::new(Header::new("idempotency-key")),
+            Box::new(CloudEvents(CloudEventsMode::Auto)),
+            Box::new(idem_core::extract::FirstOf(vec![
+                Box::new(Header::new("idempotency-key")),
+                Box::new(JsonPointer::new(pointer.clone())),
+            ])),
+            Box::new(idem_core::extract::Join(vec![
+                Box::new(JsonPointer::new("/id")),
+                Box::new(JsonPointer::new(pointer)),
+            ])),
+        ];
+        for x in &extractors {
+            let (own, shared) = (x.extract(&msg), x.extract_parsed(&msg, &json));
+            prop_assert_eq!(
+                own.as_ref().map_err(ToString::to_string),
+                shared.as_ref().map_err(ToString::to_string),
+                "{:?}", x
+            );
+        }
+    }
+}

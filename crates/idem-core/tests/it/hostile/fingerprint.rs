@@ -210,3 +210,25 @@ fn long_spellings_of_integers_parse_exactly() {
     assert_eq!(fp("1.00000000000000000000000000"), fp("1"));
     assert_eq!(fp("0.300000000000000040"), fp("0.30000000000000004"));
 }
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// A fingerprint read from the engine's one parse of a payload is the one the spec gives
+    /// the payload's bytes, for every spec.
+    #[test]
+    fn fingerprint_parsed_is_the_fingerprint(doc in value(), pretty in any::<bool>()) {
+        let bytes = if pretty { serde_json::to_vec_pretty(&doc)? } else { serde_json::to_vec(&doc)? };
+        let json: Value = serde_json::from_slice(&bytes)?;
+        let specs = [
+            FingerprintSpec::Auto,
+            FingerprintSpec::CanonicalJson,
+            FingerprintSpec::Bytes,
+            FingerprintSpec::JsonPointers(vec!["/a".into(), "/b/0".into(), String::new()]),
+            FingerprintSpec::None,
+        ];
+        for spec in &specs {
+            prop_assert_eq!(spec.fingerprint(&bytes)?, spec.fingerprint_parsed(&bytes, &json), "{:?}", spec);
+        }
+    }
+}

@@ -177,8 +177,9 @@ impl<S: DedupStore> Mode for S {
         async move {
             let mut ahead = ahead;
             let prepared = ahead.as_mut().map(Ahead::take_prepared).unwrap_or_default();
-            let driver = seat.or_else(|| engine.carpool_seat(Ticket::new().id()));
-            let mode = TwoPhase::new(engine, &by_index, batch).carrying(driver.as_ref());
+            // Only a lane's decisions drive (a seat comes with their turn): other callers carry
+            // nothing and wait for nothing.
+            let mode = TwoPhase::new(engine, &by_index, batch).carrying(seat.as_ref());
             engine.decide_in_rounds(batch, &mode, prepared, ahead).await
         }
     }

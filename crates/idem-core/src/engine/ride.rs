@@ -26,6 +26,9 @@ use tokio::sync::oneshot;
 
 use crate::{Claim, ClaimRequest, StoreError};
 
+/// The longest a driver waits for the batches coming to post their claims.
+const COMING_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// The answers a rider gets: one per request, in order.
 type Answers = Vec<Result<Claim, StoreError>>;
 
@@ -155,15 +158,21 @@ impl Driver {
         if self.left.load(Ordering::SeqCst) {
             return Riders(Vec::new());
         }
-        loop {
-            let arrived = self.rides.arrived.notified();
-            let mut arrived = std::pin::pin!(arrived);
-            arrived.as_mut().enable();
-            if self.rides.lock().coming == 0 {
-                break;
+        // The batches coming post their claims when their lane polls them next, within this
+        // task's next turn; the bound only guards against a lane that is never polled again
+        // (a `run` future kept but abandoned): then this completion goes without them.
+        let all_arrived = async {
+            loop {
+                let arrived = self.rides.arrived.notified();
+                let mut arrived = std::pin::pin!(arrived);
+                arrived.as_mut().enable();
+                if self.rides.lock().coming == 0 {
+                    break;
+                }
+                arrived.await;
             }
-            arrived.await;
-        }
+        };
+        let _ = tokio::time::timeout(COMING_WAIT, all_arrived).await;
         if self.left.swap(true, Ordering::SeqCst) {
             return Riders(Vec::new());
         }

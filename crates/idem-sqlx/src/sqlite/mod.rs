@@ -404,29 +404,60 @@ impl DedupStore for SqliteStore {
         self.finish(&lease, RecordState::Completed, result, retain_for).await
     }
 
-    /// One transaction (one commit, one fsync) for the batch.
+    /// One call of one `UPDATE` per completion (up to 500; one hop to the connection's thread),
+    /// one transaction (one commit, one fsync) for the batch.
     async fn complete_many(
         &self,
         items: Vec<Completion>,
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let now = self.now();
+        let mut out: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(items.len());
+        // Each (key, token) once: a lease listed twice completes with its first result, and
+        // its later copies find it completed (lost), as one-by-one completions would.
+        let mut sent: Vec<(usize, i64)> = Vec::with_capacity(items.len());
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        for (i, c) in items.iter().enumerate() {
+            let size = c.result.as_ref().map_or(0, Vec::len);
+            if let Err(e) = StoreError::check_len("result", size, MAX_RESULT_BYTES) {
+                out.push(Some(Err(e)));
+            } else if !seen.insert((c.lease.key().hash(), c.lease.token())) {
+                out.push(Some(Err(StoreError::LeaseLost { key: c.lease.key().to_string() })));
+            } else {
+                out.push(None);
+                sent.push((i, i64_of(c.lease.token(), "token")?));
+            }
+        }
+        if sent.is_empty() {
+            return Ok(out.into_iter().flatten().collect());
+        }
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(|e| backend("complete_many", e))?;
-        let mut out = Vec::with_capacity(items.len());
-        for c in &items {
-            let r = self.finish_on(
-                &mut tx,
-                &c.lease,
-                RecordState::Completed,
-                c.result.as_deref(),
-                c.retain_for,
-            );
-            out.push(r.await?);
+        let mut done = std::collections::HashSet::with_capacity(sent.len());
+        for chunk in sent.chunks(500) {
+            let mut q = sqlx::query_as::<_, (Vec<u8>, i64)>(AssertSqlSafe(
+                self.sql.complete_many(chunk.len()),
+            ));
+            for &(i, token) in chunk {
+                let c = &items[i];
+                q = q
+                    .bind(now.as_micros())
+                    .bind(now.plus(c.retain_for).as_micros())
+                    .bind(c.result.as_deref())
+                    .bind(c.lease.key().hash().0.to_vec())
+                    .bind(token);
+            }
+            done.extend(q.fetch_all(&mut *tx).await.map_err(|e| backend("complete_many", e))?);
         }
         tx.commit().await.map_err(|e| backend("complete_many", e))?;
-        Ok(out)
+        for (i, token) in sent {
+            let lease = &items[i].lease;
+            let completed = done.contains(&(lease.key().hash().0.to_vec(), token));
+            out[i] = Some(fenced(u64::from(completed), lease));
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 
     async fn fail(

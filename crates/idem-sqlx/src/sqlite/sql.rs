@@ -190,6 +190,18 @@ impl Sql {
         )
     }
 
+    /// Completes `n` leases in one call of `n` statements (one hop to the connection's thread),
+    /// each returning the (hash, token) it completed (a stale token or a finished record matches
+    /// nothing). Anonymous parameters, per statement: now, expiry, result, hash, token.
+    pub(super) fn complete_many(&self, n: usize) -> String {
+        let one = format!(
+            "UPDATE {t} SET state = 1, updated_at = ?, lease_until = NULL, expires_at = ?, \
+             result = ? WHERE key_hash = ? AND token = ? AND state = 0 RETURNING key_hash, token;",
+            t = self.t
+        );
+        one.repeat(n)
+    }
+
     /// The records of `n` keys (bound in order).
     pub(super) fn select_many(&self, n: usize) -> String {
         let marks = vec!["?"; n].join(", ");

@@ -183,6 +183,7 @@ macro_rules! dedup_store_conformance {
             expired_record_is_claimed_afresh,
             claim_many_in_order_with_repeats,
             claim_many_mixed_states_match_single_claims,
+            claim_many_distinct_mixed_states,
             claim_many_large_batch,
             complete_many_tells_a_spent_lease_it_is_lost,
             complete_and_claim_answers_both_halves,

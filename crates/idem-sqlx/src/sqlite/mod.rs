@@ -246,6 +246,92 @@ impl SqliteStore {
         lease_from_parts(&req.key, won).map(Some)
     }
 
+    /// Claims distinct keys on one connection, as [`claim_on`](Self::claim_on) would one by one:
+    /// their upserts in one call per 100 keys (one hop to the connection's thread), then one read
+    /// of the records of those that lost. No other request of the batch touches a key that lost
+    /// (the keys are distinct) and the transaction holds the write lock, so the record read is
+    /// the one its upsert found. A record claimable again by then is claimed alone.
+    async fn claim_distinct_on(
+        &self,
+        conn: &mut SqliteConnection,
+        reqs: &[ClaimRequest],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let now = self.now();
+        let token = i64_of(next_token(None, now), "token")?;
+        let mut out: Vec<Option<Claim>> = reqs.iter().map(|_| None).collect();
+        let index: std::collections::HashMap<[u8; 32], usize> =
+            reqs.iter().enumerate().map(|(i, r)| (r.key.hash().0, i)).collect();
+        let order: Vec<usize> = (0..reqs.len()).collect();
+        let params = self.sql.claim_params();
+        for chunk in order.chunks(100) {
+            let mut q = sqlx::query(AssertSqlSafe(self.sql.claim_many(chunk.len())));
+            for &i in chunk {
+                let req = &reqs[i];
+                // The single claim's ?1 … ?9, as `try_acquire` binds them.
+                for &n in &params {
+                    q = match n {
+                        1 => q.bind(req.key.hash().0.to_vec()),
+                        2 => q.bind(req.key.scope().to_owned()),
+                        3 => q.bind(req.key.id().to_owned()),
+                        4 => q.bind(req.fingerprint.as_ref().map(|f| f.0.to_vec())),
+                        5 => q.bind(now.as_micros()),
+                        6 => q.bind(now.plus(req.lease_for).as_micros()),
+                        7 => q.bind(now.plus(req.retain_for.max(req.lease_for)).as_micros()),
+                        8 => q.bind(token),
+                        _ => q.bind(req.takeover),
+                    };
+                }
+            }
+            for row in q.fetch_all(&mut *conn).await.map_err(|e| backend("claim_many", e))? {
+                let hash: Vec<u8> = required(&row, 5, "key_hash")?;
+                let Some(&i) =
+                    <[u8; 32]>::try_from(hash.as_slice()).ok().and_then(|h| index.get(&h))
+                else {
+                    return Err(StoreError::Corrupt {
+                        what: "a claim answered for a key not asked".into(),
+                    });
+                };
+                let until = now.plus(reqs[i].lease_for).as_micros();
+                let won = Won {
+                    attempt: required(&row, 0, "attempt")?,
+                    token: required(&row, 1, "token")?,
+                    prev: nullable(&row, 2, "prev_state")?,
+                    fp: nullable(&row, 3, "fingerprint")?,
+                    deaths: required(&row, 4, "deaths")?,
+                    until,
+                };
+                out[i] = Some(Claim::Acquired(lease_from_parts(&reqs[i].key, won)?));
+            }
+        }
+        let losers: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
+        for chunk in losers.chunks(500) {
+            let mut sel = sqlx::query(AssertSqlSafe(self.sql.select_many(chunk.len())));
+            for &i in chunk {
+                sel = sel.bind(reqs[i].key.hash().0.to_vec());
+            }
+            let rows = sel.fetch_all(&mut *conn).await.map_err(|e| backend("claim_many", e))?;
+            let mut recs = std::collections::HashMap::with_capacity(rows.len());
+            for row in &rows {
+                let rec = decode_row(row)?;
+                recs.insert(rec.key_hash.0, rec);
+            }
+            for &i in chunk {
+                let req = &reqs[i];
+                let found = recs.remove(&req.key.hash().0);
+                out[i] =
+                    Some(match found.and_then(|r| lost(r, req.fingerprint, now, req.takeover)) {
+                        Some(c) => c,
+                        None => self.claim_on(conn, req).await?,
+                    });
+            }
+        }
+        out.into_iter()
+            .map(|c| {
+                c.ok_or_else(|| StoreError::Corrupt { what: "a claim without an answer".into() })
+            })
+            .collect()
+    }
+
     /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
     async fn claim_on(
         &self,
@@ -387,10 +473,18 @@ impl DedupStore for SqliteStore {
         // One transaction, one commit (one fsync) for the whole batch.
         let mut tx =
             self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| backend("claim_many", e))?;
-        let mut out = Vec::with_capacity(reqs.len());
-        for req in reqs {
-            out.push(self.claim_on(&mut tx, req).await?);
-        }
+        let mut keys = std::collections::HashSet::with_capacity(reqs.len());
+        let distinct = reqs.iter().all(|r| keys.insert(r.key.hash()));
+        let out = if reqs.len() > 1 && distinct {
+            self.claim_distinct_on(&mut tx, reqs).await?
+        } else {
+            // A key repeated in the batch is decided after its earlier requests: one by one.
+            let mut out = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                out.push(self.claim_on(&mut tx, req).await?);
+            }
+            out
+        };
         tx.commit().await.map_err(|e| backend("claim_many", e))?;
         Ok(out)
     }

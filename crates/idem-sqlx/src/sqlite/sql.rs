@@ -61,7 +61,7 @@ impl Sql {
                    state = excluded.state, result = NULL, updated_at = excluded.updated_at, \
                    lease_until = excluded.lease_until \
                  WHERE {DEAD} OR {takeover} \
-                 RETURNING attempt, token, prev_state, fingerprint, deaths"
+                 RETURNING attempt, token, prev_state, fingerprint, deaths, key_hash"
             )
         };
         let s = |x: String| -> Arc<str> { x.into() };
@@ -190,6 +190,21 @@ impl Sql {
         )
     }
 
+    /// Claims `n` distinct keys in one call of `n` claim upserts, run in order (one hop to the
+    /// connection's thread); each winner returns its row, with its key hash last. The statements
+    /// take anonymous parameters (sqlx binds a numbered parameter of a later statement only
+    /// after as many anonymous ones as the parameters numbered below it): bind, per statement,
+    /// the single claim's parameters in the order [`claim_params`](Self::claim_params) lists.
+    pub(super) fn claim_many(&self, n: usize) -> String {
+        vec![anonymous(&self.claim).0; n].join(";")
+    }
+
+    /// The single claim's parameter numbers (`?1` … `?9`) in the order the anonymous statement
+    /// of [`claim_many`](Self::claim_many) takes them.
+    pub(super) fn claim_params(&self) -> Vec<u8> {
+        anonymous(&self.claim).1
+    }
+
     /// Completes `n` leases in one call of `n` statements (one hop to the connection's thread),
     /// each returning the (hash, token) it completed (a stale token or a finished record matches
     /// nothing). Anonymous parameters, per statement: now, expiry, result, hash, token.
@@ -206,5 +221,54 @@ impl Sql {
     pub(super) fn select_many(&self, n: usize) -> String {
         let marks = vec!["?"; n].join(", ");
         format!("SELECT {COLUMNS} FROM {} WHERE key_hash IN ({marks})", self.t)
+    }
+}
+
+/// `sql` with every numbered parameter `?N` made anonymous (`?`), and the numbers in the order
+/// they appeared.
+fn anonymous(sql: &str) -> (String, Vec<u8>) {
+    let mut out = String::with_capacity(sql.len());
+    let mut order = Vec::new();
+    let mut chars = sql.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        out.push(c);
+        if c != '?' {
+            continue;
+        }
+        let start = i + 1;
+        let mut end = start;
+        while let Some(&(j, d)) = chars.peek() {
+            if !d.is_ascii_digit() {
+                break;
+            }
+            end = j + 1;
+            chars.next();
+        }
+        if let Ok(n) = sql[start..end].parse() {
+            order.push(n);
+        }
+    }
+    (out, order)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbered_parameters_become_anonymous_in_order() {
+        let (sql, order) = anonymous("a = ?1 AND b = ?9 AND c = ?1 AND d = ?2");
+        assert_eq!(sql, "a = ? AND b = ? AND c = ? AND d = ?");
+        assert_eq!(order, [1, 9, 1, 2]);
+    }
+
+    #[test]
+    fn the_batch_claim_takes_every_claim_parameter() {
+        let s = Sql::new(&Identifier::new("table", "idem_records").expect("valid"));
+        let order = s.claim_params();
+        assert!((1..=9).all(|n| order.contains(&n)), "{order:?}");
+        let sql = s.claim_many(3);
+        assert_eq!(sql.matches('?').count(), 3 * order.len());
+        assert!(!sql.contains("?1"), "no numbered parameter is left");
     }
 }

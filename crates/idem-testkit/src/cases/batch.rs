@@ -1,6 +1,6 @@
 //! Batches: `claim_many` answers as single claims would, in order, at any size.
 
-use idem_core::{Claim, ClaimRequest, Completion, DedupKey, RecordState, StoreError};
+use idem_core::{Claim, ClaimRequest, Completion, DedupKey, FailKind, RecordState, StoreError};
 
 use super::{Store, acquire, fp, req, retain, spent_copy, unique_key};
 use crate::{Harness, TimeControl};
@@ -107,6 +107,85 @@ pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeContro
             "in-progress",
             "new",
             "in-progress"
+        ]
+    );
+    for l in leases.into_iter().chain([live_lease]) {
+        h.store.complete(l, None, retain(&h)).await.expect("complete");
+    }
+}
+
+/// A batch of distinct keys in every state (no key repeated: stores may decide such a batch in
+/// one go) answers what single claims would, in order.
+///
+/// # Cancel safety
+/// Dropped midway, the case leaves its records in the harness's store, which the harness
+/// cleans up.
+pub async fn claim_many_distinct_mixed_states<S: Store, C: TimeControl>(h: Harness<S, C>) {
+    let [n1, done, released, expired, conflict, live, failed, doubt] =
+        std::array::from_fn(|_| unique_key("conf-distinct"));
+    let l = acquire(&h, &req(&h, &expired, fp(1))).await;
+    drop(l); // a crash: the lease is left to run out
+    h.time.advance(h.unit * 3).await;
+    let l = acquire(&h, &req(&h, &done, fp(1))).await;
+    h.store.complete(l, Some(b"d"), retain(&h)).await.expect("complete");
+    let l = acquire(&h, &req(&h, &released, fp(1))).await;
+    h.store.release(l).await.expect("release");
+    let l = acquire(&h, &req(&h, &conflict, fp(1))).await;
+    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    let l = acquire(&h, &req(&h, &failed, fp(1))).await;
+    h.store.fail(l, FailKind::Permanent, "bad", retain(&h)).await.expect("fail");
+    let l = acquire(&h, &req(&h, &doubt, fp(1))).await;
+    h.store.fail(l, FailKind::InDoubt, "unsure", retain(&h)).await.expect("fail");
+    let live_lease = acquire(&h, &req(&h, &live, fp(1))).await;
+
+    let batch = vec![
+        req(&h, &n1, fp(1)),
+        req(&h, &done, fp(1)),
+        req(&h, &released, fp(1)),
+        req(&h, &expired, fp(1)),
+        req(&h, &conflict, fp(2)),
+        req(&h, &live, fp(1)),
+        req(&h, &failed, fp(1)),
+        req(&h, &doubt, fp(1)),
+        req(&h, &unique_key("conf-distinct"), None),
+    ];
+    let claims = h.store.claim_many(&batch).await.expect("claim_many");
+    let mut leases = Vec::new();
+    let mut labels = Vec::new();
+    for c in claims {
+        labels.push(match c {
+            Claim::Acquired(l) => {
+                let label = match (l.attempt(), l.previous()) {
+                    (1, None) => "new",
+                    (2, Some(RecordState::Released)) => "after-release",
+                    (2, Some(RecordState::InProgress)) => "takeover",
+                    (2, Some(RecordState::Failed)) => "after-failure",
+                    other => panic!("unexpected lease {other:?}"),
+                };
+                leases.push(l);
+                label
+            }
+            Claim::Completed(r) if r.state == RecordState::InDoubt => "in-doubt",
+            Claim::Completed(r) => {
+                assert_eq!(r.result.as_deref(), Some(&b"d"[..]));
+                "completed"
+            }
+            Claim::Conflict(_) => "conflict",
+            Claim::InProgress { .. } => "in-progress",
+        });
+    }
+    assert_eq!(
+        labels,
+        [
+            "new",
+            "completed",
+            "after-release",
+            "takeover",
+            "conflict",
+            "in-progress",
+            "after-failure",
+            "in-doubt",
+            "new"
         ]
     );
     for l in leases.into_iter().chain([live_lease]) {

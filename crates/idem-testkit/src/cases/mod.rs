@@ -17,7 +17,7 @@ mod lease;
 mod records;
 
 pub use batch::{
-    claim_many_in_order_with_repeats, claim_many_large_batch,
+    claim_many_distinct_mixed_states, claim_many_in_order_with_repeats, claim_many_large_batch,
     claim_many_mixed_states_match_single_claims, complete_and_claim_answers_both_halves,
     complete_many_tells_a_spent_lease_it_is_lost,
 };

@@ -166,7 +166,10 @@ impl<C: SourceConfig, B> Builder<C, B> {
     /// nothing is acknowledged before its batch is durable. A lane then holds up to three
     /// batches unacknowledged (the broker's prefetch or credit should allow `3 × batch ×
     /// concurrency`), and a key redelivered while its first copy runs is claimed again when its
-    /// turn comes, not answered "in progress". `false`: fetch, decide, settle, one after the other.
+    /// turn comes, not answered "in progress". On a store that sends a completion and claims in
+    /// one write ([`DedupStore::combines_writes`](crate::DedupStore::combines_writes): Redis),
+    /// batch k + 1's claims go out with batch k's completion, one write for both.
+    /// `false`: fetch, decide, settle, one after the other.
     pub fn pipeline(mut self, on: bool) -> Self {
         self.settings.pipelined = on;
         self

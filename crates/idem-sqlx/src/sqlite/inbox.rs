@@ -139,17 +139,20 @@ impl TxInbox for SqliteInbox {
             let s = &self.store;
             let now = s.now();
             let mut q =
-                sqlx::query_scalar::<_, Vec<u8>>(AssertSqlSafe(s.sql.mark_many(chunk.len())))
-                    .bind(now.as_micros())
-                    .bind(now.plus(self.retain_for).as_micros())
-                    .bind(i64_of(next_token(None, now), "token")?);
+                sqlx::query_scalar::<_, Vec<u8>>(AssertSqlSafe(s.sql.mark_many(chunk.len())));
+            let token = i64_of(next_token(None, now), "token")?;
+            let expiry = now.plus(self.retain_for).as_micros();
             for &i in chunk {
                 let (key, fp) = &items[i];
                 q = q
                     .bind(key.hash().0.to_vec())
                     .bind(key.scope())
                     .bind(key.id())
-                    .bind(fp.as_ref().map(|f| &f.0[..]));
+                    .bind(fp.as_ref().map(|f| &f.0[..]))
+                    .bind(token)
+                    .bind(now.as_micros())
+                    .bind(now.as_micros())
+                    .bind(expiry);
             }
             let won: std::collections::HashSet<Vec<u8>> = q
                 .fetch_all(&mut *conn)

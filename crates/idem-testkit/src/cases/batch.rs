@@ -1,6 +1,8 @@
 //! Batches: `claim_many` answers as single claims would, in order, at any size.
 
-use idem_core::{Claim, ClaimRequest, Completion, DedupKey, FailKind, RecordState, StoreError};
+use idem_core::{
+    Claim, ClaimRequest, Completion, DedupKey, FailKind, Lease, RecordState, StoreError,
+};
 
 use super::{Store, acquire, fp, req, retain, spent_copy, unique_key};
 use crate::{Harness, TimeControl};
@@ -73,28 +75,7 @@ pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeContro
         req(&h, &released, fp(1)),
     ];
     let claims = h.store.claim_many(&batch).await.expect("claim_many");
-    let mut leases = Vec::new();
-    let mut labels = Vec::new();
-    for c in claims {
-        labels.push(match c {
-            Claim::Acquired(l) => {
-                let label = match (l.attempt(), l.previous()) {
-                    (1, None) => "new",
-                    (2, Some(RecordState::Released)) => "after-release",
-                    (2, Some(RecordState::InProgress)) => "takeover",
-                    other => panic!("unexpected lease {other:?}"),
-                };
-                leases.push(l);
-                label
-            }
-            Claim::Completed(r) => {
-                assert_eq!(r.result.as_deref(), Some(&b"d"[..]));
-                "completed"
-            }
-            Claim::Conflict(_) => "conflict",
-            Claim::InProgress { .. } => "in-progress",
-        });
-    }
+    let (labels, leases) = labels(claims);
     assert_eq!(
         labels,
         [
@@ -112,6 +93,36 @@ pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeContro
     for l in leases.into_iter().chain([live_lease]) {
         h.store.complete(l, None, retain(&h)).await.expect("complete");
     }
+}
+
+/// Each claim's label (a lease by its attempt and what it took over; a completed record must
+/// hold the result `d`), and the leases acquired, in order.
+fn labels(claims: Vec<Claim>) -> (Vec<&'static str>, Vec<Lease>) {
+    let mut leases = Vec::new();
+    let labels = claims
+        .into_iter()
+        .map(|c| match c {
+            Claim::Acquired(l) => {
+                let label = match (l.attempt(), l.previous()) {
+                    (1, None) => "new",
+                    (2, Some(RecordState::Released)) => "after-release",
+                    (2, Some(RecordState::InProgress)) => "takeover",
+                    (2, Some(RecordState::Failed)) => "after-failure",
+                    other => panic!("unexpected lease {other:?}"),
+                };
+                leases.push(l);
+                label
+            }
+            Claim::Completed(r) if r.state == RecordState::InDoubt => "in-doubt",
+            Claim::Completed(r) => {
+                assert_eq!(r.result.as_deref(), Some(&b"d"[..]));
+                "completed"
+            }
+            Claim::Conflict(_) => "conflict",
+            Claim::InProgress { .. } => "in-progress",
+        })
+        .collect();
+    (labels, leases)
 }
 
 /// A batch of distinct keys in every state (no key repeated: stores may decide such a batch in
@@ -150,30 +161,7 @@ pub async fn claim_many_distinct_mixed_states<S: Store, C: TimeControl>(h: Harne
         req(&h, &unique_key("conf-distinct"), None),
     ];
     let claims = h.store.claim_many(&batch).await.expect("claim_many");
-    let mut leases = Vec::new();
-    let mut labels = Vec::new();
-    for c in claims {
-        labels.push(match c {
-            Claim::Acquired(l) => {
-                let label = match (l.attempt(), l.previous()) {
-                    (1, None) => "new",
-                    (2, Some(RecordState::Released)) => "after-release",
-                    (2, Some(RecordState::InProgress)) => "takeover",
-                    (2, Some(RecordState::Failed)) => "after-failure",
-                    other => panic!("unexpected lease {other:?}"),
-                };
-                leases.push(l);
-                label
-            }
-            Claim::Completed(r) if r.state == RecordState::InDoubt => "in-doubt",
-            Claim::Completed(r) => {
-                assert_eq!(r.result.as_deref(), Some(&b"d"[..]));
-                "completed"
-            }
-            Claim::Conflict(_) => "conflict",
-            Claim::InProgress { .. } => "in-progress",
-        });
-    }
+    let (labels, leases) = labels(claims);
     assert_eq!(
         labels,
         [

@@ -157,11 +157,7 @@ impl<S: DedupStore> Engine<S> {
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
         let reqs = riders.requests();
         let both = self.store.complete_and_claim(batch, &reqs);
-        let (done, claims) =
-            match self.bounded("complete_and_claim", async { Ok(both.await) }).await {
-                Ok(both) => both,
-                Err(e) => return Err(e),
-            };
+        let (done, claims) = self.bounded("complete_and_claim", async { Ok(both.await) }).await?;
         match claims {
             Ok(c) if c.len() == reqs.len() => riders.answer(c),
             Ok(_) => {

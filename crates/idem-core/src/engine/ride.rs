@@ -54,16 +54,11 @@ impl Ticket {
     pub(crate) fn id(&self) -> TicketId {
         self.id
     }
-
-    /// No longer coming (its claims posted or sent alone): drivers waiting may go.
-    fn arrived(&mut self, st: &mut State) {
-        if self.coming.take().is_some() {
-            st.coming -= 1;
-        }
-    }
 }
 
 impl Drop for Ticket {
+    /// No longer coming (its claims posted or sent alone, or the batch gone): drivers waiting
+    /// may go.
     fn drop(&mut self) {
         if let Some(rides) = self.coming.take() {
             rides.lock().coming -= 1;
@@ -124,21 +119,19 @@ impl Rides {
     /// Claims `reqs` (of the batch of `ticket`) with the next completion of another batch in
     /// flight: `Some` answers, or `None` when no other batch drives (or the one carrying them
     /// failed): claim them now, alone.
-    pub(crate) async fn ride(&self, reqs: &[ClaimRequest], mut ticket: Ticket) -> Option<Answers> {
+    pub(crate) async fn ride(&self, reqs: &[ClaimRequest], ticket: Ticket) -> Option<Answers> {
         let own = ticket.id;
         let rx = {
             let mut st = self.lock();
-            ticket.arrived(&mut st);
-            let rx = st.carried_for(own).then(|| {
+            st.carried_for(own).then(|| {
                 let (answer, rx) = oneshot::channel();
                 st.riders.push(Rider { own, reqs: reqs.to_vec(), answer });
                 rx
-            });
-            drop(st);
-            self.arrived.notify_waiters();
-            rx?
+            })
         };
-        rx.await.ok().filter(|a| a.len() == reqs.len())
+        // Posted (or going alone): a driver that wakes now finds the rider in place.
+        drop(ticket);
+        rx?.await.ok().filter(|a| a.len() == reqs.len())
     }
 }
 

@@ -201,6 +201,21 @@ impl RedisStore {
         })
     }
 
+    /// The answer to a fast `SET … NX GET`'s `reply`, or, when the record it found needs the
+    /// read-decide-write, the claim script's.
+    async fn fresh_or_script(
+        &self,
+        req: &ClaimRequest,
+        fresh: &fast::Fresh,
+        est: clock::Estimate,
+        reply: &Value,
+    ) -> Result<Claim, StoreError> {
+        match Self::fast_answer(req, fresh, est, reply)? {
+            Some(answer) => Ok(answer),
+            None => self.claim_script(req).await,
+        }
+    }
+
     /// Sends a batch of completions as one script (no coalescing), then `WAIT`s if asked.
     pub(crate) async fn complete_now(
         &self,
@@ -266,7 +281,6 @@ impl RedisStore {
             ([req], Some(est)) => Some((req, fast::Fresh::new(req, est.now_us), est)),
             _ => None,
         };
-        let claims = self.claim_many_invocation(reqs, est);
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         if !batch.sent.is_empty() {
@@ -274,7 +288,7 @@ impl RedisStore {
         }
         match &fresh {
             Some((req, f, _)) => pipe.add_command(self.fresh_set(req, f)),
-            None => pipe.invoke_script(&claims),
+            None => pipe.invoke_script(&self.claim_many_invocation(reqs, est)),
         };
         let mut replies: Vec<redis::RedisResult<Value>> =
             match pipe.query_async(&mut self.conn.clone()).await {
@@ -303,11 +317,7 @@ impl RedisStore {
         };
         let claims = match (claimed, fresh) {
             (Some(Ok(reply)), Some((req, f, est))) => {
-                match Self::fast_answer(req, &f, est, &reply) {
-                    Ok(Some(answer)) => Ok(vec![answer]),
-                    Ok(None) => self.claim_script(req).await.map(|a| vec![a]),
-                    Err(e) => Err(e),
-                }
+                self.fresh_or_script(req, &f, est, &reply).await.map(|a| vec![a])
             }
             (Some(Ok(v)), None) => decode::claims(&v, reqs),
             (Some(Err(e)), _) if is_noscript(&e) => self.claim_many_script(reqs, est).await,
@@ -427,21 +437,18 @@ impl DedupStore for RedisStore {
     }
 
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        if let Some(est) = self.estimate().await? {
-            let fresh = fast::Fresh::new(req, est.now_us);
-            let reply: Value = self
-                .fresh_set(req, &fresh)
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(|e| backend("claim", e))?;
-            if let Some(answer) = Self::fast_answer(req, &fresh, est, &reply)? {
-                if matches!(answer, Claim::Acquired(_)) {
-                    self.replicated("claim").await?;
-                }
-                return Ok(answer);
+        let answer = match self.estimate().await? {
+            Some(est) => {
+                let fresh = fast::Fresh::new(req, est.now_us);
+                let reply: Value = self
+                    .fresh_set(req, &fresh)
+                    .query_async(&mut self.conn.clone())
+                    .await
+                    .map_err(|e| backend("claim", e))?;
+                self.fresh_or_script(req, &fresh, est, &reply).await?
             }
-        }
-        let answer = self.claim_script(req).await?;
+            None => self.claim_script(req).await?,
+        };
         if matches!(answer, Claim::Acquired(_)) {
             self.replicated("claim").await?;
         }

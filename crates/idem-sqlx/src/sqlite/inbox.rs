@@ -131,7 +131,7 @@ impl TxInbox for SqliteInbox {
         items: &[(DedupKey, Option<Fingerprint>)],
     ) -> Result<Vec<Claim>, StoreError> {
         let mut out: Vec<Option<Claim>> = items.iter().map(|_| None).collect();
-        // At most 500 rows (2,000 parameters) per statement.
+        // At most 500 rows (4,000 parameters) per statement.
         let mut order: Vec<usize> = (0..items.len()).collect();
         order.sort_by_key(|&i| items[i].0.hash().0);
         order.dedup_by_key(|i| items[*i].0.hash().0);
@@ -171,16 +171,8 @@ impl TxInbox for SqliteInbox {
                 }
             }
             if !lost.is_empty() {
-                let mut sel = sqlx::query(AssertSqlSafe(s.sql.select_many(lost.len())));
-                for &i in &lost {
-                    sel = sel.bind(items[i].0.hash().0.to_vec());
-                }
-                let rows = sel.fetch_all(&mut *conn).await.map_err(|e| backend("mark_many", e))?;
-                let mut recs = std::collections::HashMap::new();
-                for row in &rows {
-                    let rec = crate::row::decode_row(row)?;
-                    recs.insert(rec.key_hash.0, rec);
-                }
+                let hashes: Vec<[u8; 32]> = lost.iter().map(|&i| items[i].0.hash().0).collect();
+                let mut recs = s.records(conn, &hashes, "mark_many").await?;
                 for i in lost {
                     let (key, fp) = &items[i];
                     let mark = recs.remove(&key.hash().0).and_then(|r| claim_of(r, *fp, now));

@@ -18,8 +18,8 @@ use idem_core::{
 };
 use sqlx::AssertSqlSafe;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteSynchronous,
+    Sqlite, SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
+    SqlitePoolOptions, SqliteRow, SqliteSynchronous,
 };
 
 pub use inbox::SqliteInbox;
@@ -220,30 +220,13 @@ impl SqliteStore {
         req: &ClaimRequest,
         now: Timestamp,
     ) -> Result<Option<Lease>, StoreError> {
-        let hash = req.key.hash();
-        let until = now.plus(req.lease_for);
-        let keep = now.plus(req.retain_for.max(req.lease_for));
-        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)))
-            .bind(&hash.0[..])
-            .bind(req.key.scope())
-            .bind(req.key.id())
-            .bind(req.fingerprint.as_ref().map(|f| &f.0[..]))
-            .bind(now.as_micros())
-            .bind(until.as_micros())
-            .bind(keep.as_micros())
-            .bind(i64_of(next_token(None, now), "token")?)
-            .bind(req.takeover)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(|e| backend("claim", e))?;
-        let Some(row) = row else { return Ok(None) };
-        let attempt = required(&row, 0, "attempt")?;
-        let token = required(&row, 1, "token")?;
-        let prev = nullable(&row, 2, "prev_state")?;
-        let fp = nullable(&row, 3, "fingerprint")?;
-        let deaths = required(&row, 4, "deaths")?;
-        let won = Won { attempt, token, prev, fp, deaths, until: until.as_micros() };
-        lease_from_parts(&req.key, won).map(Some)
+        let token = i64_of(next_token(None, now), "token")?;
+        let mut q = sqlx::query(AssertSqlSafe(Arc::clone(&self.sql.claim)));
+        for n in 1..=9 {
+            q = bind_claim_param(q, n, req, now, token);
+        }
+        let row = q.fetch_optional(&mut *conn).await.map_err(|e| backend("claim", e))?;
+        row.map(|row| won_lease(&row, req, now)).transpose()
     }
 
     /// Claims distinct keys on one connection, as [`claim_on`](Self::claim_on) would one by one:
@@ -261,25 +244,12 @@ impl SqliteStore {
         let mut out: Vec<Option<Claim>> = reqs.iter().map(|_| None).collect();
         let index: std::collections::HashMap<[u8; 32], usize> =
             reqs.iter().enumerate().map(|(i, r)| (r.key.hash().0, i)).collect();
-        let order: Vec<usize> = (0..reqs.len()).collect();
         let params = self.sql.claim_params();
-        for chunk in order.chunks(100) {
+        for chunk in reqs.chunks(100) {
             let mut q = sqlx::query(AssertSqlSafe(self.sql.claim_many(chunk.len())));
-            for &i in chunk {
-                let req = &reqs[i];
-                // The single claim's ?1 … ?9, as `try_acquire` binds them.
+            for req in chunk {
                 for &n in &params {
-                    q = match n {
-                        1 => q.bind(req.key.hash().0.to_vec()),
-                        2 => q.bind(req.key.scope().to_owned()),
-                        3 => q.bind(req.key.id().to_owned()),
-                        4 => q.bind(req.fingerprint.as_ref().map(|f| f.0.to_vec())),
-                        5 => q.bind(now.as_micros()),
-                        6 => q.bind(now.plus(req.lease_for).as_micros()),
-                        7 => q.bind(now.plus(req.retain_for.max(req.lease_for)).as_micros()),
-                        8 => q.bind(token),
-                        _ => q.bind(req.takeover),
-                    };
+                    q = bind_claim_param(q, n, req, now, token);
                 }
             }
             for row in q.fetch_all(&mut *conn).await.map_err(|e| backend("claim_many", e))? {
@@ -291,45 +261,46 @@ impl SqliteStore {
                         what: "a claim answered for a key not asked".into(),
                     });
                 };
-                let until = now.plus(reqs[i].lease_for).as_micros();
-                let won = Won {
-                    attempt: required(&row, 0, "attempt")?,
-                    token: required(&row, 1, "token")?,
-                    prev: nullable(&row, 2, "prev_state")?,
-                    fp: nullable(&row, 3, "fingerprint")?,
-                    deaths: required(&row, 4, "deaths")?,
-                    until,
-                };
-                out[i] = Some(Claim::Acquired(lease_from_parts(&reqs[i].key, won)?));
+                out[i] = Some(Claim::Acquired(won_lease(&row, &reqs[i], now)?));
             }
         }
         let losers: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
-        for chunk in losers.chunks(500) {
-            let mut sel = sqlx::query(AssertSqlSafe(self.sql.select_many(chunk.len())));
-            for &i in chunk {
-                sel = sel.bind(reqs[i].key.hash().0.to_vec());
-            }
-            let rows = sel.fetch_all(&mut *conn).await.map_err(|e| backend("claim_many", e))?;
-            let mut recs = std::collections::HashMap::with_capacity(rows.len());
-            for row in &rows {
-                let rec = decode_row(row)?;
-                recs.insert(rec.key_hash.0, rec);
-            }
-            for &i in chunk {
-                let req = &reqs[i];
-                let found = recs.remove(&req.key.hash().0);
-                out[i] =
-                    Some(match found.and_then(|r| lost(r, req.fingerprint, now, req.takeover)) {
-                        Some(c) => c,
-                        None => self.claim_on(conn, req).await?,
-                    });
-            }
+        let hashes: Vec<[u8; 32]> = losers.iter().map(|&i| reqs[i].key.hash().0).collect();
+        let mut recs = self.records(conn, &hashes, "claim_many").await?;
+        for i in losers {
+            let req = &reqs[i];
+            let found = recs.remove(&req.key.hash().0);
+            out[i] = Some(match found.and_then(|r| lost(r, req.fingerprint, now, req.takeover)) {
+                Some(c) => c,
+                None => self.claim_on(conn, req).await?,
+            });
         }
         out.into_iter()
             .map(|c| {
                 c.ok_or_else(|| StoreError::Corrupt { what: "a claim without an answer".into() })
             })
             .collect()
+    }
+
+    /// The records of `hashes` (one read per 500), by key hash; a key without one is absent.
+    pub(super) async fn records(
+        &self,
+        conn: &mut SqliteConnection,
+        hashes: &[[u8; 32]],
+        op: &'static str,
+    ) -> Result<std::collections::HashMap<[u8; 32], Record>, StoreError> {
+        let mut recs = std::collections::HashMap::with_capacity(hashes.len());
+        for chunk in hashes.chunks(500) {
+            let mut sel = sqlx::query(AssertSqlSafe(self.sql.select_many(chunk.len())));
+            for h in chunk {
+                sel = sel.bind(h.to_vec());
+            }
+            for row in &sel.fetch_all(&mut *conn).await.map_err(|e| backend(op, e))? {
+                let rec = decode_row(row)?;
+                recs.insert(rec.key_hash.0, rec);
+            }
+        }
+        Ok(recs)
     }
 
     /// Claims on one connection: the upsert, then — only if it lost — a read that explains why.
@@ -458,6 +429,41 @@ pub(crate) fn backend(op: &'static str, e: sqlx::Error) -> StoreError {
         _ => false,
     };
     StoreError::backend(op, retryable, e)
+}
+
+/// Binds the claim upsert's parameter `?n` (1 ..= 9) for `req`, claimed at `now` with `token`.
+fn bind_claim_param<'q>(
+    q: sqlx::query::Query<'q, Sqlite, SqliteArguments>,
+    n: u8,
+    req: &'q ClaimRequest,
+    now: Timestamp,
+    token: i64,
+) -> sqlx::query::Query<'q, Sqlite, SqliteArguments> {
+    match n {
+        1 => q.bind(req.key.hash().0.to_vec()),
+        2 => q.bind(req.key.scope()),
+        3 => q.bind(req.key.id()),
+        4 => q.bind(req.fingerprint.as_ref().map(|f| &f.0[..])),
+        5 => q.bind(now.as_micros()),
+        6 => q.bind(now.plus(req.lease_for).as_micros()),
+        7 => q.bind(now.plus(req.retain_for.max(req.lease_for)).as_micros()),
+        8 => q.bind(token),
+        _ => q.bind(req.takeover),
+    }
+}
+
+/// The lease a winning claim upsert returned (`attempt, token, prev_state, fingerprint,
+/// deaths, …`) for `req`, claimed at `now`.
+fn won_lease(row: &SqliteRow, req: &ClaimRequest, now: Timestamp) -> Result<Lease, StoreError> {
+    let won = Won {
+        attempt: required(row, 0, "attempt")?,
+        token: required(row, 1, "token")?,
+        prev: nullable(row, 2, "prev_state")?,
+        fp: nullable(row, 3, "fingerprint")?,
+        deaths: required(row, 4, "deaths")?,
+        until: now.plus(req.lease_for).as_micros(),
+    };
+    lease_from_parts(&req.key, won)
 }
 
 impl DedupStore for SqliteStore {

@@ -50,18 +50,9 @@ pub async fn claim_many_in_order_with_repeats<S: Store, C: TimeControl>(h: Harne
 pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeControl>(
     h: Harness<S, C>,
 ) {
-    let [n1, n2, done, released, expired, conflict, live] =
-        std::array::from_fn(|_| unique_key("conf-mixed"));
-    let l = acquire(&h, &req(&h, &expired, fp(1))).await;
-    drop(l); // a crash: the lease is left to run out
-    h.time.advance(h.unit * 3).await;
-    let l = acquire(&h, &req(&h, &done, fp(1))).await;
-    h.store.complete(l, Some(b"d"), retain(&h)).await.expect("complete");
-    let l = acquire(&h, &req(&h, &released, fp(1))).await;
-    h.store.release(l).await.expect("release");
-    let l = acquire(&h, &req(&h, &conflict, fp(1))).await;
-    h.store.complete(l, None, retain(&h)).await.expect("complete");
-    let live_lease = acquire(&h, &req(&h, &live, fp(1))).await;
+    let [n1, n2] = std::array::from_fn(|_| unique_key("conf-mixed"));
+    let Mixed { done, released, expired, conflict, live, live_lease } =
+        Mixed::make(&h, "conf-mixed").await;
 
     let batch = vec![
         req(&h, &n1, fp(1)),
@@ -92,6 +83,35 @@ pub async fn claim_many_mixed_states_match_single_claims<S: Store, C: TimeContro
     );
     for l in leases.into_iter().chain([live_lease]) {
         h.store.complete(l, None, retain(&h)).await.expect("complete");
+    }
+}
+
+/// Keys in the states a batch meets (in `scope`): completed with the result `d`, released,
+/// holding a lease that ran out, completed with fingerprint 1 (a conflict for any other), and
+/// held under `live_lease`.
+struct Mixed {
+    done: DedupKey,
+    released: DedupKey,
+    expired: DedupKey,
+    conflict: DedupKey,
+    live: DedupKey,
+    live_lease: Lease,
+}
+
+impl Mixed {
+    async fn make<S: Store, C: TimeControl>(h: &Harness<S, C>, scope: &str) -> Self {
+        let [done, released, expired, conflict, live] = std::array::from_fn(|_| unique_key(scope));
+        let l = acquire(h, &req(h, &expired, fp(1))).await;
+        drop(l); // a crash: the lease is left to run out
+        h.time.advance(h.unit * 3).await;
+        let l = acquire(h, &req(h, &done, fp(1))).await;
+        h.store.complete(l, Some(b"d"), retain(h)).await.expect("complete");
+        let l = acquire(h, &req(h, &released, fp(1))).await;
+        h.store.release(l).await.expect("release");
+        let l = acquire(h, &req(h, &conflict, fp(1))).await;
+        h.store.complete(l, None, retain(h)).await.expect("complete");
+        let live_lease = acquire(h, &req(h, &live, fp(1))).await;
+        Self { done, released, expired, conflict, live, live_lease }
     }
 }
 
@@ -132,22 +152,13 @@ fn labels(claims: Vec<Claim>) -> (Vec<&'static str>, Vec<Lease>) {
 /// Dropped midway, the case leaves its records in the harness's store, which the harness
 /// cleans up.
 pub async fn claim_many_distinct_mixed_states<S: Store, C: TimeControl>(h: Harness<S, C>) {
-    let [n1, done, released, expired, conflict, live, failed, doubt] =
-        std::array::from_fn(|_| unique_key("conf-distinct"));
-    let l = acquire(&h, &req(&h, &expired, fp(1))).await;
-    drop(l); // a crash: the lease is left to run out
-    h.time.advance(h.unit * 3).await;
-    let l = acquire(&h, &req(&h, &done, fp(1))).await;
-    h.store.complete(l, Some(b"d"), retain(&h)).await.expect("complete");
-    let l = acquire(&h, &req(&h, &released, fp(1))).await;
-    h.store.release(l).await.expect("release");
-    let l = acquire(&h, &req(&h, &conflict, fp(1))).await;
-    h.store.complete(l, None, retain(&h)).await.expect("complete");
+    let [n1, failed, doubt] = std::array::from_fn(|_| unique_key("conf-distinct"));
+    let Mixed { done, released, expired, conflict, live, live_lease } =
+        Mixed::make(&h, "conf-distinct").await;
     let l = acquire(&h, &req(&h, &failed, fp(1))).await;
     h.store.fail(l, FailKind::Permanent, "bad", retain(&h)).await.expect("fail");
     let l = acquire(&h, &req(&h, &doubt, fp(1))).await;
     h.store.fail(l, FailKind::InDoubt, "unsure", retain(&h)).await.expect("fail");
-    let live_lease = acquire(&h, &req(&h, &live, fp(1))).await;
 
     let batch = vec![
         req(&h, &n1, fp(1)),
